@@ -1,0 +1,1 @@
+"""Graph passes of zerocompile (installed as ``zerocompile.passes``): one pass per file."""

@@ -1,0 +1,43 @@
+"""Analysis: the collectives of a graph, by kind, with the bytes of their full buffers."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from zerocompile.runtime.accounting import CollectiveSummary
+
+_c10d = torch.ops._c10d_functional
+
+# kind, and which tensor's size counts: the output of an all-gather, the input of the others
+_KINDS = {
+    _c10d.all_gather_into_tensor.default: ("all_gather", "out"),
+    _c10d.all_gather_into_tensor_out.default: ("all_gather", "out"),
+    _c10d.reduce_scatter_tensor.default: ("reduce_scatter", "in"),
+    _c10d.all_reduce.default: ("all_reduce", "in"),
+    _c10d.all_reduce_.default: ("all_reduce", "in"),
+}
+
+
+def _nbytes(val) -> int:
+    numel = val.numel()
+    try:
+        numel = int(numel)
+    except TypeError:  # a symbolic size: use its hint
+        numel = int(numel.node.hint)
+    return numel * val.element_size()
+
+
+def summarize_collectives(graph: torch.fx.Graph) -> CollectiveSummary:
+    """Count and size every functional collective in ``graph`` (needs ``meta["val"]``)."""
+    summary = CollectiveSummary()
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _KINDS:
+            continue
+        kind, which = _KINDS[node.target]
+        src = node if which == "out" else node.args[0]
+        val = src.meta.get("val")
+        if val is None:
+            raise RuntimeError(f"zerocompile: collective node {node} has no shape metadata")
+        summary.add(kind, _nbytes(val))
+    return summary

@@ -1,0 +1,65 @@
+"""Pass: turn each parameter input of a Dynamo graph into its stage's sharded form.
+
+Runs on the torch-IR graph Dynamo captured, before AOTAutograd. For a parameter
+placeholder ``p`` with shard state ``sp`` it creates one placeholder per tensor of
+``sp.graph_inputs()`` (at the same position) and replaces every use of ``p`` with:
+
+- stage 0: the parameter, cast to the compute dtype if that differs (``cast_param``);
+- stage 1: the compute-dtype replica itself (autograd accumulates full gradients);
+- stage 2: ``replica_with_sharded_grad(shard, replica)``: backward reduce-scatters into the shard;
+- stage 3: ``gather_param(shard)``: cast, all-gather, view as the parameter.
+
+Every inserted node is tagged ``node.meta["zerocompile"] = {"role": ..., "param": name}``.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+from zerocompile.passes.context import PassContext
+from zerocompile.runtime import param_ops
+
+_INPUT_SUFFIXES = {0: ("",), 1: ("_replica",), 2: ("_shard", "_replica"), 3: ("_shard",)}
+_ROLES = {0: "param_cast", 1: "replica", 2: "grad_reduce_scatter", 3: "param_gather"}
+
+
+def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=None) -> torch.fx.GraphModule:
+    """``plans[i]`` is the ``ShardedParam`` of the i-th placeholder, or None for other inputs."""
+    graph = gm.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    if plans is None or len(plans) != len(placeholders):
+        raise ValueError("insert_param_collectives needs one plan entry per placeholder")
+    last = placeholders[-1] if placeholders else None
+    group = ctx.group
+    for node, sp in zip(placeholders, plans):
+        if sp is None:
+            continue
+        new_inputs = []
+        with graph.inserting_before(node):
+            for suffix in _INPUT_SUFFIXES[sp.stage]:
+                ph = graph.placeholder(f"{node.name}{suffix}" if suffix else f"{node.name}_param")
+                ph._dynamo_source = None  # read by AOTAutograd's Dynamo-metadata check
+                ph.meta["zerocompile"] = {"role": "param_input", "param": sp.name}
+                new_inputs.append(ph)
+        anchor = last
+        with graph.inserting_after(anchor):
+            if sp.stage == 0 and sp.compute_dtype != sp.dtype:
+                out = graph.call_function(param_ops.cast_param, (new_inputs[0], sp.compute_dtype))
+            elif sp.stage in (0, 1):
+                out = new_inputs[0]
+            elif sp.stage == 2:
+                out = graph.call_function(param_ops.replica_with_sharded_grad, (
+                    new_inputs[0], new_inputs[1], sp.numel, ctx.config.reduce_dtype, group.world, group.name))
+            else:
+                out = graph.call_function(param_ops.gather_param, (
+                    new_inputs[0], sp.numel, sp.shape, sp.compute_dtype, ctx.config.reduce_dtype,
+                    group.world, group.name))
+        if out is not new_inputs[0]:
+            out.meta["zerocompile"] = {"role": _ROLES[sp.stage], "param": sp.name}
+            if "example_value" in node.meta:
+                out.meta["example_value"] = node.meta["example_value"]
+        node.replace_all_uses_with(out)
+        if last is node:
+            last = new_inputs[-1]
+        graph.erase_node(node)
+    return gm

@@ -1,0 +1,92 @@
+"""Pass (joint graph, stage 3): gather parameters again in backward instead of saving them.
+
+Finds every all-gather whose input comes from a graph input through casts and views
+only (a parameter gather), and tags the whole chain (the cast before it, the
+all-gather, its wait, and every view or cast of the gathered tensor downstream)
+``CheckpointPolicy.MUST_RECOMPUTE``. The min-cut partitioner then saves only the
+shard for backward and re-gathers there. Without the tags the partitioner saves the
+gathered parameter (or a view of it) from forward to backward, which is not ZeRO-3.
+The partitioner never decides about collectives on its own: every rank sees the same
+graph and the same tags, so every rank issues the same collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from zerocompile.passes.context import PassContext
+
+_c10d = torch.ops._c10d_functional
+_aten = torch.ops.aten
+
+# A large AC region id keeps the partitioner's "save at region boundary" rule away
+# from these nodes (the same value SimpleFSDP uses).
+_AC_GRAPH_ID = 100000
+
+_PASS_THROUGH = {
+    _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.t.default,
+    _aten.permute.default, _aten.transpose.int, _aten.expand.default, _aten.slice.Tensor,
+    _aten.alias.default, _aten.unsqueeze.default, _aten.squeeze.dim, _aten.squeeze.dims,
+    _aten.squeeze.default, _aten.select.int, _aten.as_strided.default, _aten.detach.default,
+    _aten._to_copy.default, _aten.clone.default,
+    _aten.split.Tensor, _aten.unbind.int, _aten.chunk.default,
+    torch.ops.prims.convert_element_type.default,
+}
+
+
+def _is_op(node, ops) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target in ops:
+        return True
+    import operator
+    return node.target is operator.getitem and node.args and _is_op(node.args[0], ops)
+
+
+def parameter_gathers(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """All-gather nodes fed by a graph input through casts/views only."""
+    out = []
+    for node in graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default):
+        src = node.args[0]
+        while src.op == "call_function" and _is_op(src, _PASS_THROUGH):
+            src = src.args[0]
+        if src.op == "placeholder":
+            out.append(node)
+    return out
+
+
+def gather_chain(gather: torch.fx.Node) -> list[torch.fx.Node]:
+    """The all-gather, the casts/views before it, its wait and the views/casts after it."""
+    chain = [gather]
+    src = gather.args[0]
+    while src.op == "call_function" and _is_op(src, _PASS_THROUGH):
+        chain.append(src)
+        src = src.args[0]
+    frontier = list(gather.users)
+    while frontier:
+        node = frontier.pop()
+        if node in chain:
+            continue
+        if node.target is _c10d.wait_tensor.default or _is_op(node, _PASS_THROUGH):
+            chain.append(node)
+            frontier.extend(node.users)
+    return chain
+
+
+def tag_parameter_gathers(graph: torch.fx.Graph, policy=CheckpointPolicy.MUST_RECOMPUTE) -> int:
+    """Tag every parameter gather chain with ``policy``; returns the number of gathers tagged."""
+    gathers = parameter_gathers(graph)
+    for gather in gathers:
+        for node in gather_chain(gather):
+            node.meta["recompute"] = policy
+            node.meta["ac_graph_id"] = _AC_GRAPH_ID
+            node.meta.setdefault("zerocompile", {"role": "param_gather"})
+    return len(gathers)
+
+
+def reshard_after_forward(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx.GraphModule:
+    n = tag_parameter_gathers(gm.graph)
+    ctx.logger.debug("[%s] reshard_after_forward: %d parameter gathers re-gathered in backward", ctx.frame, n)
+    return gm

@@ -1,0 +1,2 @@
+"""The runtime of zerocompile (installed as ``zerocompile.runtime``): shard store,
+collectives, the functions compiled graphs call, and accounting."""

@@ -1,0 +1,137 @@
+"""Communication and memory accounting behind ``zerocompile.stats()``.
+
+Collectives inside compiled graphs are counted from the graphs themselves: when a
+frame is compiled, its forward and backward graphs are summarised (count and
+bytes of each collective); each run of the frame adds its forward summary and
+each run of its backward adds the backward summary. Collectives the optimizer
+issues in eager code are recorded where they are issued.
+
+Bytes of a collective are the bytes of the *full* (unsharded, padded) buffer:
+the output of an all-gather, the input of a reduce-scatter, the tensor of an
+all-reduce. A ring algorithm sends and receives ``bytes * (N - 1) / N`` of it per
+rank; ``ZeroStats.wire_bytes`` gives that figure.
+
+``stats()`` is process-wide by definition (like ``torch.cuda.memory_stats()``), so
+the counters live in the one ``ACCOUNTING`` instance below; it holds only weak
+references to the shard states and optimizers it measures.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass
+class CollectiveTotals:
+    """Number of collectives of one kind and the bytes of their full buffers."""
+
+    count: int = 0
+    bytes: int = 0
+
+    def add(self, other: "CollectiveTotals", times: int = 1) -> None:
+        self.count += other.count * times
+        self.bytes += other.bytes * times
+
+
+@dataclass
+class ZeroStats:
+    """A snapshot returned by ``zerocompile.stats()`` (per rank)."""
+
+    all_gather: CollectiveTotals
+    reduce_scatter: CollectiveTotals
+    all_reduce: CollectiveTotals
+    world_size: int
+    param_bytes: int
+    """Bytes of parameter storage the runtime holds: replicas, master shards, live full parameters."""
+    grad_bytes: int
+    """Bytes of gradient storage alive on shards, replicas and parameters zerocompile manages."""
+    optimizer_state_bytes: int
+    """Bytes of optimizer state (all ZeroOptimizer instances alive in this process)."""
+
+    @property
+    def comm_bytes(self) -> int:
+        return self.all_gather.bytes + self.reduce_scatter.bytes + self.all_reduce.bytes
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends with ring algorithms: all-reduce counts twice (reduce-scatter + all-gather)."""
+        n = self.world_size
+        if n <= 1:
+            return 0.0
+        frac = (n - 1) / n
+        return frac * (self.all_gather.bytes + self.reduce_scatter.bytes + 2 * self.all_reduce.bytes)
+
+    def as_dict(self) -> dict:
+        out = {k: {"count": getattr(self, k).count, "bytes": getattr(self, k).bytes}
+               for k in COLLECTIVE_KINDS}
+        out.update(world_size=self.world_size, param_bytes=self.param_bytes,
+                   grad_bytes=self.grad_bytes, optimizer_state_bytes=self.optimizer_state_bytes)
+        return out
+
+
+@dataclass
+class CollectiveSummary:
+    """Collectives of one graph (or one eager operation), by kind."""
+
+    totals: dict = field(default_factory=lambda: {k: CollectiveTotals() for k in COLLECTIVE_KINDS})
+
+    def add(self, kind: str, nbytes: int, count: int = 1) -> None:
+        self.totals[kind].count += count
+        self.totals[kind].bytes += nbytes
+
+    def __str__(self) -> str:
+        parts = [f"{k}={v.count}x/{v.bytes}B" for k, v in self.totals.items() if v.count]
+        return ", ".join(parts) or "no collectives"
+
+
+class Accounting:
+    """Process-wide counters; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.comm = {k: CollectiveTotals() for k in COLLECTIVE_KINDS}
+        self.world_size = 1
+        self.states: "weakref.WeakSet" = weakref.WeakSet()
+        self.optimizers: "weakref.WeakSet" = weakref.WeakSet()
+
+    def record(self, kind: str, nbytes: int, count: int = 1) -> None:
+        self.comm[kind].count += count
+        self.comm[kind].bytes += nbytes
+
+    def record_summary(self, summary: CollectiveSummary) -> None:
+        for kind, tot in summary.totals.items():
+            self.comm[kind].add(tot)
+
+    def reset(self) -> None:
+        self.comm = {k: CollectiveTotals() for k in COLLECTIVE_KINDS}
+
+    def snapshot(self) -> ZeroStats:
+        params: dict[int, int] = {}
+        grads: dict[int, int] = {}
+        for state in list(self.states):
+            p, g = state.storages()
+            params.update(p)
+            grads.update(g)
+        opt_bytes = sum(opt.state_bytes() for opt in list(self.optimizers))
+        return ZeroStats(
+            **{k: CollectiveTotals(v.count, v.bytes) for k, v in self.comm.items()},
+            world_size=self.world_size,
+            param_bytes=sum(params.values()),
+            grad_bytes=sum(grads.values()),
+            optimizer_state_bytes=opt_bytes,
+        )
+
+
+ACCOUNTING = Accounting()
+
+
+def stats() -> ZeroStats:
+    """Collectives since the last ``reset_stats()`` and bytes held now, for this rank."""
+    return ACCOUNTING.snapshot()
+
+
+def reset_stats() -> None:
+    """Zero the collective counters (memory figures are always current)."""
+    ACCOUNTING.reset()

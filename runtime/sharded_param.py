@@ -1,0 +1,178 @@
+"""Per-parameter shard state: flat, padded, equal-size shards.
+
+The state hangs off the ``nn.Parameter`` itself (attribute ``_zerocompile``), so a
+parameter used by several compiled frames (tied embedding / LM head, graph
+breaks) has exactly one shard, one gradient and one optimizer state. The
+parameter keeps its identity, shape and stride, so Dynamo's guards keep passing.
+
+Layout for a parameter of ``numel`` elements on ``world`` ranks: ``chunk =
+ceil(numel / world)``; the flat parameter is zero-padded to ``chunk * world``
+and rank ``r`` owns elements ``[r * chunk, (r + 1) * chunk)``.
+
+What each stage holds per rank (compute dtype = ``param_dtype``):
+
+- stage 0: the parameter itself (full, original dtype); no shard.
+- stage 1: a full replica in the compute dtype that autograd accumulates full
+  gradients into, plus the master shard (original dtype). With the compute
+  dtype equal to the parameter's, the replica *is* the parameter (its data now
+  lives in a padded flat buffer) and the master shard is a view into it.
+- stage 2: the same replica, which takes no gradient; gradients are
+  reduce-scattered into ``shard.grad`` inside the backward graph.
+- stage 3: only the master shard; the parameter's storage is freed and the
+  graph all-gathers the shard.
+
+Where the parameter's own storage is freed (stage 3, and stages 1/2 with a
+different compute dtype), ``materialize()`` gathers it back on demand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerocompile.runtime.comm import CommGroup, all_gather_flat, chunk_size
+
+_ATTR = "_zerocompile"
+
+
+class ShardedParam:
+    """Shard state of one parameter. Created once, by the first frame that uses it."""
+
+    def __init__(self, param: torch.nn.Parameter, name: str, stage: int, group: CommGroup,
+                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
+                 bucket_mb: float = 25.0):
+        if not param.is_contiguous():
+            raise ValueError(
+                f"zerocompile: parameter '{name}' is not contiguous (stride {param.stride()}); "
+                "make it contiguous before torch.compile (e.g. p.data = p.data.contiguous())")
+        self.param = param
+        self.name = name
+        self.stage = stage
+        self.group = group
+        self.shape = tuple(param.shape)
+        self.numel = param.numel()
+        self.dtype = param.dtype
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self.bucket_mb = bucket_mb
+        self.requires_grad = param.requires_grad
+        self.chunk = chunk_size(self.numel, group.world)
+        self.padded_numel = self.chunk * group.world
+        self.replica: torch.Tensor | None = None   # full tensor in compute dtype (stages 1, 2)
+        self.shard: torch.Tensor | None = None      # master shard, leaf (stages 1, 2, 3)
+        self.storage_freed = False
+        self.materialized = False
+        self._build(param.detach())
+
+    # -- construction -----------------------------------------------------------------
+    def _own_chunk(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        start = self.group.rank * self.chunk
+        out = torch.zeros(self.chunk, dtype=dtype)
+        stop = min(start + self.chunk, self.numel)
+        if stop > start:
+            out[: stop - start].copy_(flat[start:stop])
+        return out
+
+    def _build(self, data: torch.Tensor) -> None:
+        flat = data.reshape(-1)
+        if self.stage == 0:
+            return
+        if self.stage in (1, 2):
+            buf = torch.zeros(self.padded_numel, dtype=self.compute_dtype)
+            buf[: self.numel].copy_(flat)
+            full = buf[: self.numel].view(self.shape)
+            start = self.group.rank * self.chunk
+            if self.compute_dtype == self.dtype:
+                self.param.data = full                   # same storage: no second copy
+                self.shard = buf[start : start + self.chunk].detach()
+                self.replica = self.param if self.stage == 1 else full.detach()
+            else:
+                self.shard = self._own_chunk(flat, self.dtype)
+                self.replica = full.detach().requires_grad_(self.stage == 1 and self.requires_grad)
+                self._free_param_storage()
+            self._flat_replica = buf
+        else:
+            self.shard = self._own_chunk(flat, self.dtype)
+            self._free_param_storage()
+        self.shard.requires_grad_(self.requires_grad)
+
+    def _free_param_storage(self) -> None:
+        self.param.untyped_storage().resize_(0)
+        self.storage_freed = True
+
+    # -- what the compiled graph receives ---------------------------------------------
+    def graph_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The runtime tensors that replace the parameter argument of a compiled frame."""
+        if self.stage == 0:
+            return (self.param,)
+        if self.stage == 1:
+            return (self.replica,)
+        if self.stage == 2:
+            return (self.shard, self.replica)
+        return (self.shard,)
+
+    # -- after the optimizer updated the shard ----------------------------------------
+    def full_from_shards(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """All-gather the master shards into a new full tensor (collective)."""
+        if self.stage == 0:
+            return self.param.detach().to(dtype or self.dtype).clone()
+        gathered = all_gather_flat(self.shard.detach().to(dtype or self.dtype), self.group.world,
+                                   self.group.name)
+        return gathered[: self.numel].view(self.shape).clone()
+
+    def refresh_replica(self, gathered_flat: torch.Tensor) -> None:
+        """Write all-gathered updated values (padded flat, compute dtype) into the replica."""
+        self._flat_replica.copy_(gathered_flat)
+        if self.materialized:
+            self.param.data.copy_(gathered_flat[: self.numel].view(self.shape).to(self.dtype))
+
+    # -- eager access to a parameter whose storage was freed ----------------------------
+    def materialize(self) -> None:
+        """Gather the full parameter back into its own storage (collective)."""
+        if not self.storage_freed or self.materialized:
+            return
+        full = self.full_from_shards()
+        self.param.untyped_storage().resize_(self.numel * self.param.element_size())
+        with torch.no_grad():
+            self.param.copy_(full)
+        self.materialized = True
+
+    def release(self) -> None:
+        """Free the storage ``materialize()`` filled (after the optimizer changed the shard)."""
+        if self.materialized:
+            self.param.untyped_storage().resize_(0)
+            self.materialized = False
+
+    def write_full(self, full: torch.Tensor) -> None:
+        """Scatter new full values of the parameter into the shard and replica (local, no comm)."""
+        flat = full.detach().reshape(-1)
+        with torch.no_grad():
+            if self.stage == 0:
+                self.param.copy_(full)
+                return
+            self.shard.copy_(self._own_chunk(flat.to(self.dtype), self.dtype))
+            if self.stage in (1, 2):
+                self._flat_replica[: self.numel].copy_(flat)
+            if self.materialized:
+                self.param.copy_(full)
+
+    # -- accounting -------------------------------------------------------------------
+    def storages(self) -> tuple[dict[int, int], dict[int, int]]:
+        """``({storage ptr: bytes})`` of parameter data and of gradients this state keeps alive."""
+        params, grads = {}, {}
+        for t in (self.param, self.replica, self.shard):
+            if t is not None:
+                st = t.untyped_storage()
+                if st.nbytes() > 0:
+                    params[st.data_ptr()] = st.nbytes()
+                if t.grad is not None:
+                    grads[t.grad.untyped_storage().data_ptr()] = t.grad.untyped_storage().nbytes()
+        return params, grads
+
+
+def get_state(param: torch.Tensor) -> ShardedParam | None:
+    """The shard state of ``param``, or None if no compiled frame has used it yet."""
+    return getattr(param, _ATTR, None)
+
+
+def attach_state(param: torch.nn.Parameter, state: ShardedParam) -> None:
+    setattr(param, _ATTR, state)

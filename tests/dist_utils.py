@@ -1,0 +1,54 @@
+"""Helpers for multi-rank tests: spawn N gloo ranks on a free port, collect their results."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args, outdir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
+    try:
+        result = fn(rank, world, *args)
+        torch.save({"ok": True, "result": result}, os.path.join(outdir, f"{rank}.pt"))
+    except BaseException:  # noqa: BLE001 - report to the parent
+        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(outdir, f"{rank}.pt"))
+        raise
+    finally:
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result."""
+    with tempfile.TemporaryDirectory() as outdir:
+        try:
+            mp.start_processes(_entry, args=(world, free_port(), fn, args, outdir), nprocs=world,
+                               join=True, start_method="spawn")
+        except Exception as err:  # noqa: BLE001 - show the rank's own traceback
+            errors = []
+            for r in range(world):
+                path = os.path.join(outdir, f"{r}.pt")
+                if os.path.exists(path):
+                    rec = torch.load(path, weights_only=False)
+                    if not rec["ok"]:
+                        errors.append(f"rank {r}:\n{rec['error']}")
+            raise AssertionError("\n".join(errors) or str(err)) from None
+        return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False)["result"] for r in range(world)]

@@ -1,0 +1,17 @@
+"""zerocompile: ZeRO (stages 0-3) as a torch.compile backend.
+
+    model = torch.compile(model, backend="zero", options={"stage": 3})
+    opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-4)
+"""
+
+from zerocompile.backend import zero_backend
+from zerocompile.config import ZeroConfig, ZeroConfigError
+from zerocompile.optimizer import ZeroOptimizer
+from zerocompile.runtime.accounting import ZeroStats, reset_stats, stats
+from zerocompile.state_dict import full_state_dict, gathered_parameters
+
+__all__ = [
+    "ZeroConfig", "ZeroConfigError", "ZeroOptimizer", "ZeroStats", "full_state_dict",
+    "gathered_parameters", "reset_stats", "stats", "zero_backend",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,223 @@
+"""Capture: from Dynamo's graph of one frame to a compiled, sharded callable.
+
+1. Find the parameter inputs; create (or reuse) each one's shard state.
+2. Run the Dynamo-graph passes (``insert_param_collectives``: parameters become shards
+   plus collectives, per stage).
+3. AOTAutograd traces the joint forward/backward graph; our partitioner runs the
+   joint-graph passes (``reshard_after_forward``), calls the min-cut partitioner and
+   summarises the collectives of the forward and backward graphs.
+4. The inner compiler (inductor or eager) compiles both graphs.
+5. ``FrameRunner`` swaps each parameter argument for its shard tensors at call time
+   and records the collectives for ``zerocompile.stats()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+import torch.fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from zerocompile import _torch_compat
+from zerocompile.config import ZeroConfig
+from zerocompile.passes.collective_summary import summarize_collectives
+from zerocompile.passes.context import PassContext
+from zerocompile.passes.manager import run_passes
+from zerocompile.runtime.accounting import ACCOUNTING, CollectiveSummary
+from zerocompile.runtime.comm import CommGroup, resolve_group
+from zerocompile.runtime.eager_fallback import install_eager_fallback
+from zerocompile.runtime.sharded_param import ShardedParam, attach_state, get_state
+
+log = logging.getLogger("zerocompile")
+
+
+class ZeroPartitioner(CustomPartitionerFn):
+    """Joint-graph passes, then the min-cut partitioner, then collective summaries."""
+
+    def __init__(self, ctx: PassContext):
+        self.ctx = ctx
+        self.backward_summary = CollectiveSummary()
+        self.forward_summary: CollectiveSummary | None = None
+
+    def __call__(self, gm, joint_inputs, **kwargs):
+        gm = run_passes(gm, self.ctx, "joint")
+        kwargs.pop("compiler", None)
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        self.forward_summary = summarize_collectives(fw.graph)
+        self.backward_summary = summarize_collectives(bw.graph)
+        log.debug("[%s] forward: %s; backward: %s", self.ctx.frame, self.forward_summary,
+                  self.backward_summary)
+        return fw, bw
+
+    def uuid(self):
+        files = sorted(Path(__file__).parent.parent.glob("**/*.py"))
+        digest = hashlib.sha256()
+        for f in files:
+            digest.update(f.read_bytes())
+        cfg = self.ctx.config
+        digest.update(repr((cfg.stage, cfg.reshard_after_forward, cfg.disabled_passes)).encode())
+        return digest.hexdigest()
+
+
+class FrameRunner:
+    """The callable Dynamo runs for a compiled frame."""
+
+    def __init__(self, compiled, plans: list, partitioner: ZeroPartitioner, inference_summary, frame: str):
+        self.compiled = compiled
+        self.plans = plans
+        self.partitioner = partitioner
+        self.inference_summary = inference_summary
+        self.frame = frame
+
+    def __call__(self, *args):
+        if len(args) == 1 and isinstance(args[0], list) and len(self.plans) != 1:
+            args = tuple(args[0])
+        new_args = []
+        for arg, sp in zip(args, self.plans):
+            if sp is None:
+                new_args.append(arg)
+            else:
+                new_args.extend(sp.graph_inputs())
+        out = self.compiled(*new_args)
+        fw = self.partitioner.forward_summary
+        if fw is None or not torch.is_grad_enabled():
+            fw = self.inference_summary
+        ACCOUNTING.record_summary(fw)
+        bw = self.partitioner.backward_summary
+        if any(t.count for t in bw.totals.values()):
+            node = _compiled_backward_node(out)
+            if node is not None:
+                node.register_prehook(lambda grads: ACCOUNTING.record_summary(bw))
+        return out
+
+
+def _compiled_backward_node(outputs):
+    """The autograd node of the compiled frame's backward, reached from its outputs."""
+    tensors = [t for t in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
+               if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen = set()
+    frontier = [t.grad_fn for t in tensors]
+    depth = 0
+    while frontier and depth < 4:
+        nxt = []
+        for node in frontier:
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if "CompiledFunction" in node.name():
+                return node
+            nxt.extend(fn for fn, _ in node.next_functions)
+        frontier = nxt
+        depth += 1
+    return None
+
+
+def _frame_name(gm: torch.fx.GraphModule) -> str:
+    compile_id = gm.meta.get("dynamo_compile_id")
+    return f"frame {compile_id}" if compile_id is not None else "frame"
+
+
+def _param_states(gm, example_inputs, cfg: ZeroConfig, group: CommGroup) -> list:
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    plans = []
+    for node, ex in zip(placeholders, example_inputs):
+        if not isinstance(ex, torch.nn.Parameter):
+            plans.append(None)
+            continue
+        source = _torch_compat.placeholder_source(node)
+        name = (source is not None and _torch_compat.param_fqn(source)) or node.name
+        state = get_state(ex)
+        if state is None:
+            compute = cfg.param_dtype if cfg.param_dtype is not None and ex.is_floating_point() else ex.dtype
+            state = ShardedParam(ex, name, cfg.stage, group, compute, cfg.reduce_dtype, cfg.bucket_mb)
+            attach_state(ex, state)
+            ACCOUNTING.states.add(state)
+            ACCOUNTING.world_size = group.world
+            if state.storage_freed and source is not None:
+                module = _torch_compat.owner_module(source)
+                if module is not None:
+                    install_eager_fallback(module)
+        else:
+            _check_compatible(state, cfg, group, name)
+        plans.append(state)
+    return plans
+
+
+def _check_compatible(state: ShardedParam, cfg: ZeroConfig, group: CommGroup, name: str) -> None:
+    want_compute = cfg.param_dtype or state.dtype
+    if state.stage != cfg.stage or state.group.name != group.name or (
+            state.compute_dtype != want_compute and state.param.is_floating_point()):
+        raise ValueError(
+            f"zerocompile: parameter '{name}' is already sharded with stage {state.stage}, "
+            f"param_dtype {state.compute_dtype} on group '{state.group.name}', but this frame was "
+            f"compiled with stage {cfg.stage}, param_dtype {want_compute} on group '{group.name}'. "
+            "Compile every model that shares parameters with the same options.")
+
+
+def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
+    """Compile one Dynamo frame with ZeRO sharding; returns the callable Dynamo runs."""
+    group = resolve_group(cfg.process_group)
+    frame = _frame_name(gm)
+    gm = _copy_graph_module(gm)
+    plans = _param_states(gm, example_inputs, cfg, group)
+    ctx = PassContext(config=cfg, group=group, frame=frame)
+    gm = run_passes(gm, ctx, "dynamo", plans=plans)
+    new_inputs = []
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    for ex, sp in zip(example_inputs, plans):
+        if sp is None:
+            new_inputs.append(ex)
+            continue
+        for t in sp.graph_inputs():
+            # shards and replicas are new to Dynamo: give AOTAutograd static-shape fakes, or it
+            # would invent size symbols no guard can be built for
+            new_inputs.append(t if t is ex or fake_mode is None else fake_mode.from_tensor(t, static_shapes=True))
+    inference_summary = _inference_summary(plans, cfg)
+    partitioner = ZeroPartitioner(ctx)
+    log.info("[%s] %d parameters (stage %d, world %d) -> %s", frame,
+             sum(p is not None for p in plans), cfg.stage, group.world, cfg.inner_compiler)
+    # AOTAutograd's cache would skip our partitioner (and its summaries) on a hit; the
+    # inductor FX-graph cache below it still applies.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        if cfg.inner_compiler == "eager":
+            from functorch.compile import make_boxed_func
+            from torch._dynamo.backends.common import aot_autograd
+
+            def boxed(graph, _inputs):
+                return make_boxed_func(graph.forward)
+
+            compiled = aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partitioner,
+                                    keep_inference_input_mutations=True)(gm, new_inputs)
+        else:
+            from torch._inductor.compile_fx import compile_fx
+
+            compiled = compile_fx(gm, new_inputs, config_patches={"custom_partitioner_fn": partitioner})
+    return FrameRunner(compiled, plans, partitioner, inference_summary, frame)
+
+
+def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy we may rewrite: Dynamo reads its own graph again after the backend returns."""
+    graph = torch.fx.Graph()
+    value_map: dict = {}
+    out = graph.graph_copy(gm.graph, value_map)
+    graph.output(out)
+    for old, new in value_map.items():
+        if old.op == "placeholder":
+            new._dynamo_source = getattr(old, "_dynamo_source", None)
+    copy = torch.fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    return copy
+
+
+def _inference_summary(plans, cfg: ZeroConfig) -> CollectiveSummary:
+    """Forward collectives of the frame: one all-gather per stage-3 parameter."""
+    summary = CollectiveSummary()
+    for sp in plans:
+        if sp is not None and sp.stage == 3 and sp.group.world > 1:
+            elem = torch.empty((), dtype=sp.compute_dtype).element_size()
+            summary.add("all_gather", sp.padded_numel * elem)
+    return summary

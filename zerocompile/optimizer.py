@@ -1,0 +1,318 @@
+"""``ZeroOptimizer``: any element-wise torch optimizer on this rank's shards.
+
+Modelled on ``torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class,
+**defaults)``. It is a ``torch.optim.Optimizer`` whose ``param_groups`` hold the
+user's parameters (so LR schedulers and ``add_param_group`` work as usual); an inner
+``optimizer_class`` instance holds the real state and updates the shards. It binds
+lazily: it may be built before the first forward, when no parameter is sharded yet.
+
+Per optimizer step, by stage:
+
+- stage 0 (and parameters no compiled frame has used): full gradients, all-reduced
+  (averaged) once per step; the inner optimizer updates full parameters.
+- stage 1: full gradients accumulated locally are reduce-scattered into the shards;
+  the shards are updated and all-gathered into the replicas; the shard gradients are
+  dropped (the full gradients stay until ``zero_grad``).
+- stage 2: shard gradients come reduce-scattered from the backward graph; the shards
+  are updated and all-gathered into the replicas.
+- stage 3: shard gradients come from the backward graph; the shards are updated; the
+  next forward gathers them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch.optim import Optimizer
+
+from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime.comm import CommGroup, all_reduce_sum, pad_flat, resolve_group
+from zerocompile.runtime.sharded_param import get_state
+from zerocompile.runtime.step_collectives import all_gather_concat, all_reduce_mean_, reduce_scatter_mean
+
+_DEFAULT_BUCKET_MB = 25.0
+
+
+class ZeroOptimizer(Optimizer):
+    """``ZeroOptimizer(params, optimizer_class=torch.optim.AdamW, lr=..., ...)``."""
+
+    def __init__(self, params, optimizer_class=torch.optim.AdamW, process_group=None, **defaults):
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+            raise TypeError(
+                f"ZeroOptimizer: optimizer_class must be a torch.optim.Optimizer subclass "
+                f"(e.g. torch.optim.AdamW), got {optimizer_class!r}")
+        self.optimizer_class = optimizer_class
+        self._inner: Optimizer | None = None
+        self._bound: list[list] = []          # per group: the tensor the inner optimizer updates
+        self._pending_state: dict | None = None
+        self._grads_reduced = False
+        self._default_group = process_group
+        super().__init__(params, defaults)
+        try:  # fail now, not at the first step, on a bad hyperparameter
+            optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"ZeroOptimizer: {optimizer_class.__name__} rejects {defaults}: {err}") from err
+        ACCOUNTING.optimizers.add(self)
+
+    # ------------------------------------------------------------------ binding
+    def _target(self, p: torch.Tensor) -> torch.Tensor:
+        sp = get_state(p)
+        return p if sp is None or sp.stage == 0 else sp.shard
+
+    def _bind(self) -> None:
+        if self._inner is None:
+            groups = []
+            self._bound = []
+            for group in self.param_groups:
+                targets = [self._target(p) for p in group["params"]]
+                self._bound.append(targets)
+                groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": targets})
+            self._inner = self.optimizer_class(groups)
+            if self._pending_state is not None:
+                self._load_inner(self._pending_state)
+                self._pending_state = None
+            return
+        # a parameter first sharded after binding: swap it in while it has no state
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                target = self._target(p)
+                bound = self._bound[gi][pi]
+                if target is bound:
+                    continue
+                if self._inner.state.get(bound):
+                    raise RuntimeError(
+                        f"ZeroOptimizer: parameter {tuple(p.shape)} of group {gi} was sharded after the "
+                        "optimizer had already stepped it; run one forward of every compiled model "
+                        "before the first optimizer step")
+                self._bound[gi][pi] = target
+                self._inner.param_groups[gi]["params"][pi] = target
+
+    def _sync_hyperparameters(self) -> None:
+        for outer, inner in zip(self.param_groups, self._inner.param_groups):
+            for key, value in outer.items():
+                if key != "params":
+                    inner[key] = value
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if getattr(self, "_inner", None) is not None:
+            group = self.param_groups[-1]
+            targets = [self._target(p) for p in group["params"]]
+            self._bound.append(targets)
+            self._inner.add_param_group({**{k: v for k, v in group.items() if k != "params"},
+                                         "params": targets})
+
+    # ------------------------------------------------------------------ gradients
+    def _params(self):
+        seen = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def _bucket_bytes(self, states) -> int:
+        mbs = {s.bucket_mb for s in states if getattr(s, "bucket_mb", None)}
+        return int((min(mbs) if mbs else _DEFAULT_BUCKET_MB) * 2**20)
+
+    def _group_of(self, sp) -> CommGroup:
+        return sp.group if sp is not None else resolve_group(self._default_group)
+
+    def _reduce_gradients(self) -> None:
+        """Bring every gradient to where the inner optimizer reads it, averaged over ranks."""
+        if self._grads_reduced:
+            return
+        full = defaultdict(list)        # (group, reduce dtype) -> replicated grads to all-reduce
+        to_scatter = defaultdict(list)  # (group, reduce dtype) -> (state, full grad, accumulate?)
+        for p in self._params():
+            sp = get_state(p)
+            if sp is None or sp.stage == 0:
+                if p.grad is not None:
+                    group = self._group_of(sp)
+                    rd = sp.reduce_dtype if sp is not None else torch.float32
+                    full[(group, rd)].append((sp, p.grad))
+                continue
+            if sp.stage == 1:
+                grad = sp.replica.grad
+                if p is not sp.replica and p.grad is not None:   # eager use of a freed parameter
+                    grad = p.grad.to(sp.compute_dtype) if grad is None else grad.add_(p.grad)
+                    p.grad = None
+                if grad is not None:
+                    to_scatter[(sp.group, sp.reduce_dtype)].append((sp, grad, False))
+            elif p.grad is not None:      # stages 2/3: a gradient from eager use of the parameter
+                to_scatter[(sp.group, sp.reduce_dtype)].append((sp, p.grad, True))
+                p.grad = None
+        for (group, rd), items in full.items():
+            all_reduce_mean_([g for _, g in items], group, self._bucket_bytes([s for s, _ in items]), rd)
+        for (group, rd), items in to_scatter.items():
+            padded = [pad_flat(g.to(rd), sp.padded_numel) for sp, g, _ in items]
+            shards = reduce_scatter_mean(padded, group, self._bucket_bytes([sp for sp, _, _ in items]))
+            for (sp, _, accumulate), shard_grad in zip(items, shards):
+                shard_grad = shard_grad.to(sp.dtype)
+                if accumulate and sp.shard.grad is not None:
+                    sp.shard.grad.add_(shard_grad)
+                else:
+                    sp.shard.grad = shard_grad.clone()
+        self._grads_reduced = True
+
+    # ------------------------------------------------------------------ public API
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Reduce gradients, update this rank's shards, refresh replicas (stages 1/2)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._bind()
+        self._sync_hyperparameters()
+        self._reduce_gradients()
+        self._inner.step()
+        self._after_step()
+        self._grads_reduced = False
+        return loss
+
+    def _after_step(self) -> None:
+        replicas = defaultdict(list)
+        for p in self._params():
+            sp = get_state(p)
+            if sp is None or sp.stage == 0:
+                continue
+            if sp.stage in (1, 2) and sp.requires_grad:
+                replicas[(sp.group, sp.compute_dtype)].append(sp)
+            if sp.stage == 1:
+                sp.shard.grad = None     # the full gradients stay until zero_grad()
+            sp.release()                 # eager-gathered copies are stale now
+        for (group, dtype), states in replicas.items():
+            shards = [sp.shard.detach().to(dtype) for sp in states]
+            gathered = all_gather_concat(shards, group, self._bucket_bytes(states))
+            for sp, flat in zip(states, gathered):
+                sp.refresh_replica(flat)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients wherever zerocompile keeps them (parameters, replicas, shards)."""
+        self._grads_reduced = False
+        for p in self._params():
+            sp = get_state(p)
+            holders = [p] if sp is None else {id(t): t for t in (p, sp.replica, sp.shard) if t is not None}.values()
+            for t in holders:
+                if t.grad is None:
+                    continue
+                if set_to_none:
+                    t.grad = None
+                else:
+                    t.grad.detach_()
+                    t.grad.zero_()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by their global norm over all ranks; return that norm (before clipping)."""
+        self._bind()
+        self._reduce_gradients()
+        norm_type = float(norm_type)
+        owned, replicated = [], []
+        group = None
+        for p in self._params():
+            sp = get_state(p)
+            target = self._target(p)
+            if target.grad is None:
+                continue
+            group = group or self._group_of(sp)
+            (replicated if target is p else owned).append(target.grad)
+        group = group or resolve_group(self._default_group)
+        dev = owned[0].device if owned else (replicated[0].device if replicated else torch.device("cpu"))
+        if math.isinf(norm_type):
+            local = max([g.abs().max().float() for g in owned + replicated], default=torch.zeros((), device=dev))
+            total = _all_reduce_max(local, group)
+        else:
+            part = sum((g.float().abs().pow(norm_type).sum() for g in owned), torch.zeros((), device=dev))
+            summed = _all_reduce_scalar(part, group)
+            rep = sum((g.float().abs().pow(norm_type).sum() for g in replicated), torch.zeros((), device=dev))
+            total = (summed + rep) ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in owned + replicated:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    def state_dict(self) -> dict:
+        """This rank's shard state (the inner optimizer's state dict plus layout metadata)."""
+        self._bind()
+        self._sync_hyperparameters()
+        sd = self._inner.state_dict()
+        group = self._layout_group()
+        sd["zerocompile"] = {"rank": group.rank, "world_size": group.world,
+                             "optimizer_class": self.optimizer_class.__name__,
+                             "shapes": [[tuple(t.shape) for t in ts] for ts in self._bound]}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict saved by ``state_dict()`` on the same rank of the same world size."""
+        meta = state_dict.get("zerocompile")
+        if meta is None:
+            raise ValueError("ZeroOptimizer.load_state_dict: not a ZeroOptimizer state dict "
+                             "(no 'zerocompile' entry); it must come from ZeroOptimizer.state_dict()")
+        group = self._layout_group()
+        if (meta["rank"], meta["world_size"]) != (group.rank, group.world):
+            raise ValueError(
+                f"ZeroOptimizer.load_state_dict: this state was saved by rank {meta['rank']} of "
+                f"{meta['world_size']}, but this is rank {group.rank} of {group.world}; load each "
+                "rank's own file with the same world size")
+        if meta["optimizer_class"] != self.optimizer_class.__name__:
+            raise ValueError(f"ZeroOptimizer.load_state_dict: state of {meta['optimizer_class']}, "
+                             f"but this optimizer wraps {self.optimizer_class.__name__}")
+        if self._inner is None:
+            self._pending_state = state_dict
+        else:
+            self._load_inner(state_dict)
+
+    def _load_inner(self, state_dict: dict) -> None:
+        shapes = [[tuple(t.shape) for t in ts] for ts in self._bound]
+        saved = [[tuple(s) for s in ss] for ss in state_dict["zerocompile"]["shapes"]]
+        if shapes != saved:
+            raise ValueError("ZeroOptimizer.load_state_dict: the saved shard shapes differ from this "
+                             "model's (different model, stage or world size)")
+        inner = {k: v for k, v in state_dict.items() if k != "zerocompile"}
+        self._inner.load_state_dict(inner)
+        for outer, loaded in zip(self.param_groups, self._inner.param_groups):
+            for key, value in loaded.items():
+                if key != "params":
+                    outer[key] = value
+
+    def _layout_group(self) -> CommGroup:
+        for p in self._params():
+            sp = get_state(p)
+            if sp is not None:
+                return sp.group
+        return resolve_group(self._default_group)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        if self._inner is None:
+            return 0
+        storages = {}
+        for st in self._inner.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                    storages[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+        return sum(storages.values())
+
+    @property
+    def inner(self) -> Optimizer | None:
+        """The wrapped optimizer (None until the first step binds it)."""
+        return self._inner
+
+
+def _all_reduce_scalar(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    if group.world == 1:
+        return x
+    ACCOUNTING.record("all_reduce", x.numel() * x.element_size())
+    return all_reduce_sum(x.reshape(1), group.world, group.name).reshape(())
+
+
+def _all_reduce_max(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    if group.world == 1:
+        return x
+    ACCOUNTING.record("all_reduce", x.numel() * x.element_size())
+    out = torch.ops._c10d_functional.all_reduce(x.reshape(1).contiguous(), "max", group.name)
+    return torch.ops._c10d_functional.wait_tensor(out).reshape(())
