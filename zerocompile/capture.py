@@ -53,6 +53,11 @@ class ZeroPartitioner(CustomPartitionerFn):
                   self.backward_summary)
         return fw, bw
 
+    def __deepcopy__(self, memo):
+        # inductor deep-copies its config (which holds this object) when it snapshots it;
+        # the context holds a process group, which cannot be copied, and need not be
+        return self
+
     def uuid(self):
         files = sorted(Path(__file__).parent.parent.glob("**/*.py"))
         digest = hashlib.sha256()

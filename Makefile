@@ -1,0 +1,28 @@
+# make demo: create .venv, install everything, run the 2-rank ZeRO-3 training demo on CPU.
+# make test: same install, run the test suite.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.zerocompile-installed
+PYTHON  ?= python3
+# a persistent inductor cache keeps the few inductor tests fast after their first run
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
+
+.PHONY: install demo test clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/train_gpt.py --stage 3
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache *.egg-info

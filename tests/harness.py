@@ -1,0 +1,102 @@
+"""Training runs for the equivalence tests: a single-process reference on the whole
+global batch, and the same run under ``backend="zero"`` on each rank's slice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import zerocompile
+from models import make_batch, make_model
+
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    model: str = "mlp"
+    stage: int = 3
+    opt: str = "adamw"
+    steps: int = 5
+    batch: int = 8
+    accum: int = 1
+    clip: float | None = None
+    param_dtype: str | None = None
+    inner: str = "eager"
+    seed: int = 0
+
+
+def _micro_batches(run: Run, step: int):
+    for micro in range(run.accum):
+        yield make_batch(run.model, step * run.accum + micro, run.batch)
+
+
+def reference(run: Run) -> dict:
+    """One process, whole global batch, plain PyTorch."""
+    model = make_model(run.model, run.seed)
+    cls, kw = OPTIMIZERS[run.opt]
+    opt = cls([p for p in model.parameters()], **kw)
+    losses, norms = [], []
+    for step in range(run.steps):
+        total = 0.0
+        for x, y in _micro_batches(run, step):
+            loss = model(x, y) / run.accum
+            loss.backward()
+            total += loss.item()
+        if run.clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), run.clip).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "norms": norms,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def zero_train(rank: int, world: int, run: Run) -> dict:
+    """The same run with ``backend="zero"``; this rank trains on its slice of each batch."""
+    torch._dynamo.reset()
+    zerocompile.reset_stats()
+    model = make_model(run.model, run.seed)
+    options = {"stage": run.stage, "inner_compiler": run.inner}
+    if run.param_dtype:
+        options["param_dtype"] = run.param_dtype
+    compiled = torch.compile(model, backend="zero", options=options)
+    cls, kw = OPTIMIZERS[run.opt]
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=cls, **kw)
+    per_rank = run.batch // world
+    losses, norms = [], []
+    for step in range(run.steps):
+        total = torch.zeros(())
+        for x, y in _micro_batches(run, step):
+            sl = slice(rank * per_rank, (rank + 1) * per_rank)
+            loss = compiled(x[sl], y[sl]) / run.accum
+            loss.backward()
+            total += loss.detach().float()
+        if world > 1:
+            torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+        if run.clip is not None:
+            norms.append(opt.clip_grad_norm_(run.clip).item())
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "norms": norms, "stats": zerocompile.stats().as_dict(),
+            "state": zerocompile.full_state_dict(compiled)}
+
+
+def zero_train_many(rank: int, world: int, runs: list) -> list:
+    return [zero_train(rank, world, run) for run in runs]
+
+
+def assert_matches(result: dict, ref: dict, atol: float = 1e-5, rtol: float = 1e-5) -> None:
+    """Losses, clip norms and every final parameter/buffer equal the reference."""
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), atol=atol, rtol=rtol)
+    torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(ref["norms"]), atol=atol, rtol=rtol)
+    assert set(result["state"]) == set(ref["state"]), "state dict keys differ from model.state_dict()"
+    for key, value in ref["state"].items():
+        got = result["state"][key]
+        assert got.dtype == value.dtype, f"{key}: dtype {got.dtype} != {value.dtype}"
+        torch.testing.assert_close(got, value, atol=atol, rtol=rtol, msg=lambda m: f"{key}: {m}")
