@@ -57,5 +57,6 @@ def test_bf16_within_bf16_tolerance(stage):
         assert (res["state"][key] - value).abs().max().item() < 5e-2, key
     if stage == 3:  # the cast happens before the all-gather: 2 bytes per gathered element
         padded = sum(-(-v.numel() // 2) * 2 for k, v in ref["state"].items() if k != "head.weight")
-        assert res["stats"]["all_gather"]["bytes"] % (2 * padded) == 0
-        assert res["stats"]["all_gather"]["bytes"] >= run.steps * 2 * padded
+        # forward gathers every parameter once (2 bytes/elem), backward re-gathers a subset;
+        # fp32 gathers would be at least 4 bytes/elem in forward alone
+        assert run.steps * 2 * padded <= res["stats"]["all_gather"]["bytes"] < run.steps * 4 * padded
