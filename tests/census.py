@@ -1,0 +1,81 @@
+"""Independent measurements for the memory and communication tests.
+
+``StorageCensus`` is a TorchDispatchMode that records every storage any op creates
+while it is active (a weak reference each), so ``live_bytes()`` is the current size
+of every storage created under it that is still alive, freed storages (``resize_(0)``)
+counting zero. Build the model under it so parameters are seen too.
+
+``CollectiveCounter`` is a TorchDispatchMode that counts the c10d collectives it sees,
+with the bytes of their full buffers (all-gather output, reduce-scatter input,
+all-reduce tensor), independently of zerocompile's own accounting.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+_c10d = torch.ops._c10d_functional
+
+
+class _RuntimeMode(TorchDispatchMode):
+    """A mode that sees what compiled graphs run, not the tracing that compiles them
+    (``ignore_compile_internals``: without it Dynamo would not compile under the mode)."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+class StorageCensus(_RuntimeMode):
+    def __init__(self):
+        super().__init__()
+        self.storages: dict[int, weakref.ref] = {}
+
+    def track(self, tensor: torch.Tensor) -> None:
+        st = tensor.untyped_storage()
+        key = st._cdata
+        if key not in self.storages or self.storages[key]() is None:
+            self.storages[key] = weakref.ref(st)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not t.is_meta and type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
+                self.track(t)
+        return out
+
+    def live_bytes(self) -> int:
+        total = 0
+        for ref in list(self.storages.values()):
+            st = ref()
+            if st is not None:
+                total += st.nbytes()
+        return total
+
+
+_KINDS = {
+    _c10d.all_gather_into_tensor.default: ("all_gather", "out"),
+    _c10d.reduce_scatter_tensor.default: ("reduce_scatter", "in"),
+    _c10d.all_reduce.default: ("all_reduce", "in"),
+}
+
+
+class CollectiveCounter(_RuntimeMode):
+    def __init__(self):
+        super().__init__()
+        self.count = defaultdict(int)
+        self.bytes = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _KINDS:
+            kind, which = _KINDS[func]
+            t = out if which == "out" else args[0]
+            self.count[kind] += 1
+            self.bytes[kind] += t.numel() * t.element_size()
+        return out

@@ -1,0 +1,116 @@
+"""ZeroConfig: defaults, parsing, and every kind of bad input gets a clear, early error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerocompile
+from zerocompile.config import ZeroConfig, ZeroConfigError
+
+
+def test_defaults():
+    cfg = ZeroConfig.from_options(None)
+    assert cfg.stage == 3 and cfg.param_dtype is None and cfg.reduce_dtype is torch.float32
+    assert cfg.inner_compiler == "inductor" and cfg.process_group is None and cfg.bucket_mb > 0
+    assert cfg.reshard_after_forward is True and cfg.disabled_passes == ()
+
+
+@pytest.mark.parametrize("spelling,dtype", [
+    ("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("torch.bfloat16", torch.bfloat16),
+    ("fp16", torch.float16), ("float16", torch.float16), (torch.float16, torch.float16),
+    ("float32", torch.float32), (None, None)])
+def test_param_dtype_spellings(spelling, dtype):
+    assert ZeroConfig.from_options({"param_dtype": spelling}).param_dtype == dtype
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ZeroConfigError, match=r"unknown option 'stag'; did you mean 'stage'\?"):
+        ZeroConfig.from_options({"stag": 3})
+    with pytest.raises(ZeroConfigError, match=r"did you mean 'param_dtype'"):
+        ZeroConfig.from_options({"param_dtyp": "bf16"})
+    with pytest.raises(ZeroConfigError, match=r"unknown option 'zzz'; valid options: stage, "):
+        ZeroConfig.from_options({"zzz": 1})
+
+
+@pytest.mark.parametrize("options,pattern", [
+    ({"stage": 4}, r"option 'stage' = 4 is invalid; allowed: 0, 1, 2, 3"),
+    ({"stage": "3"}, r"option 'stage' = '3' is invalid"),
+    ({"stage": True}, r"option 'stage' = True is invalid"),
+    ({"param_dtype": "int8"}, r"option 'param_dtype' = 'int8' is invalid; allowed: 'float32', 'bfloat16', 'float16' or None"),
+    ({"param_dtype": torch.float64}, r"option 'param_dtype' = torch.float64 is invalid"),
+    ({"reduce_dtype": None}, r"option 'reduce_dtype' = None is invalid; allowed: 'float32', 'bfloat16', 'float16'$"),
+    ({"bucket_mb": 0}, r"option 'bucket_mb' = 0 is invalid; allowed: a number of MiB > 0"),
+    ({"bucket_mb": "25"}, r"option 'bucket_mb' = '25' is invalid"),
+    ({"inner_compiler": "aot_eager"}, r"option 'inner_compiler' = 'aot_eager' is invalid; allowed: 'inductor', 'eager'"),
+    ({"process_group": "world"}, r"option 'process_group' = 'world' is invalid"),
+    ({"reshard_after_forward": 1}, r"option 'reshard_after_forward' = 1 is invalid; allowed: True, False"),
+    ({"disabled_passes": "reshard_after_forward"}, r"option 'disabled_passes' = 'reshard_after_forward' is invalid"),
+    ({"disabled_passes": ["reshard_after_forwrd"]}, r"unknown pass in 'disabled_passes': 'reshard_after_forwrd'; did you mean 'reshard_after_forward'\?"),
+    ({"disabled_passes": ["insert_param_collectives"]}, r"pass 'insert_param_collectives' cannot be disabled"),
+])
+def test_bad_values_name_field_value_and_allowed(options, pattern):
+    with pytest.raises(ZeroConfigError, match=pattern):
+        ZeroConfig.from_options(options)
+
+
+def test_options_must_be_a_dict():
+    with pytest.raises(ZeroConfigError, match="options must be a dict, got list"):
+        ZeroConfig.from_options([("stage", 3)])
+
+
+def test_deepspeed_dict_is_translated():
+    cfg = ZeroConfig.from_options({
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 2**20, "allgather_bucket_size": 2**20},
+        "bf16": {"enabled": True},
+        "communication_data_type": "bf16",
+        "inner_compiler": "eager",
+    })
+    assert (cfg.stage, cfg.param_dtype, cfg.reduce_dtype, cfg.inner_compiler) == (
+        2, torch.bfloat16, torch.bfloat16, "eager")
+    assert cfg.bucket_mb == 4.0  # 2**20 elements x 4 bytes
+    assert ZeroConfig.from_options({"fp16": {"enabled": True}}).param_dtype is torch.float16
+    assert ZeroConfig.from_options({"bf16": {"enabled": False}}).param_dtype is None
+
+
+@pytest.mark.parametrize("ds,pattern", [
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+     r"DeepSpeed key 'zero_optimization.offload_param' is not supported"),
+    ({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 4},
+     r"DeepSpeed key 'train_micro_batch_size_per_gpu' is not supported"),
+    ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}},
+     r"DeepSpeed key 'optimizer' is not supported.*ZeroOptimizer"),
+    ({"bf16": {"enabled": True, "immediate_grad_update": True}}, r"DeepSpeed key 'bf16.immediate_grad_update'"),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, r"enables both 'bf16' and 'fp16'"),
+    ({"zero_optimization": {"stage": 5}}, r"option 'stage' = 5 is invalid"),
+    ({"zero_optimization": {"reduce_bucket_size": 10, "allgather_bucket_size": 20}}, r"differ"),
+    ({"zero_optimization": {"reduce_bucket_size": -1}}, r"'zero_optimization.reduce_bucket_size' = -1 is invalid"),
+    ({"zero_optimization": {"stage": 2}, "stage": 3}, r"option 'stage' is given both directly and through a DeepSpeed key"),
+    ({"zero_optimization": 3}, r"'zero_optimization' must be a dict"),
+])
+def test_deepspeed_untranslatable_keys_are_rejected_by_name(ds, pattern):
+    with pytest.raises(ZeroConfigError, match=pattern):
+        ZeroConfig.from_options(ds)
+
+
+def test_torch_compile_surfaces_the_config_error():
+    model = torch.compile(torch.nn.Linear(2, 2), backend="zero", options={"stag": 3})
+    with pytest.raises(Exception, match=r"unknown option 'stag'; did you mean 'stage'\?"):
+        model(torch.randn(1, 2))
+
+
+def test_backend_resolves_through_entry_point_without_import():
+    import subprocess
+    import sys
+
+    code = ("import torch._dynamo, sys; assert 'zero' in torch._dynamo.list_backends(); "
+            "assert 'zerocompile' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_zero_optimizer_rejects_bad_optimizer_class_and_hyperparameters():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(TypeError, match="optimizer_class must be a torch.optim.Optimizer subclass"):
+        zerocompile.ZeroOptimizer(params, optimizer_class="adamw")
+    with pytest.raises(ValueError, match="AdamW rejects"):
+        zerocompile.ZeroOptimizer(params, optimizer_class=torch.optim.AdamW, lr=-1.0)
