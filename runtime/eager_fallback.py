@@ -11,6 +11,13 @@ collected into the shards and frees them again.
 
 Under Dynamo tracing the hook does nothing (``torch.compiler.is_compiling()``), so
 compiled frames are unaffected.
+
+A module whose ``forward`` is ``torch.compiler.disable``d runs eagerly inside a
+compiled frame's graph break, where Dynamo has already inlined ``Module.__call__``
+(and so its hooks) at trace time: no hook can run there. Parameters owned by such
+modules are therefore never freed (``ShardedParam.keep_full``): they keep their full
+value, refreshed from the shards after every optimizer step, like DeepSpeed's
+persistent parameters.
 """
 
 from __future__ import annotations
@@ -29,8 +36,29 @@ def _gather_on_demand(module: torch.nn.Module, args) -> None:
             state.materialize()
 
 
-def install_eager_fallback(module: torch.nn.Module) -> None:
-    """Give ``module`` the gather-on-demand pre-hook (once)."""
-    if any(h is _gather_on_demand for h in module._forward_pre_hooks.values()):
-        return
-    module.register_forward_pre_hook(_gather_on_demand)
+def _runs_eagerly(module: torch.nn.Module) -> bool:
+    return bool(getattr(module.forward, "_torchdynamo_disable", False))
+
+
+def eager_only_parameters(root: torch.nn.Module) -> set:
+    """ids of the parameters owned by modules under ``root`` (or their children) whose
+    ``forward`` Dynamo never compiles (``torch.compiler.disable``)."""
+    out = set()
+    for module in root.modules():
+        if _runs_eagerly(module):
+            out.update(id(p) for p in module.parameters())
+    return out
+
+
+def install_eager_fallback(root: torch.nn.Module) -> None:
+    """Give every module under ``root`` that directly owns a freed parameter the
+    gather-on-demand pre-hook (once per module)."""
+    for module in root.modules():
+        owns_freed = any(
+            (state := get_state(p)) is not None and state.storage_freed
+            for p in module.parameters(recurse=False))
+        if not owns_freed:
+            continue
+        if any(h is _gather_on_demand for h in module._forward_pre_hooks.values()):
+            continue
+        module.register_forward_pre_hook(_gather_on_demand)

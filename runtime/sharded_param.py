@@ -39,7 +39,7 @@ class ShardedParam:
 
     def __init__(self, param: torch.nn.Parameter, name: str, stage: int, group: CommGroup,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
-                 bucket_mb: float = 25.0):
+                 bucket_mb: float = 25.0, keep_full: bool = False):
         if not param.is_contiguous():
             raise ValueError(
                 f"zerocompile: parameter '{name}' is not contiguous (stride {param.stride()}); "
@@ -59,6 +59,8 @@ class ShardedParam:
         self.padded_numel = self.chunk * group.world
         self.replica: torch.Tensor | None = None   # full tensor in compute dtype (stages 1, 2)
         self.shard: torch.Tensor | None = None      # master shard, leaf (stages 1, 2, 3)
+        self.keep_full = keep_full
+        """Keep the parameter's own full storage (owned by a module Dynamo never compiles)."""
         self.storage_freed = False
         self.materialized = False
         self._build(param.detach())
@@ -96,8 +98,20 @@ class ShardedParam:
         self.shard.requires_grad_(self.requires_grad)
 
     def _free_param_storage(self) -> None:
+        if self.keep_full:
+            return
         self.param.untyped_storage().resize_(0)
         self.storage_freed = True
+
+    @property
+    def separate_full_param(self) -> bool:
+        """The parameter keeps a full copy apart from the shard/replica, refreshed after each step."""
+        return self.keep_full and (self.stage == 3 or (self.stage in (1, 2) and self.compute_dtype != self.dtype))
+
+    def refresh_param(self, gathered_flat: torch.Tensor) -> None:
+        """Write all-gathered master values (padded flat, parameter dtype) into the parameter."""
+        with torch.no_grad():
+            self.param.copy_(gathered_flat[: self.numel].view(self.shape))
 
     # -- what the compiled graph receives ---------------------------------------------
     def graph_inputs(self) -> tuple[torch.Tensor, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import tempfile
 import traceback
 
@@ -34,6 +35,11 @@ def _entry(rank, world, port, fn, args, outdir):
             dist.barrier()
         finally:
             dist.destroy_process_group()
+    # Leave without interpreter teardown: gloo's background threads occasionally abort the
+    # process there ("terminate called without an active exception") after all work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world: int, *args) -> list:

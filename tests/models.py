@@ -42,6 +42,23 @@ class TiedLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class EagerHead(nn.Linear):
+    """A head Dynamo never compiles: its forward runs eagerly, in a graph break."""
+
+    @torch.compiler.disable
+    def forward(self, x):
+        return super().forward(x)
+
+
+class EagerHeadLM(TiedLM):
+    """TiedLM whose head (tied to the compiled embedding) runs eagerly."""
+
+    def __init__(self):
+        super().__init__(graph_break=False)
+        self.head = EagerHead(self.wte.embedding_dim, self.wte.num_embeddings, bias=False)
+        self.head.weight = self.wte.weight
+
+
 class FrozenMLP(MLP):
     """An MLP whose first layer's weight is frozen."""
 
@@ -100,11 +117,11 @@ def make_batch(model_name: str, step: int, batch: int):
     g = torch.Generator().manual_seed(1000 + step)
     if model_name in ("mlp", "frozen"):
         return torch.randn(batch, 7, generator=g), torch.randn(batch, 5, generator=g)
-    if model_name == "tied":
+    if model_name in ("tied", "eager_head"):
         return torch.randint(0, 37, (batch, 6), generator=g), torch.randint(0, 37, (batch, 6), generator=g)
     return torch.randint(0, 96, (batch, 16), generator=g), torch.randint(0, 96, (batch, 16), generator=g)
 
 
 def make_model(model_name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return {"mlp": MLP, "tied": TiedLM, "frozen": FrozenMLP, "gpt": GPT}[model_name]()
+    return {"mlp": MLP, "tied": TiedLM, "frozen": FrozenMLP, "gpt": GPT, "eager_head": EagerHeadLM}[model_name]()

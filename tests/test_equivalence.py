@@ -60,3 +60,12 @@ def test_bf16_within_bf16_tolerance(stage):
         # forward gathers every parameter once (2 bytes/elem), backward re-gathers a subset;
         # fp32 gathers would be at least 4 bytes/elem in forward alone
         assert run.steps * 2 * padded <= res["stats"]["all_gather"]["bytes"] < run.steps * 4 * padded
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_eager_module_sharing_a_sharded_parameter(stage):
+    """A torch.compiler.disable'd head tied to the compiled embedding: the stage-3 weight is
+    gathered on demand for the eager code, and its eager gradient reaches the shard."""
+    run = Run(model="eager_head", stage=stage, opt="adamw", steps=4, clip=1.0)
+    results = run_ranks(zero_train_many, 2, [run])
+    assert_matches(results[0][0], reference(run))

@@ -68,18 +68,10 @@ def frame_root_object(local_name: str):
     return getattr(tx, "f_locals", {}).get(local_name)
 
 
-def owner_module(source):
-    """The ``nn.Module`` whose ``_parameters`` holds the parameter at ``source``, or None."""
+def root_module(source):
+    """The ``nn.Module`` bound to the frame local a parameter source starts from, or None."""
     path = source_path(source)
     if not path or path[0][0] != "local":
         return None
     obj = frame_root_object(path[0][1])
-    if obj is None:
-        return None
-    # walk to the object just before the final ``_parameters[...]`` lookup
-    try:
-        for kind, value in path[1:-2]:
-            obj = getattr(obj, value) if kind == "attr" else obj[value]
-    except (AttributeError, KeyError, IndexError, TypeError):
-        return None
     return obj if isinstance(obj, torch.nn.Module) else None

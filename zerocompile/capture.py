@@ -29,7 +29,7 @@ from zerocompile.passes.context import PassContext
 from zerocompile.passes.manager import run_passes
 from zerocompile.runtime.accounting import ACCOUNTING, CollectiveSummary
 from zerocompile.runtime.comm import CommGroup, resolve_group
-from zerocompile.runtime.eager_fallback import install_eager_fallback
+from zerocompile.runtime.eager_fallback import eager_only_parameters, install_eager_fallback
 from zerocompile.runtime.sharded_param import ShardedParam, attach_state, get_state
 
 log = logging.getLogger("zerocompile")
@@ -128,27 +128,34 @@ def _frame_name(gm: torch.fx.GraphModule) -> str:
 
 def _param_states(gm, example_inputs, cfg: ZeroConfig, group: CommGroup) -> list:
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    sources = [_torch_compat.placeholder_source(node) for node in placeholders]
+    roots = {}
+    for source in sources:
+        root = _torch_compat.root_module(source) if source is not None else None
+        if root is not None:
+            roots[id(root)] = root
+    eager_owned = set()
+    for root in roots.values():
+        eager_owned |= eager_only_parameters(root)
     plans = []
-    for node, ex in zip(placeholders, example_inputs):
+    for node, source, ex in zip(placeholders, sources, example_inputs):
         if not isinstance(ex, torch.nn.Parameter):
             plans.append(None)
             continue
-        source = _torch_compat.placeholder_source(node)
         name = (source is not None and _torch_compat.param_fqn(source)) or node.name
         state = get_state(ex)
         if state is None:
             compute = cfg.param_dtype if cfg.param_dtype is not None and ex.is_floating_point() else ex.dtype
-            state = ShardedParam(ex, name, cfg.stage, group, compute, cfg.reduce_dtype, cfg.bucket_mb)
+            state = ShardedParam(ex, name, cfg.stage, group, compute, cfg.reduce_dtype, cfg.bucket_mb,
+                                 keep_full=id(ex) in eager_owned)
             attach_state(ex, state)
             ACCOUNTING.states.add(state)
             ACCOUNTING.world_size = group.world
-            if state.storage_freed and source is not None:
-                module = _torch_compat.owner_module(source)
-                if module is not None:
-                    install_eager_fallback(module)
         else:
             _check_compatible(state, cfg, group, name)
         plans.append(state)
+    for root in roots.values():
+        install_eager_fallback(root)
     return plans
 
 

@@ -180,15 +180,17 @@ class ZeroOptimizer(Optimizer):
             if sp is None or sp.stage == 0:
                 continue
             if sp.stage in (1, 2) and sp.requires_grad:
-                replicas[(sp.group, sp.compute_dtype)].append(sp)
+                replicas[(sp.group, sp.compute_dtype)].append((sp, sp.refresh_replica))
+            if sp.separate_full_param and sp.requires_grad:
+                replicas[(sp.group, sp.dtype)].append((sp, sp.refresh_param))
             if sp.stage == 1:
                 sp.shard.grad = None     # the full gradients stay until zero_grad()
             sp.release()                 # eager-gathered copies are stale now
-        for (group, dtype), states in replicas.items():
-            shards = [sp.shard.detach().to(dtype) for sp in states]
-            gathered = all_gather_concat(shards, group, self._bucket_bytes(states))
-            for sp, flat in zip(states, gathered):
-                sp.refresh_replica(flat)
+        for (group, dtype), items in replicas.items():
+            shards = [sp.shard.detach().to(dtype) for sp, _ in items]
+            gathered = all_gather_concat(shards, group, self._bucket_bytes([sp for sp, _ in items]))
+            for (_, write), flat in zip(items, gathered):
+                write(flat)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients wherever zerocompile keeps them (parameters, replicas, shards)."""

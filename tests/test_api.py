@@ -1,0 +1,251 @@
+"""ZeroOptimizer API (state dict round trip, param groups, LR schedulers, add_param_group,
+zero_grad), full_state_dict / gathered_parameters, inference, eager access, dynamic batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerocompile
+from dist_utils import run_ranks
+from models import make_batch, make_model
+
+
+def _slice(t, rank, world):
+    per = t.shape[0] // world
+    return t[rank * per:(rank + 1) * per]
+
+
+def _train(model, opt, steps, rank, world, start=0, name="gpt", batch=8, scheduler=None):
+    losses = []
+    for step in range(start, start + steps):
+        x, y = make_batch(name, step, batch)
+        loss = model(_slice(x, rank, world), _slice(y, rank, world))
+        loss.backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if world > 1:
+            torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def _reference(steps, name="gpt", batch=8, groups=None, scheduler=None):
+    model = make_model(name)
+    opt = torch.optim.AdamW(groups(model) if groups else model.parameters(), lr=1e-2)
+    sched = scheduler(opt) if scheduler else None
+    losses = _train(model, opt, steps, 0, 1, name=name, batch=batch, scheduler=sched)
+    return model, losses
+
+
+# ----------------------------------------------------------------------------- resume
+def _resume_worker(rank, world, stage, tmpdir):
+    opts = {"stage": stage, "inner_compiler": "eager"}
+    model = torch.compile(make_model("gpt"), backend="zero", options=opts)
+    opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    first = _train(model, opt, 2, rank, world)
+    torch.save(opt.state_dict(), f"{tmpdir}/opt{rank}.pt")
+    full = zerocompile.full_state_dict(model, rank0_only=False)
+    torch._dynamo.reset()
+    # a fresh process would do exactly this: load full weights, compile, load shard state
+    fresh = make_model("gpt", seed=123)
+    fresh.load_state_dict(full)
+    fresh = torch.compile(fresh, backend="zero", options=opts)
+    opt2 = zerocompile.ZeroOptimizer(fresh.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    opt2.load_state_dict(torch.load(f"{tmpdir}/opt{rank}.pt", weights_only=False))  # before binding
+    second = _train(fresh, opt2, 2, rank, world, start=2)
+    errors = []
+    bad = opt2.state_dict()
+    bad["zerocompile"]["rank"] = 1 - rank
+    try:
+        opt2.load_state_dict(bad)
+    except ValueError as err:
+        errors.append(str(err))
+    try:
+        opt2.load_state_dict({"state": {}, "param_groups": []})
+    except ValueError as err:
+        errors.append(str(err))
+    return first + second, zerocompile.full_state_dict(fresh), errors
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_optimizer_state_dict_round_trip_resumes_exactly(stage, tmp_path):
+    ref_model, ref_losses = _reference(4)
+    losses, state, errors = run_ranks(_resume_worker, 2, stage, str(tmp_path))[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-5)
+    for key, value in ref_model.state_dict().items():
+        torch.testing.assert_close(state[key], value, atol=1e-5, rtol=1e-5)
+    assert "saved by rank" in errors[0] and "load each rank's own file" in errors[0]
+    assert "not a ZeroOptimizer state dict" in errors[1]
+
+
+# ----------------------------------------------------------------------------- groups
+def _groups(model):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    other = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0, "lr": 5e-3}]
+
+
+def _schedule(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+
+
+def _groups_worker(rank, world, stage):
+    model = torch.compile(make_model("gpt"), backend="zero", options={"stage": stage, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(_groups(model._orig_mod), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    sched = _schedule(opt)
+    losses = _train(model, opt, 4, rank, world, scheduler=sched)
+    lrs = [g["lr"] for g in opt.inner.param_groups] + [g["lr"] for g in opt.param_groups]
+    return losses, zerocompile.full_state_dict(model), lrs
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_param_groups_and_lr_scheduler(stage):
+    ref_model, ref_losses = _reference(4, groups=_groups, scheduler=_schedule)
+    losses, state, lrs = run_ranks(_groups_worker, 2, stage)[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-5)
+    for key, value in ref_model.state_dict().items():
+        torch.testing.assert_close(state[key], value, atol=1e-5, rtol=1e-5)
+    # the inner optimizer ran its last step with the scheduler's lr for that step (1/4); the
+    # user-visible groups already hold the next one (1/5)
+    assert lrs == pytest.approx([1e-2 / 4, 5e-3 / 4, 1e-2 / 5, 5e-3 / 5])
+
+
+def _add_group_worker(rank, world):
+    model = torch.compile(make_model("mlp"), backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    inner = model._orig_mod
+    opt = zerocompile.ZeroOptimizer(inner.l1.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    losses = _train(model, opt, 2, rank, world, name="mlp")
+    opt.add_param_group({"params": list(inner.l2.parameters()), "lr": 0.05})
+    losses += _train(model, opt, 2, rank, world, start=2, name="mlp")
+    # zero_grad(set_to_none=False) keeps zeroed gradient tensors on the shards
+    x, y = make_batch("mlp", 9, 8)
+    model(_slice(x, rank, world), _slice(y, rank, world)).backward()
+    opt.zero_grad(set_to_none=False)
+    shard_grads = [zerocompile.runtime.sharded_param.get_state(p).shard.grad for p in inner.parameters()]
+    zeroed = all(g is not None and not g.any() for g in shard_grads)
+    return losses, zerocompile.full_state_dict(model), zeroed
+
+
+def test_add_param_group_and_zero_grad_keep_tensors():
+    model = make_model("mlp")
+    opt = torch.optim.SGD(model.l1.parameters(), lr=0.1)
+    losses = _train(model, opt, 2, 0, 1, name="mlp")
+    opt.add_param_group({"params": list(model.l2.parameters()), "lr": 0.05})
+    losses += _train(model, opt, 2, 0, 1, start=2, name="mlp")
+    got_losses, state, zeroed = run_ranks(_add_group_worker, 2)[0]
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), atol=1e-6, rtol=1e-6)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, atol=1e-6, rtol=1e-6)
+    assert zeroed
+
+
+# ----------------------------------------------------------------------------- inference / eager
+def _inference_worker(rank, world, stage):
+    eager_model = make_model("gpt")
+    model = torch.compile(eager_model, backend="zero", options={"stage": stage, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    _train(model, opt, 2, rank, world)
+    x, y = make_batch("gpt", 50, 4)
+    model.eval()
+    with torch.no_grad():
+        compiled_eval = model(x, y).item()
+        eager_eval = eager_model(x, y).item()      # Dynamo never sees this: gathered on demand
+    model.train()
+    more = _train(model, opt, 1, rank, world, start=2)   # still trains after the eager pass
+    return compiled_eval, eager_eval, more, zerocompile.full_state_dict(model)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_no_grad_eval_and_uncompiled_eager_forward(stage):
+    ref_model, ref_losses = _reference(3)
+    compiled_eval, eager_eval, more, state = run_ranks(_inference_worker, 2, stage)[0]
+    ref_model.load_state_dict(_reference(2)[0].state_dict())
+    x, y = make_batch("gpt", 50, 4)
+    with torch.no_grad():
+        expected = ref_model.eval()(x, y).item()
+    assert compiled_eval == pytest.approx(expected, abs=1e-5)
+    assert eager_eval == pytest.approx(expected, abs=1e-5)
+    assert more[0] == pytest.approx(ref_losses[2], abs=1e-5)
+
+
+def _gathered_worker(rank, world):
+    model = torch.compile(make_model("mlp"), backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    _train(model, opt, 1, rank, world, name="mlp")
+    inner = model._orig_mod
+    with zerocompile.gathered_parameters(model):
+        seen = inner.l1.weight.detach().clone()
+        with torch.no_grad():
+            inner.l2.weight.fill_(0.25)
+            inner.l2.bias.zero_()
+    state = zerocompile.full_state_dict(model, rank0_only=False)
+    x, y = make_batch("mlp", 7, 8)
+    with torch.no_grad():
+        out = model(x, y).item()
+    return seen, state, out, inner.l1.weight.untyped_storage().nbytes()
+
+
+def test_gathered_parameters_reads_full_and_scatters_writes_back():
+    results = run_ranks(_gathered_worker, 2)
+    seen, state, out, nbytes = results[0]
+    assert torch.equal(seen, state["l1.weight"])              # full value inside the block
+    assert torch.equal(state["l2.weight"], torch.full((5, 13), 0.25))
+    assert torch.equal(state["l2.bias"], torch.zeros(5))
+    assert nbytes == 0                                          # freed again on exit
+    ref = make_model("mlp")
+    ref.load_state_dict(state)
+    x, y = make_batch("mlp", 7, 8)
+    assert out == pytest.approx(ref(x, y).item(), abs=1e-6)
+    assert results[1][2] == out                                 # every rank sees the same model
+
+
+def test_full_state_dict_rank0_only_world_one_and_tied_keys():
+    model = make_model("tied")
+    keys = list(model.state_dict())
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    x, y = make_batch("tied", 0, 4)
+    compiled(x, y).backward()
+    state = zerocompile.full_state_dict(compiled)
+    assert list(state) == keys and "head.weight" in state and "scale" in state
+    assert state["head.weight"].data_ptr() == state["wte.weight"].data_ptr()  # still tied
+    assert model.wte.weight.untyped_storage().nbytes() == 0
+
+
+# ----------------------------------------------------------------------------- dynamic shapes
+def test_changing_batch_size_does_not_recompile_every_step():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_model("mlp")
+    ref = make_model("mlp")
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step, batch in enumerate([8, 6, 4, 10, 3, 7]):
+        x, y = make_batch("mlp", step, batch)
+        loss = compiled(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-6)
+    assert counters["stats"]["unique_graphs"] <= 2
+
+
+def test_params_shared_by_models_with_different_options_are_rejected():
+    torch._dynamo.reset()
+    model = make_model("mlp")
+    x, y = make_batch("mlp", 0, 4)
+    torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager"})(x, y)
+    other = torch.compile(model, backend="zero", options={"stage": 2, "inner_compiler": "eager"})
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"already sharded with stage 3.*compiled with stage 2"):
+        other(x, y)
