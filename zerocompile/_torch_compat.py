@@ -7,7 +7,58 @@ there, loudly, rather than somewhere deep in a training run.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+# Why private: inductor accepts a custom partitioner only as a ``CustomPartitionerFn`` (it
+# hashes its ``uuid()`` into the FX-graph cache key); ZeroPartitioner subclasses it.
+PartitionerBase = CustomPartitionerFn
+
+
+def min_cut_partition(joint_gm, joint_inputs, **kwargs):
+    """AOTAutograd's min-cut partitioner (``torch._functorch.partitioners``), which honours
+    ``node.meta["recompute"]`` tags."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    kwargs.pop("compiler", None)
+    return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
+
+
+def fake_mode_of(inputs):
+    """The FakeTensorMode Dynamo traced ``inputs`` with (``torch._guards``), or None."""
+    return torch._guards.detect_fake_mode(inputs)
+
+
+@contextlib.contextmanager
+def _without_autograd_cache():
+    # Why private: an AOTAutograd cache hit skips the partitioner, and with it the
+    # collective summaries zerocompile.stats() relies on. The inductor FX-graph cache
+    # underneath still applies.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+def compile_with_inductor(gm, example_inputs, partitioner):
+    """Inductor's ``compile_fx`` with our partitioner (its ``custom_partitioner_fn`` config hook)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    with _without_autograd_cache():
+        return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+
+
+def compile_with_aot_eager(gm, example_inputs, partitioner):
+    """AOTAutograd with our partitioner; the forward and backward graphs run op by op."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def boxed(graph, _inputs):
+        return make_boxed_func(graph.forward)
+
+    with _without_autograd_cache():
+        return aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partitioner,
+                            keep_inference_input_mutations=True)(gm, example_inputs)
 
 
 def placeholder_source(node: torch.fx.Node):

@@ -19,8 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.fx
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from zerocompile import _torch_compat
 from zerocompile.config import ZeroConfig
@@ -35,7 +33,7 @@ from zerocompile.runtime.sharded_param import ShardedParam, attach_state, get_st
 log = logging.getLogger("zerocompile")
 
 
-class ZeroPartitioner(CustomPartitionerFn):
+class ZeroPartitioner(_torch_compat.PartitionerBase):
     """Joint-graph passes, then the min-cut partitioner, then collective summaries."""
 
     def __init__(self, ctx: PassContext):
@@ -45,8 +43,7 @@ class ZeroPartitioner(CustomPartitionerFn):
 
     def __call__(self, gm, joint_inputs, **kwargs):
         gm = run_passes(gm, self.ctx, "joint")
-        kwargs.pop("compiler", None)
-        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        fw, bw = _torch_compat.min_cut_partition(gm, joint_inputs, **kwargs)
         self.forward_summary = summarize_collectives(fw.graph)
         self.backward_summary = summarize_collectives(bw.graph)
         log.debug("[%s] forward: %s; backward: %s", self.ctx.frame, self.forward_summary,
@@ -179,7 +176,7 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     ctx = PassContext(config=cfg, group=group, frame=frame)
     gm = run_passes(gm, ctx, "dynamo", plans=plans)
     new_inputs = []
-    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    fake_mode = _torch_compat.fake_mode_of(example_inputs)
     for ex, sp in zip(example_inputs, plans):
         if sp is None:
             new_inputs.append(ex)
@@ -192,22 +189,10 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     partitioner = ZeroPartitioner(ctx)
     log.info("[%s] %d parameters (stage %d, world %d) -> %s", frame,
              sum(p is not None for p in plans), cfg.stage, group.world, cfg.inner_compiler)
-    # AOTAutograd's cache would skip our partitioner (and its summaries) on a hit; the
-    # inductor FX-graph cache below it still applies.
-    with torch._functorch.config.patch(enable_autograd_cache=False):
-        if cfg.inner_compiler == "eager":
-            from functorch.compile import make_boxed_func
-            from torch._dynamo.backends.common import aot_autograd
-
-            def boxed(graph, _inputs):
-                return make_boxed_func(graph.forward)
-
-            compiled = aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partitioner,
-                                    keep_inference_input_mutations=True)(gm, new_inputs)
-        else:
-            from torch._inductor.compile_fx import compile_fx
-
-            compiled = compile_fx(gm, new_inputs, config_patches={"custom_partitioner_fn": partitioner})
+    if cfg.inner_compiler == "eager":
+        compiled = _torch_compat.compile_with_aot_eager(gm, new_inputs, partitioner)
+    else:
+        compiled = _torch_compat.compile_with_inductor(gm, new_inputs, partitioner)
     return FrameRunner(compiled, plans, partitioner, inference_summary, frame)
 
 

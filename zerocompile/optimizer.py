@@ -215,6 +215,9 @@ class ZeroOptimizer(Optimizer):
         norm_type = float(norm_type)
         owned, replicated = [], []
         group = None
+        # rank-independent (every rank shards the same parameters): reduce the owned part only
+        # when some parameter is sharded at all
+        any_sharded = any((sp := get_state(p)) is not None and sp.stage > 0 for p in self._params())
         for p in self._params():
             sp = get_state(p)
             target = self._target(p)
@@ -226,10 +229,10 @@ class ZeroOptimizer(Optimizer):
         dev = owned[0].device if owned else (replicated[0].device if replicated else torch.device("cpu"))
         if math.isinf(norm_type):
             local = max([g.abs().max().float() for g in owned + replicated], default=torch.zeros((), device=dev))
-            total = _all_reduce_max(local, group)
+            total = _all_reduce_max(local, group) if any_sharded else local
         else:
             part = sum((g.float().abs().pow(norm_type).sum() for g in owned), torch.zeros((), device=dev))
-            summed = _all_reduce_scalar(part, group)
+            summed = _all_reduce_scalar(part, group) if any_sharded else part
             rep = sum((g.float().abs().pow(norm_type).sum() for g in replicated), torch.zeros((), device=dev))
             total = (summed + rep) ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

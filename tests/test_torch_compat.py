@@ -1,0 +1,69 @@
+"""The private torch APIs zerocompile uses (zerocompile/_torch_compat.py). If a torch upgrade
+changes them, these tests fail first and say which one."""
+
+from __future__ import annotations
+
+import torch
+
+from zerocompile import _torch_compat
+
+
+class Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+
+    def forward(self, x):
+        return self.blocks[0](x).sum()
+
+
+def test_placeholder_sources_names_and_root_module_from_a_dynamo_compile():
+    seen = {}
+    model = Outer()
+
+    def backend(gm, example_inputs, **_):
+        for node, ex in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+            source = _torch_compat.placeholder_source(node)
+            assert source is not None, "Dynamo no longer records node.meta['grapharg'].source"
+            if isinstance(ex, torch.nn.Parameter):
+                seen[_torch_compat.param_fqn(source)] = _torch_compat.root_module(source)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(torch.randn(3, 2))
+    assert set(seen) == {"blocks.0.weight", "blocks.0.bias"}, seen
+    assert all(root is model for root in seen.values()), "InstructionTranslator.current_tx().f_locals changed"
+
+
+def test_root_object_outside_a_compile_is_none():
+    assert _torch_compat.frame_root_object("self") is None
+
+
+def test_inductor_custom_partitioner_hook_and_autograd_cache_switch_exist():
+    from torch._inductor import config
+
+    assert hasattr(config, "custom_partitioner_fn"), "inductor dropped config.custom_partitioner_fn"
+    assert hasattr(torch._functorch.config, "enable_autograd_cache")
+    assert callable(getattr(_torch_compat.PartitionerBase, "uuid", None))
+
+
+def test_min_cut_partition_honours_recompute_tags():
+    from functorch.compile import aot_function
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    graphs = {}
+
+    def partition(joint, inputs, **kwargs):
+        for node in joint.graph.nodes:
+            if node.target is torch.ops.aten.cos.default:
+                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                node.meta["ac_graph_id"] = 100000
+        fw, bw = _torch_compat.min_cut_partition(joint, inputs, **kwargs)
+        graphs["bw"] = bw
+        return fw, bw
+
+    fn = aot_function(lambda x: (x.cos() * x).sum(), fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
+                      partition_fn=partition)
+    fn(torch.randn(4, requires_grad=True)).backward()
+    assert any(n.target is torch.ops.aten.cos.default for n in graphs["bw"].graph.nodes), \
+        "the partitioner no longer recomputes MUST_RECOMPUTE nodes in backward"
