@@ -20,10 +20,11 @@ from zerocompile.passes.context import PassContext
 from zerocompile.runtime import param_ops
 
 _INPUT_SUFFIXES = {0: ("",), 1: ("_replica",), 2: ("_shard", "_replica"), 3: ("_shard",)}
-_ROLES = {0: "param_cast", 1: "replica", 2: "grad_reduce_scatter", 3: "param_gather"}
+_INPUT_ROLES = {"": "param", "_replica": "param_replica", "_shard": "param_shard"}
+_ROLES = {0: "param_cast", 2: "grad_reduce_scatter", 3: "param_gather"}
 
 
-def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=None) -> torch.fx.GraphModule:
+def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=None, **_) -> torch.fx.GraphModule:
     """``plans[i]`` is the ``ShardedParam`` of the i-th placeholder, or None for other inputs."""
     graph = gm.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
@@ -39,7 +40,7 @@ def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=N
             for suffix in _INPUT_SUFFIXES[sp.stage]:
                 ph = graph.placeholder(f"{node.name}{suffix}" if suffix else f"{node.name}_param")
                 ph._dynamo_source = None  # read by AOTAutograd's Dynamo-metadata check
-                ph.meta["zerocompile"] = {"role": "param_input", "param": sp.name}
+                ph.meta["zerocompile"] = {"role": _INPUT_ROLES[suffix], "param": sp.name}
                 new_inputs.append(ph)
         anchor = last
         with graph.inserting_after(anchor):
@@ -49,10 +50,10 @@ def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=N
                 out = new_inputs[0]
             elif sp.stage == 2:
                 out = graph.call_function(param_ops.replica_with_sharded_grad, (
-                    new_inputs[0], new_inputs[1], sp.numel, ctx.config.reduce_dtype, group.world, group.name))
+                    new_inputs[0], new_inputs[1], sp.numel, sp.reduce_dtype, group.world, group.name))
             else:
                 out = graph.call_function(param_ops.gather_param, (
-                    new_inputs[0], sp.numel, sp.shape, sp.compute_dtype, ctx.config.reduce_dtype,
+                    new_inputs[0], sp.numel, sp.shape, sp.compute_dtype, sp.reduce_dtype,
                     group.world, group.name))
         if out is not new_inputs[0]:
             out.meta["zerocompile"] = {"role": _ROLES[sp.stage], "param": sp.name}

@@ -29,17 +29,23 @@ class GraphPass:
     provides: tuple = ()
     optional: bool = True
     """Optional passes may be disabled by name; required ones carry the stage semantics."""
+    enabled: Callable = lambda config: True
+    """Whether the config asks for this pass (beyond its stage list and ``disabled_passes``)."""
 
 
 def _registry() -> list[GraphPass]:
+    from zerocompile.passes.cast_forward_inputs import cast_forward_inputs
     from zerocompile.passes.insert_param_collectives import insert_param_collectives
     from zerocompile.passes.reshard_after_forward import reshard_after_forward
 
     return [
         GraphPass("insert_param_collectives", insert_param_collectives, "dynamo",
                   provides=("param_collectives",), optional=False),
+        GraphPass("cast_forward_inputs", cast_forward_inputs, "dynamo",
+                  enabled=lambda config: config.param_dtype is not None),
         GraphPass("reshard_after_forward", reshard_after_forward, "joint", stages=(3,),
-                  requires=("param_collectives",), provides=("resharded",)),
+                  requires=("param_collectives",), provides=("resharded",),
+                  enabled=lambda config: config.reshard_after_forward),
     ]
 
 
@@ -69,9 +75,8 @@ def pipeline(ctx: PassContext, graph_kind: str) -> list[GraphPass]:
     for p in _registry():
         if p.graph_kind != graph_kind or cfg.stage not in p.stages or p.name in cfg.disabled_passes:
             continue
-        if p.name == "reshard_after_forward" and not cfg.reshard_after_forward:
-            continue
-        out.append(p)
+        if p.enabled(cfg):
+            out.append(p)
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime.comm import CommGroup, all_gather_flat, all_reduce_sum, reduce_scatter_flat
+from zerocompile.runtime.comm import CommGroup, all_gather_flat, all_reduce_sum, pad_flat, reduce_scatter_flat
 
 
 def _buckets(sizes: list[int], cap: int) -> list[list[int]]:
@@ -26,13 +26,19 @@ def _buckets(sizes: list[int], cap: int) -> list[list[int]]:
     return out
 
 
-def reduce_scatter_mean(padded: list[torch.Tensor], group: CommGroup, bucket_bytes: int) -> list[torch.Tensor]:
-    """Average over ranks each flat tensor (length ``world * chunk_i``); return this rank's chunks."""
+def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup, bucket_bytes: int,
+                        reduce_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Average over ranks each ``(gradient, padded_numel)``; return this rank's chunks.
+
+    Each gradient is cast to ``reduce_dtype`` and zero-padded to ``padded_numel`` (a multiple
+    of the world size) one bucket at a time, so the transient copy is one bucket.
+    """
     world = group.world
-    results: list[torch.Tensor] = [None] * len(padded)
-    sizes = [t.numel() * t.element_size() for t in padded]
-    for bucket in _buckets(sizes, bucket_bytes):
-        rows = torch.cat([padded[i].view(world, -1) for i in bucket], dim=1)
+    elem = torch.empty((), dtype=reduce_dtype).element_size()
+    results: list[torch.Tensor] = [None] * len(grads)
+    for bucket in _buckets([padded * elem for _, padded in grads], bucket_bytes):
+        rows = torch.cat([pad_flat(grads[i][0].to(reduce_dtype), grads[i][1]).view(world, -1)
+                          for i in bucket], dim=1)
         if world > 1:
             ACCOUNTING.record("reduce_scatter", rows.numel() * rows.element_size())
         mine = reduce_scatter_flat(rows.reshape(-1), world, group.name)
@@ -40,7 +46,7 @@ def reduce_scatter_mean(padded: list[torch.Tensor], group: CommGroup, bucket_byt
             mine = mine / world
         offset = 0
         for i in bucket:
-            chunk = padded[i].numel() // world
+            chunk = grads[i][1] // world
             results[i] = mine[offset : offset + chunk]
             offset += chunk
     return results

@@ -249,3 +249,24 @@ def test_params_shared_by_models_with_different_options_are_rejected():
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"already sharded with stage 3.*compiled with stage 2"):
         other(x, y)
+
+
+def _two_groups_worker(rank, world):
+    sub = torch.distributed.new_group([0, 1])
+    a = torch.compile(make_model("mlp"), backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    b = torch.compile(make_model("mlp"), backend="zero",
+                      options={"stage": 3, "inner_compiler": "eager", "process_group": sub})
+    x, y = make_batch("mlp", 0, 2)
+    (a(x, y) + b(x, y)).backward()
+    opt = zerocompile.ZeroOptimizer(list(a.parameters()) + list(b.parameters()),
+                                    optimizer_class=torch.optim.SGD, lr=0.1)
+    try:
+        opt.step()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_one_optimizer_over_two_process_groups_is_rejected():
+    msg = run_ranks(_two_groups_worker, 2)[0]
+    assert msg is not None and "use one ZeroOptimizer per data-parallel group" in msg

@@ -87,6 +87,7 @@ def test_deepspeed_dict_is_translated():
     ({"zero_optimization": {"reduce_bucket_size": -1}}, r"'zero_optimization.reduce_bucket_size' = -1 is invalid"),
     ({"zero_optimization": {"stage": 2}, "stage": 3}, r"option 'stage' is given both directly and through a DeepSpeed key"),
     ({"zero_optimization": 3}, r"'zero_optimization' must be a dict"),
+    ({"zero_optimization": {"stage": 3}, "stag": 3}, r"unknown option 'stag'; did you mean 'stage'\?"),
 ])
 def test_deepspeed_untranslatable_keys_are_rejected_by_name(ds, pattern):
     with pytest.raises(ZeroConfigError, match=pattern):
@@ -114,3 +115,9 @@ def test_zero_optimizer_rejects_bad_optimizer_class_and_hyperparameters():
         zerocompile.ZeroOptimizer(params, optimizer_class="adamw")
     with pytest.raises(ValueError, match="AdamW rejects"):
         zerocompile.ZeroOptimizer(params, optimizer_class=torch.optim.AdamW, lr=-1.0)
+
+
+def test_fp16_warns_that_there_is_no_loss_scaling(caplog):
+    with caplog.at_level("WARNING", logger="zerocompile"):
+        ZeroConfig.from_options({"param_dtype": "fp16"})
+    assert "no loss scaling" in caplog.text

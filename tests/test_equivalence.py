@@ -69,3 +69,15 @@ def test_eager_module_sharing_a_sharded_parameter(stage):
     run = Run(model="eager_head", stage=stage, opt="adamw", steps=4, clip=1.0)
     results = run_ranks(zero_train_many, 2, [run])
     assert_matches(results[0][0], reference(run))
+
+
+def test_bf16_casts_float_inputs_at_every_stage():
+    """An MLP fed float32 inputs: with param_dtype bf16 the inputs are cast, like FSDP2's
+    cast_forward_inputs; every stage stays within bf16 tolerance of the fp32 reference."""
+    runs = [Run(model="mlp", stage=stage, opt="sgd", steps=3, param_dtype="bfloat16") for stage in (0, 1, 2, 3)]
+    results = run_ranks(zero_train_many, 2, runs)[0]
+    for run, res in zip(runs, results):
+        ref = reference(run)
+        assert max(abs(a - b) for a, b in zip(res["losses"], ref["losses"])) < 3e-2, run.stage
+        for key, value in ref["state"].items():
+            assert (res["state"][key] - value).abs().max().item() < 3e-2, (run.stage, key)

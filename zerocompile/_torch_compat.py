@@ -102,6 +102,20 @@ def param_fqn(source) -> str | None:
     return ".".join(names) or None
 
 
+def input_kind(source, example) -> str:
+    """"param", "buffer", "input" (reached from the frame's locals by indexing only: a user
+    argument or an activation handed over at a graph break) or "other" (e.g. a plain tensor
+    attribute of a module)."""
+    if isinstance(example, torch.nn.Parameter):
+        return "param"
+    path = source_path(source) if source is not None else []
+    if ("attr", "_buffers") in path:
+        return "buffer"
+    if path and path[0][0] == "local" and all(kind == "key" for kind, _ in path[1:]):
+        return "input"
+    return "other"
+
+
 def frame_root_object(local_name: str):
     """The object bound to ``local_name`` in the frame Dynamo is compiling, or None.
 

@@ -56,7 +56,12 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         return self
 
     def uuid(self):
-        files = sorted(Path(__file__).parent.parent.glob("**/*.py"))
+        import zerocompile.passes
+        import zerocompile.runtime
+
+        dirs = [Path(__file__).parent, Path(zerocompile.passes.__file__).parent,
+                Path(zerocompile.runtime.__file__).parent]
+        files = sorted(f for d in dirs for f in d.glob("*.py"))
         digest = hashlib.sha256()
         for f in files:
             digest.update(f.read_bytes())
@@ -94,6 +99,10 @@ class FrameRunner:
             node = _compiled_backward_node(out)
             if node is not None:
                 node.register_prehook(lambda grads: ACCOUNTING.record_summary(bw))
+            elif any(isinstance(t, torch.Tensor) and t.requires_grad
+                     for t in (out if isinstance(out, (list, tuple)) else [out])):
+                log.warning("[%s] backward node not found: its collectives are missing from "
+                            "zerocompile.stats()", self.frame)
         return out
 
 
@@ -101,20 +110,18 @@ def _compiled_backward_node(outputs):
     """The autograd node of the compiled frame's backward, reached from its outputs."""
     tensors = [t for t in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    # outputs are the compiled function's own outputs or views AOTAutograd regenerated on
+    # top of them: the node is a few steps away at most; the visit cap only bounds a miss
     seen = set()
     frontier = [t.grad_fn for t in tensors]
-    depth = 0
-    while frontier and depth < 4:
-        nxt = []
-        for node in frontier:
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            if "CompiledFunction" in node.name():
-                return node
-            nxt.extend(fn for fn, _ in node.next_functions)
-        frontier = nxt
-        depth += 1
+    while frontier and len(seen) < 256:
+        node = frontier.pop(0)
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "CompiledFunction" in node.name():
+            return node
+        frontier.extend(fn for fn, _ in node.next_functions)
     return None
 
 
@@ -158,12 +165,13 @@ def _param_states(gm, example_inputs, cfg: ZeroConfig, group: CommGroup) -> list
 
 def _check_compatible(state: ShardedParam, cfg: ZeroConfig, group: CommGroup, name: str) -> None:
     want_compute = cfg.param_dtype or state.dtype
-    if state.stage != cfg.stage or state.group.name != group.name or (
+    if state.stage != cfg.stage or state.group.name != group.name or state.reduce_dtype != cfg.reduce_dtype or (
             state.compute_dtype != want_compute and state.param.is_floating_point()):
         raise ValueError(
             f"zerocompile: parameter '{name}' is already sharded with stage {state.stage}, "
-            f"param_dtype {state.compute_dtype} on group '{state.group.name}', but this frame was "
-            f"compiled with stage {cfg.stage}, param_dtype {want_compute} on group '{group.name}'. "
+            f"param_dtype {state.compute_dtype}, reduce_dtype {state.reduce_dtype} on group "
+            f"'{state.group.name}', but this frame was compiled with stage {cfg.stage}, param_dtype "
+            f"{want_compute}, reduce_dtype {cfg.reduce_dtype} on group '{group.name}'. "
             "Compile every model that shares parameters with the same options.")
 
 
@@ -174,7 +182,9 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     gm = _copy_graph_module(gm)
     plans = _param_states(gm, example_inputs, cfg, group)
     ctx = PassContext(config=cfg, group=group, frame=frame)
-    gm = run_passes(gm, ctx, "dynamo", plans=plans)
+    kinds = [_torch_compat.input_kind(_torch_compat.placeholder_source(node), ex)
+             for node, ex in zip(gm.graph.find_nodes(op="placeholder"), example_inputs)]
+    gm = run_passes(gm, ctx, "dynamo", plans=plans, input_kinds=kinds)
     new_inputs = []
     fake_mode = _torch_compat.fake_mode_of(example_inputs)
     for ex, sp in zip(example_inputs, plans):

@@ -8,6 +8,7 @@ own keys or a DeepSpeed-style config dict. Every unknown key or bad value raises
 from __future__ import annotations
 
 import difflib
+import logging
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -119,6 +120,10 @@ class ZeroConfig:
         from zerocompile.passes.manager import check_disabled_passes  # avoid an import cycle
         check_disabled_passes(tuple(passes))
         object.__setattr__(self, "disabled_passes", tuple(passes))
+        if self.param_dtype is torch.float16:
+            logging.getLogger("zerocompile").warning(
+                "param_dtype float16: zerocompile does no loss scaling; scale the loss yourself "
+                "(torch.amp.GradScaler does not apply to ZeroOptimizer) or use bfloat16")
 
 
 def _unknown_key_message(key, names) -> str:
@@ -193,6 +198,10 @@ def translate_deepspeed(ds: dict) -> dict:
         elif key == "communication_data_type":
             out["reduce_dtype"] = value
         else:
+            own = [f.name for f in fields(ZeroConfig)]
+            close = difflib.get_close_matches(str(key), own + list(_DEEPSPEED_TOP_LEVEL), n=1)
+            if close:
+                raise ZeroConfigError(f"unknown option '{key}'; did you mean '{close[0]}'?")
             raise ZeroConfigError(
                 f"DeepSpeed key '{key}' is not supported by zerocompile; supported: "
                 f"{', '.join(_DEEPSPEED_TOP_LEVEL)}. Optimizer, scheduler, batch size and clipping "

@@ -28,7 +28,7 @@ import torch
 from torch.optim import Optimizer
 
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime.comm import CommGroup, all_reduce_sum, pad_flat, resolve_group
+from zerocompile.runtime.comm import CommGroup, all_reduce_sum, resolve_group
 from zerocompile.runtime.sharded_param import get_state
 from zerocompile.runtime.step_collectives import all_gather_concat, all_reduce_mean_, reduce_scatter_mean
 
@@ -61,7 +61,15 @@ class ZeroOptimizer(Optimizer):
         sp = get_state(p)
         return p if sp is None or sp.stage == 0 else sp.shard
 
+    def _check_one_group(self) -> None:
+        names = {sp.group.name for p in self._params() if (sp := get_state(p)) is not None}
+        if len(names) > 1:
+            raise ValueError(
+                f"ZeroOptimizer: its parameters are sharded over different process groups "
+                f"({sorted(names)}); use one ZeroOptimizer per data-parallel group")
+
     def _bind(self) -> None:
+        self._check_one_group()
         if self._inner is None:
             groups = []
             self._bound = []
@@ -147,8 +155,8 @@ class ZeroOptimizer(Optimizer):
         for (group, rd), items in full.items():
             all_reduce_mean_([g for _, g in items], group, self._bucket_bytes([s for s, _ in items]), rd)
         for (group, rd), items in to_scatter.items():
-            padded = [pad_flat(g.to(rd), sp.padded_numel) for sp, g, _ in items]
-            shards = reduce_scatter_mean(padded, group, self._bucket_bytes([sp for sp, _, _ in items]))
+            shards = reduce_scatter_mean([(g, sp.padded_numel) for sp, g, _ in items], group,
+                                         self._bucket_bytes([sp for sp, _, _ in items]), rd)
             for (sp, _, accumulate), shard_grad in zip(items, shards):
                 shard_grad = shard_grad.to(sp.dtype)
                 if accumulate and sp.shard.grad is not None:
