@@ -51,6 +51,7 @@ class ShardedParam:
         self.shape = tuple(param.shape)
         self.numel = param.numel()
         self.dtype = param.dtype
+        self.device = param.device
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.bucket_mb = bucket_mb
@@ -68,7 +69,7 @@ class ShardedParam:
     # -- construction -----------------------------------------------------------------
     def _own_chunk(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         start = self.group.rank * self.chunk
-        out = torch.zeros(self.chunk, dtype=dtype)
+        out = torch.zeros(self.chunk, dtype=dtype, device=self.device)
         stop = min(start + self.chunk, self.numel)
         if stop > start:
             out[: stop - start].copy_(flat[start:stop])
@@ -79,7 +80,7 @@ class ShardedParam:
         if self.stage == 0:
             return
         if self.stage in (1, 2):
-            buf = torch.zeros(self.padded_numel, dtype=self.compute_dtype)
+            buf = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=self.device)
             buf[: self.numel].copy_(flat)
             full = buf[: self.numel].view(self.shape)
             start = self.group.rank * self.chunk
