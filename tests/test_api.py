@@ -216,14 +216,15 @@ def test_full_state_dict_rank0_only_world_one_and_tied_keys():
 
 
 # ----------------------------------------------------------------------------- dynamic shapes
-def test_changing_batch_size_does_not_recompile_every_step():
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_changing_batch_size_does_not_recompile_every_step(stage):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     model = make_model("mlp")
     ref = make_model("mlp")
-    compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    compiled = torch.compile(model, backend="zero", options={"stage": stage, "inner_compiler": "eager"})
     opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step, batch in enumerate([8, 6, 4, 10, 3, 7]):
@@ -237,7 +238,25 @@ def test_changing_batch_size_does_not_recompile_every_step():
         ref_opt.step()
         ref_opt.zero_grad()
         assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-6)
+    # one static graph, one dynamic-batch graph after the first change, then no more
     assert counters["stats"]["unique_graphs"] <= 2
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_no_full_gradient_is_kept_at_stages_2_and_3(stage):
+    from zerocompile.runtime.sharded_param import get_state
+
+    torch._dynamo.reset()
+    model = make_model("tied")
+    compiled = torch.compile(model, backend="zero", options={"stage": stage, "inner_compiler": "eager"})
+    for step in range(2):  # two micro-batches: shard gradients accumulate
+        x, y = make_batch("tied", step, 4)
+        compiled(x, y).backward()
+    for name, p in model.named_parameters():
+        state = get_state(p)
+        assert p.grad is None, name
+        assert state.replica is None or state.replica.grad is None, name
+        assert state.shard.grad is not None and state.shard.grad.shape == state.shard.shape, name
 
 
 def test_params_shared_by_models_with_different_options_are_rejected():
