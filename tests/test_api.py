@@ -117,7 +117,8 @@ def test_param_groups_and_lr_scheduler(stage):
 def _add_group_worker(rank, world):
     model = torch.compile(make_model("mlp"), backend="zero", options={"stage": 3, "inner_compiler": "eager"})
     inner = model._orig_mod
-    opt = zerocompile.ZeroOptimizer(inner.l1.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    opt = zerocompile.ZeroOptimizer(inner.l1.parameters(), optimizer_class=torch.optim.SGD, lr=0.1,
+                                    momentum=0.9)
     losses = _train(model, opt, 2, rank, world, name="mlp")
     opt.add_param_group({"params": list(inner.l2.parameters()), "lr": 0.05})
     losses += _train(model, opt, 2, rank, world, start=2, name="mlp")
@@ -127,12 +128,15 @@ def _add_group_worker(rank, world):
     opt.zero_grad(set_to_none=False)
     shard_grads = [zerocompile.runtime.sharded_param.get_state(p).shard.grad for p in inner.parameters()]
     zeroed = all(g is not None and not g.any() for g in shard_grads)
+    # opt.state is keyed by the user's parameters and holds this rank's shard state
+    momentum = opt.state[inner.l1.weight]["momentum_buffer"]
+    zeroed = zeroed and momentum.shape == zerocompile.runtime.sharded_param.get_state(inner.l1.weight).shard.shape
     return losses, zerocompile.full_state_dict(model), zeroed
 
 
 def test_add_param_group_and_zero_grad_keep_tensors():
     model = make_model("mlp")
-    opt = torch.optim.SGD(model.l1.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.l1.parameters(), lr=0.1, momentum=0.9)
     losses = _train(model, opt, 2, 0, 1, name="mlp")
     opt.add_param_group({"params": list(model.l2.parameters()), "lr": 0.05})
     losses += _train(model, opt, 2, 0, 1, start=2, name="mlp")

@@ -81,8 +81,6 @@ class FrameRunner:
         self.frame = frame
 
     def __call__(self, *args):
-        if len(args) == 1 and isinstance(args[0], list) and len(self.plans) != 1:
-            args = tuple(args[0])
         new_args = []
         for arg, sp in zip(args, self.plans):
             if sp is None:

@@ -311,6 +311,24 @@ class ZeroOptimizer(Optimizer):
         return sum(storages.values())
 
     @property
+    def state(self) -> dict:
+        """Per-parameter optimizer state, keyed by *your* parameters: the inner optimizer's state
+        of each one's target (this rank's shard at stages 1-3). Read-only view."""
+        if self._inner is None:
+            return {}
+        out = {}
+        for group, targets in zip(self.param_groups, self._bound):
+            for p, target in zip(group["params"], targets):
+                if target in self._inner.state:
+                    out[p] = self._inner.state[target]
+        return out
+
+    @state.setter
+    def state(self, value) -> None:
+        # torch.optim.Optimizer.__init__ assigns an empty state; ours lives in the inner optimizer
+        pass
+
+    @property
     def inner(self) -> Optimizer | None:
         """The wrapped optimizer (None until the first step binds it)."""
         return self._inner
