@@ -127,8 +127,10 @@ class ShardedParam:
 
     # -- after the optimizer updated the shard ----------------------------------------
     def full_from_shards(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """All-gather the master shards into a new full tensor (collective)."""
-        if self.stage == 0:
+        """The full current value as a new tensor: a copy of the parameter where it holds the
+        full master value (stage 0; stages 1/2 without a separate compute dtype), otherwise an
+        all-gather of the master shards (collective)."""
+        if self.stage == 0 or (self.stage in (1, 2) and self.compute_dtype == self.dtype):
             return self.param.detach().to(dtype or self.dtype).clone()
         gathered = all_gather_flat(self.shard.detach().to(dtype or self.dtype), self.group.world,
                                    self.group.name)
