@@ -81,3 +81,13 @@ def test_bf16_casts_float_inputs_at_every_stage():
         assert max(abs(a - b) for a, b in zip(res["losses"], ref["losses"])) < 3e-2, run.stage
         for key, value in ref["state"].items():
             assert (res["state"][key] - value).abs().max().item() < 3e-2, (run.stage, key)
+
+
+def test_three_ranks_every_sharded_stage():
+    """World size 3: the tied LM across a graph break, and the MLP, none of whose parameter
+    sizes (91, 13, 65, 5) divides by 3, so every one of its shards is padded."""
+    runs = [Run(model="tied", stage=stage, opt="adamw", steps=3, batch=9, accum=2, clip=1.0) for stage in (1, 2, 3)]
+    runs += [Run(model="mlp", stage=stage, opt="adamw", steps=3, batch=9, clip=1.0) for stage in (2, 3)]
+    results = run_ranks(zero_train_many, 3, runs)[0]
+    for run, res in zip(runs, results):
+        assert_matches(res, reference(run))

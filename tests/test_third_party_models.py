@@ -16,6 +16,22 @@ STEPS, BATCH, SEQ, VOCAB = 3, 4, 16, 128
 
 def build(name: str):
     torch.manual_seed(0)
+    if name == "llama_checkpointed":
+        cfg = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+        model = transformers.LlamaForCausalLM(cfg)
+        model.gradient_checkpointing_enable()
+        return model
+    if name == "bert":
+        return transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            max_position_embeddings=64))
+    if name == "t5":
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+            decoder_start_token_id=0, pad_token_id=0))
     if name == "llama":
         cfg = transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -28,9 +44,9 @@ def build(name: str):
 
 
 def make_optimizer(name, params, cls=torch.optim):
-    # GPT-2's key bias has an exactly-zero gradient (softmax is shift-invariant): Adam would
-    # scale its rounding noise up to lr-sized updates, so GPT-2 trains with SGD here
-    if name == "gpt2":
+    # GPT-2's and BERT's key biases have an exactly-zero gradient (softmax is shift-invariant):
+    # Adam would scale their rounding noise up to lr-sized updates, so those train with SGD here
+    if name != "llama":
         return cls.SGD(params, lr=0.1, momentum=0.9)
     return cls.AdamW(params, lr=1e-2, weight_decay=0.1)
 
@@ -52,13 +68,18 @@ class _ZeroOptimizers:
         return zerocompile.ZeroOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)
 
 
+def loss_of(model, name, ids):
+    labels = ids.flip(1) if name == "t5" else ids   # T5: a sequence-to-sequence target
+    return model(input_ids=ids, labels=labels).loss
+
+
 def reference(name: str):
     model = build(name)
     opt = make_optimizer(name, model.parameters())
     losses = []
     for step in range(STEPS):
         ids = batch(step)
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = loss_of(model, name, ids)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -66,9 +87,9 @@ def reference(name: str):
     return losses, model.state_dict()
 
 
-def worker(rank, world, name):
+def worker(rank, world, name, stages):
     out = {}
-    for stage in (0, 1, 2, 3):
+    for stage in stages:
         torch._dynamo.reset()
         model = torch.compile(build(name), backend="zero", options={"stage": stage, "inner_compiler": "eager"})
         opt = make_optimizer(name, model.parameters(), _ZeroOptimizers)
@@ -76,7 +97,7 @@ def worker(rank, world, name):
         per = BATCH // world
         for step in range(STEPS):
             ids = batch(step)[rank * per:(rank + 1) * per]
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = loss_of(model, name, ids)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -87,10 +108,13 @@ def worker(rank, world, name):
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_hf_model_every_stage_matches_reference(name):
+@pytest.mark.parametrize("name,stages", [
+    ("llama", (0, 1, 2, 3)), ("gpt2", (0, 1, 2, 3)),
+    # activation checkpointing, an encoder with buffers (position ids, token types), encoder-decoder
+    ("llama_checkpointed", (3,)), ("bert", (2, 3)), ("t5", (1, 3))])
+def test_hf_model_matches_reference(name, stages):
     ref_losses, ref_state = reference(name)
-    results = run_ranks(worker, 2, name)[0]
+    results = run_ranks(worker, 2, name, stages)[0]
     for stage, (losses, state) in results.items():
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-5)
         assert set(state) == set(ref_state)
