@@ -21,7 +21,8 @@ def build(name: str):
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
         model = transformers.LlamaForCausalLM(cfg)
-        model.gradient_checkpointing_enable()
+        # transformers 5 renamed gradient_checkpointing_enable
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
         return model
     if name == "bert":
         return transformers.BertForMaskedLM(transformers.BertConfig(
