@@ -94,20 +94,19 @@ class FrameRunner:
         ACCOUNTING.record_summary(fw)
         bw = self.partitioner.backward_summary
         if any(t.count for t in bw.totals.values()):
-            node = _compiled_backward_node(out)
+            tensors = [t for t in (out if isinstance(out, (list, tuple)) else [out])
+                       if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+            node = _compiled_backward_node(tensors)
             if node is not None:
                 node.register_prehook(lambda grads: ACCOUNTING.record_summary(bw))
-            elif any(isinstance(t, torch.Tensor) and t.requires_grad
-                     for t in (out if isinstance(out, (list, tuple)) else [out])):
+            elif tensors:
                 log.warning("[%s] backward node not found: its collectives are missing from "
                             "zerocompile.stats()", self.frame)
         return out
 
 
-def _compiled_backward_node(outputs):
-    """The autograd node of the compiled frame's backward, reached from its outputs."""
-    tensors = [t for t in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
-               if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+def _compiled_backward_node(tensors):
+    """The autograd node of the compiled frame's backward, reached from its output tensors."""
     # outputs are the compiled function's own outputs or views AOTAutograd regenerated on
     # top of them: the node is a few steps away at most; the visit cap only bounds a miss
     seen = set()
@@ -193,7 +192,7 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
             # shards and replicas are new to Dynamo: give AOTAutograd static-shape fakes, or it
             # would invent size symbols no guard can be built for
             new_inputs.append(t if t is ex or fake_mode is None else fake_mode.from_tensor(t, static_shapes=True))
-    inference_summary = _inference_summary(plans, cfg)
+    inference_summary = _inference_summary(plans)
     partitioner = ZeroPartitioner(ctx)
     log.info("[%s] %d parameters (stage %d, world %d) -> %s", frame,
              sum(p is not None for p in plans), cfg.stage, group.world, cfg.inner_compiler)
@@ -218,8 +217,9 @@ def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return copy
 
 
-def _inference_summary(plans, cfg: ZeroConfig) -> CollectiveSummary:
-    """Forward collectives of the frame: one all-gather per stage-3 parameter."""
+def _inference_summary(plans) -> CollectiveSummary:
+    """Forward collectives of a frame compiled without autograd (no partition to summarise):
+    the rewrite inserted one all-gather per stage-3 parameter and nothing else."""
     summary = CollectiveSummary()
     for sp in plans:
         if sp is not None and sp.stage == 3 and sp.group.world > 1:
