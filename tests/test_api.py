@@ -293,3 +293,28 @@ def _two_groups_worker(rank, world):
 def test_one_optimizer_over_two_process_groups_is_rejected():
     msg = run_ranks(_two_groups_worker, 2)[0]
     assert msg is not None and "use one ZeroOptimizer per data-parallel group" in msg
+
+
+@pytest.mark.parametrize("how", ["dynamic=True", "nn.Module.compile"])
+def test_other_ways_to_compile(how):
+    """dynamic=True makes Dynamo restart its analysis after the backend ran (the eager-fallback
+    hooks must not appear mid-trace); nn.Module.compile compiles in place, without a wrapper."""
+    torch._dynamo.reset()
+    model, ref = make_model("gpt"), make_model("gpt")
+    options = {"stage": 3, "inner_compiler": "eager"}
+    if how == "dynamic=True":
+        compiled = torch.compile(model, backend="zero", dynamic=True, options=options)
+    else:
+        model.compile(backend="zero", options=options)
+        compiled = model
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step, batch in enumerate([4, 6, 2]):
+        x, y = make_batch("gpt", step, batch)
+        for m, o in ((compiled, opt), (ref, ref_opt)):
+            m(x, y).backward()
+            o.step()
+            o.zero_grad()
+    state = zerocompile.full_state_dict(compiled)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(state[key], value, atol=1e-6, rtol=1e-6)

@@ -73,14 +73,22 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
 class FrameRunner:
     """The callable Dynamo runs for a compiled frame."""
 
-    def __init__(self, compiled, plans: list, partitioner: ZeroPartitioner, inference_summary, frame: str):
+    def __init__(self, compiled, plans: list, partitioner: ZeroPartitioner, inference_summary, frame: str,
+                 roots: list):
         self.compiled = compiled
         self.plans = plans
         self.partitioner = partitioner
         self.inference_summary = inference_summary
         self.frame = frame
+        # The eager-fallback hooks are installed at the first run, not while Dynamo is still
+        # tracing: a hook appearing mid-trace changes the path of Dynamo's restarted analysis
+        self._roots_without_hooks = roots
 
     def __call__(self, *args):
+        if self._roots_without_hooks:
+            for root in self._roots_without_hooks:
+                install_eager_fallback(root)
+            self._roots_without_hooks = []
         new_args = []
         for arg, sp in zip(args, self.plans):
             if sp is None:
@@ -127,7 +135,9 @@ def _frame_name(gm: torch.fx.GraphModule) -> str:
     return f"frame {compile_id}" if compile_id is not None else "frame"
 
 
-def _param_states(gm, example_inputs, cfg: ZeroConfig, group: CommGroup) -> list:
+def _param_states(gm, example_inputs, cfg: ZeroConfig, group: CommGroup):
+    """The shard state of each placeholder (None for non-parameters), and the root modules
+    the frame's parameters were reached from."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     sources = [_torch_compat.placeholder_source(node) for node in placeholders]
     roots = {}
@@ -155,9 +165,7 @@ def _param_states(gm, example_inputs, cfg: ZeroConfig, group: CommGroup) -> list
         else:
             _check_compatible(state, cfg, group, name)
         plans.append(state)
-    for root in roots.values():
-        install_eager_fallback(root)
-    return plans
+    return plans, list(roots.values())
 
 
 def _check_compatible(state: ShardedParam, cfg: ZeroConfig, group: CommGroup, name: str) -> None:
@@ -177,7 +185,7 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     group = resolve_group(cfg.process_group)
     frame = _frame_name(gm)
     gm = _copy_graph_module(gm)
-    plans = _param_states(gm, example_inputs, cfg, group)
+    plans, roots = _param_states(gm, example_inputs, cfg, group)
     ctx = PassContext(config=cfg, group=group, frame=frame)
     kinds = [_torch_compat.input_kind(_torch_compat.placeholder_source(node), ex)
              for node, ex in zip(gm.graph.find_nodes(op="placeholder"), example_inputs)]
@@ -200,7 +208,7 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
         compiled = _torch_compat.compile_with_aot_eager(gm, new_inputs, partitioner)
     else:
         compiled = _torch_compat.compile_with_inductor(gm, new_inputs, partitioner)
-    return FrameRunner(compiled, plans, partitioner, inference_summary, frame)
+    return FrameRunner(compiled, plans, partitioner, inference_summary, frame, roots)
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
