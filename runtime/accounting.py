@@ -74,13 +74,16 @@ class ZeroStats:
 
 @dataclass
 class CollectiveSummary:
-    """Collectives of one graph (or one eager operation), by kind."""
+    """Collectives of one graph (or one eager operation), by kind, and in issue order."""
 
     totals: dict = field(default_factory=lambda: {k: CollectiveTotals() for k in COLLECTIVE_KINDS})
+    sequence: list = field(default_factory=list)
+    """``(kind, bytes)`` of each collective in the order the graph issues them."""
 
     def add(self, kind: str, nbytes: int, count: int = 1) -> None:
         self.totals[kind].count += count
         self.totals[kind].bytes += nbytes
+        self.sequence.extend([(kind, nbytes // count)] * count)
 
     def __str__(self) -> str:
         parts = [f"{k}={v.count}x/{v.bytes}B" for k, v in self.totals.items() if v.count]

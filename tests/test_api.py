@@ -318,3 +318,25 @@ def test_other_ways_to_compile(how):
     state = zerocompile.full_state_dict(compiled)
     for key, value in ref.state_dict().items():
         torch.testing.assert_close(state[key], value, atol=1e-6, rtol=1e-6)
+
+
+def _fingerprint_worker(rank, world):
+    from zerocompile.runtime.comm import resolve_group
+    from zerocompile.runtime.fingerprint import check_same_on_all_ranks, fingerprint
+
+    group = resolve_group()
+    same = fingerprint([[("all_gather", 64)], [("reduce_scatter", 64)]])
+    check_same_on_all_ranks(same, group, "frame A")                 # equal: passes
+    differs = fingerprint([[("all_gather", 64 if rank == 0 else 128)]])
+    try:
+        check_same_on_all_ranks(differs, group, "frame B")
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_with_different_collective_sequences_fail_loudly():
+    messages = run_ranks(_fingerprint_worker, 2)
+    for msg in messages:   # every rank raises, none hangs
+        assert msg is not None and "different collective sequences for frame B" in msg
+        assert "ranks [1]" in msg

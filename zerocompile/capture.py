@@ -28,6 +28,7 @@ from zerocompile.passes.manager import run_passes
 from zerocompile.runtime.accounting import ACCOUNTING, CollectiveSummary
 from zerocompile.runtime.comm import CommGroup, resolve_group
 from zerocompile.runtime.eager_fallback import eager_only_parameters, install_eager_fallback
+from zerocompile.runtime.fingerprint import check_same_on_all_ranks, fingerprint
 from zerocompile.runtime.sharded_param import ShardedParam, attach_state, get_state
 
 log = logging.getLogger("zerocompile")
@@ -83,12 +84,21 @@ class FrameRunner:
         # The eager-fallback hooks are installed at the first run, not while Dynamo is still
         # tracing: a hook appearing mid-trace changes the path of Dynamo's restarted analysis
         self._roots_without_hooks = roots
+        self._checked = False
+
+    def _first_run(self) -> None:
+        for root in self._roots_without_hooks:
+            install_eager_fallback(root)
+        self._roots_without_hooks = []
+        summaries = [self.partitioner.forward_summary or self.inference_summary,
+                     self.partitioner.backward_summary]
+        check_same_on_all_ranks(fingerprint(s.sequence for s in summaries), self.partitioner.ctx.group,
+                                self.frame)
+        self._checked = True
 
     def __call__(self, *args):
-        if self._roots_without_hooks:
-            for root in self._roots_without_hooks:
-                install_eager_fallback(root)
-            self._roots_without_hooks = []
+        if not self._checked:
+            self._first_run()
         new_args = []
         for arg, sp in zip(args, self.plans):
             if sp is None:
