@@ -4,8 +4,10 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.zerocompile-installed
 PYTHON  ?= python3
-# a persistent inductor cache keeps the few inductor tests fast after their first run
-export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
+# a persistent inductor cache (outside the checkout, so fresh clones share it) keeps the
+# few inductor tests and the demo fast after their first run
+CACHE_HOME ?= $(if $(HOME),$(HOME)/.cache,$(CURDIR)/.cache)
+export TORCHINDUCTOR_CACHE_DIR ?= $(CACHE_HOME)/zerocompile/inductor
 
 .PHONY: install demo test clean
 
