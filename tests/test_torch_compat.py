@@ -48,7 +48,7 @@ def test_inductor_custom_partitioner_hook_and_autograd_cache_switch_exist():
 
 
 def test_min_cut_partition_honours_recompute_tags():
-    from functorch.compile import aot_function
+    from functorch.compile import aot_function, make_boxed_func
     from torch.utils.checkpoint import CheckpointPolicy
 
     graphs = {}
@@ -62,8 +62,10 @@ def test_min_cut_partition_honours_recompute_tags():
         graphs["bw"] = bw
         return fw, bw
 
-    fn = aot_function(lambda x: (x.cos() * x).sum(), fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
-                      partition_fn=partition)
+    def boxed(graph, _inputs):
+        return make_boxed_func(graph.forward)
+
+    fn = aot_function(lambda x: (x.cos() * x).sum(), fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition)
     fn(torch.randn(4, requires_grad=True)).backward()
     assert any(n.target is torch.ops.aten.cos.default for n in graphs["bw"].graph.nodes), \
         "the partitioner no longer recomputes MUST_RECOMPUTE nodes in backward"
