@@ -9,6 +9,9 @@ placeholder ``p`` with shard state ``sp`` it creates one placeholder per tensor 
 - stage 2: ``replica_with_sharded_grad(shard, replica)``: backward reduce-scatters into the shard;
 - stage 3: ``gather_param(shard)``: cast, all-gather, view as the parameter.
 
+The inserted op goes right before the parameter's first use, so that a gathered
+parameter is alive only from its first use to its last.
+
 Every inserted node is tagged ``node.meta["zerocompile"] = {"role": ..., "param": name}``.
 """
 
@@ -30,11 +33,12 @@ def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=N
     placeholders = list(graph.find_nodes(op="placeholder"))
     if plans is None or len(plans) != len(placeholders):
         raise ValueError("insert_param_collectives needs one plan entry per placeholder")
-    last = placeholders[-1] if placeholders else None
+    order = {n: i for i, n in enumerate(graph.nodes)}
     group = ctx.group
     for node, sp in zip(placeholders, plans):
         if sp is None:
             continue
+        users = sorted(node.users, key=order.__getitem__)
         new_inputs = []
         with graph.inserting_before(node):
             for suffix in _INPUT_SUFFIXES[sp.stage]:
@@ -42,8 +46,9 @@ def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=N
                 ph._dynamo_source = None  # read by AOTAutograd's Dynamo-metadata check
                 ph.meta["zerocompile"] = {"role": _INPUT_ROLES[suffix], "param": sp.name}
                 new_inputs.append(ph)
-        anchor = last
-        with graph.inserting_after(anchor):
+        # just before the first use, so a gathered parameter lives from its first use to its
+        # last, not from the start of the graph (placeholders come before every user)
+        with graph.inserting_before(users[0]) if users else graph.inserting_after(new_inputs[-1]):
             if sp.stage == 0 and sp.compute_dtype != sp.dtype:
                 out = graph.call_function(param_ops.cast_param, (new_inputs[0], sp.compute_dtype))
             elif sp.stage in (0, 1):
@@ -60,7 +65,5 @@ def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=N
             if "example_value" in node.meta:
                 out.meta["example_value"] = node.meta["example_value"]
         node.replace_all_uses_with(out)
-        if last is node:
-            last = new_inputs[-1]
         graph.erase_node(node)
     return gm

@@ -35,12 +35,27 @@ class StorageCensus(_RuntimeMode):
     def __init__(self):
         super().__init__()
         self.storages: dict[int, weakref.ref] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.current -= nbytes
+        self.storages.pop(key, None)
 
     def track(self, tensor: torch.Tensor) -> None:
         st = tensor.untyped_storage()
         key = st._cdata
         if key not in self.storages or self.storages[key]() is None:
-            self.storages[key] = weakref.ref(st)
+            nbytes = st.nbytes()
+            self.storages[key] = weakref.ref(st, lambda _, key=key, n=nbytes: self._freed(key, n))
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now (also resyncs after storage resizes,
+        which happen outside any op)."""
+        self.current = self.live_bytes()
+        self.peak = self.current
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -78,4 +93,29 @@ class CollectiveCounter(_RuntimeMode):
             t = out if which == "out" else args[0]
             self.count[kind] += 1
             self.bytes[kind] += t.numel() * t.element_size()
+        return out
+
+
+class GatheredBytes(_RuntimeMode):
+    """Peak bytes of all-gather outputs (gathered parameters) alive at the same time."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive = 0
+        self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.alive -= nbytes
+        self._refs.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is _c10d.all_gather_into_tensor.default:
+            st = out.untyped_storage()
+            key, nbytes = st._cdata, st.nbytes()
+            if key not in self._refs:
+                self._refs[key] = weakref.ref(st, lambda _, key=key, n=nbytes: self._freed(key, n))
+                self.alive += nbytes
+                self.peak = max(self.peak, self.alive)
         return out

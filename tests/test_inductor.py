@@ -26,3 +26,26 @@ def test_inductor_bf16(stage):
     res = run_ranks(zero_train_many, 2, [run])[0][0]
     ref = reference(run)
     assert max(abs(a - b) for a, b in zip(res["losses"], ref["losses"])) < 5e-2
+
+
+def _gathered_peak(rank, world):
+    import torch
+
+    from census import GatheredBytes
+    from models import GPT, make_batch
+
+    torch.manual_seed(0)
+    model = GPT(layers=4)
+    total = sum(-(-p.numel() // world) * world * 4 for p in model.parameters())
+    compiled = torch.compile(model, backend="zero", options={"stage": 3})
+    x, y = make_batch("gpt", 0, 8)
+    compiled(x, y).backward()
+    tracker = GatheredBytes()
+    with tracker:
+        compiled(x, y).backward()
+    return tracker.peak / total
+
+
+def test_inductor_stage3_keeps_few_parameters_gathered_at_once():
+    """Inductor's code frees each gathered parameter after its last use too."""
+    assert run_ranks(_gathered_peak, 2)[0] < 0.5

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zerocompile
-from census import CollectiveCounter, StorageCensus
+from census import CollectiveCounter, GatheredBytes, StorageCensus
 from dist_utils import run_ranks
 from models import make_batch, make_model
 
@@ -76,3 +76,31 @@ def test_memory_and_communication_match_formulas(stage, world):
             assert rs == 4 * psi_padded and ar == 0
             assert 4 * psi_padded < ag <= 2 * 4 * psi_padded
             assert 2 * ring * 4 * psi < res["wire"] <= 3 * ring * 4 * psi_padded
+
+
+def _gathered_peak_worker(rank, world, reshard):
+    from models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(layers=4)
+    total = sum(-(-p.numel() // world) * world * 4 for p in model.parameters())
+    compiled = torch.compile(model, backend="zero", options={
+        "stage": 3, "inner_compiler": "eager", "reshard_after_forward": reshard})
+    x, y = make_batch("gpt", 0, 8)
+    compiled(x, y).backward()                 # compile outside the measurement
+    tracker = GatheredBytes()
+    with tracker:
+        compiled(x, y).backward()
+    return tracker.peak, total
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_stage3_frees_each_gathered_parameter_after_its_last_use(reshard):
+    """With resharding, at most about one block's parameters (plus the embeddings, which the
+    tied head uses again at the end) are gathered at any time; without it, the forward keeps
+    every gathered parameter for backward."""
+    peak, total = run_ranks(_gathered_peak_worker, 2, reshard)[0]
+    if reshard:
+        assert peak < 0.5 * total, (peak, total)
+    else:
+        assert peak > 0.9 * total, (peak, total)

@@ -49,12 +49,27 @@ def compile_with_inductor(gm, example_inputs, partitioner):
 
 
 def compile_with_aot_eager(gm, example_inputs, partitioner):
-    """AOTAutograd with our partitioner; the forward and backward graphs run op by op."""
-    from functorch.compile import make_boxed_func
+    """AOTAutograd with our partitioner; the forward and backward graphs run op by op.
+
+    They run through ``torch.fx.Interpreter``, which drops each value after its last use
+    (generated FX code keeps every intermediate alive until the graph returns), so a
+    gathered stage-3 parameter is freed right after its last use, as with inductor.
+    """
     from torch._dynamo.backends.common import aot_autograd
 
     def boxed(graph, _inputs):
-        return make_boxed_func(graph.forward)
+        interpreter = torch.fx.Interpreter(graph, garbage_collect_values=True)
+
+        def run(args):
+            try:
+                return interpreter.boxed_run(args)
+            finally:
+                # the interpreter keeps its last environment (the outputs, i.e. saved
+                # activations or gradients) until the next run: drop it now
+                interpreter.env = {}
+
+        run._boxed_call = True
+        return run
 
     with _without_autograd_cache():
         return aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partitioner,
