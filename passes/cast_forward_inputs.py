@@ -16,8 +16,7 @@ import torch.fx
 from zerocompile.passes.context import PassContext
 
 
-def cast_forward_inputs(gm: torch.fx.GraphModule, ctx: PassContext, plans=None, input_kinds=None,
-                        **_) -> torch.fx.GraphModule:
+def cast_forward_inputs(gm: torch.fx.GraphModule, ctx: PassContext, input_kinds=None, **_) -> torch.fx.GraphModule:
     """``input_kinds[i]`` is "param", "buffer", "input" or "other" for the i-th placeholder
     of the *original* Dynamo graph; "input" placeholders holding floating-point tensors of
     another dtype than ``ctx.config.param_dtype`` get a cast."""

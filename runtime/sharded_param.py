@@ -105,9 +105,15 @@ class ShardedParam:
         self.storage_freed = True
 
     @property
+    def param_is_master(self) -> bool:
+        """The parameter's own storage is the full master value (stage 0, or stages 1/2 with
+        no separate compute dtype, where the parameter lives in the flat replica)."""
+        return self.stage == 0 or (self.stage in (1, 2) and self.compute_dtype == self.dtype)
+
+    @property
     def separate_full_param(self) -> bool:
         """The parameter keeps a full copy apart from the shard/replica, refreshed after each step."""
-        return self.keep_full and (self.stage == 3 or (self.stage in (1, 2) and self.compute_dtype != self.dtype))
+        return self.keep_full and not self.param_is_master
 
     def refresh_param(self, gathered_flat: torch.Tensor) -> None:
         """Write all-gathered master values (padded flat, parameter dtype) into the parameter."""
@@ -130,7 +136,7 @@ class ShardedParam:
         """The full current value as a new tensor: a copy of the parameter where it holds the
         full master value (stage 0; stages 1/2 without a separate compute dtype), otherwise an
         all-gather of the master shards (collective)."""
-        if self.stage == 0 or (self.stage in (1, 2) and self.compute_dtype == self.dtype):
+        if self.param_is_master:
             return self.param.detach().to(dtype or self.dtype).clone()
         gathered = all_gather_flat(self.shard.detach().to(dtype or self.dtype), self.group.world,
                                    self.group.name)

@@ -145,11 +145,9 @@ def _frame_name(gm: torch.fx.GraphModule) -> str:
     return f"frame {compile_id}" if compile_id is not None else "frame"
 
 
-def _param_states(gm, example_inputs, cfg: ZeroConfig, group: CommGroup):
+def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group: CommGroup):
     """The shard state of each placeholder (None for non-parameters), and the root modules
     the frame's parameters were reached from."""
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    sources = [_torch_compat.placeholder_source(node) for node in placeholders]
     roots = {}
     for source in sources:
         root = _torch_compat.root_module(source) if source is not None else None
@@ -195,10 +193,11 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     group = resolve_group(cfg.process_group)
     frame = _frame_name(gm)
     gm = _copy_graph_module(gm)
-    plans, roots = _param_states(gm, example_inputs, cfg, group)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    sources = [_torch_compat.placeholder_source(node) for node in placeholders]
+    plans, roots = _param_states(placeholders, sources, example_inputs, cfg, group)
     ctx = PassContext(config=cfg, group=group, frame=frame)
-    kinds = [_torch_compat.input_kind(_torch_compat.placeholder_source(node), ex)
-             for node, ex in zip(gm.graph.find_nodes(op="placeholder"), example_inputs)]
+    kinds = [_torch_compat.input_kind(source, ex) for source, ex in zip(sources, example_inputs)]
     gm = run_passes(gm, ctx, "dynamo", plans=plans, input_kinds=kinds)
     new_inputs = []
     fake_mode = _torch_compat.fake_mode_of(example_inputs)

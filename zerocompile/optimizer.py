@@ -69,8 +69,8 @@ class ZeroOptimizer(Optimizer):
                 f"({sorted(names)}); use one ZeroOptimizer per data-parallel group")
 
     def _bind(self) -> None:
-        self._check_one_group()
         if self._inner is None:
+            self._check_one_group()
             groups = []
             self._bound = []
             for group in self.param_groups:
@@ -94,6 +94,7 @@ class ZeroOptimizer(Optimizer):
                         f"ZeroOptimizer: parameter {tuple(p.shape)} of group {gi} was sharded after the "
                         "optimizer had already stepped it; run one forward of every compiled model "
                         "before the first optimizer step")
+                self._check_one_group()
                 self._bound[gi][pi] = target
                 self._inner.param_groups[gi]["params"][pi] = target
 
