@@ -10,6 +10,11 @@ or under torchrun (which starts the ranks; ``--world-size`` is then ignored)::
 
     torchrun --nproc_per_node 2 examples/train_gpt.py --stage 2
 
+or under ``zerocompile dump --world-size N``, which has already initialised a (fake) process
+group of N ranks: the script then runs in that process on that group and spawns nothing::
+
+    zerocompile dump --world-size 64 -- examples/train_gpt.py --steps 1
+
 The model is an ordinary ``nn.Module`` (pre-LN transformer, LM head tied to the token
 embedding); the training loop is what you would write for a single process, plus
 ``torch.compile(model, backend="zero", options={...})`` and ``zerocompile.ZeroOptimizer``.
@@ -258,7 +263,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
-    p.add_argument("--batch-size", type=int, default=8, help="global batch (all ranks, all micro-steps)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="global batch (all ranks, all micro-steps); None: 8, rounded up to a multiple "
+                        "of world size x --grad-accum")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--vocab", type=int, default=512, help="vocabulary size")
     p.add_argument("--d-model", type=int, default=128, help="embedding width")
@@ -272,12 +279,24 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args, parser = parse_args(argv)
+    # a process group already set up by whoever runs this script (zerocompile dump --world-size)
+    existing = dist.is_available() and dist.is_initialized()
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
-    if world < 1 or args.grad_accum < 1 or args.batch_size % (world * args.grad_accum):
+    if existing:
+        world = dist.get_world_size()
+    else:
+        world = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
+    if world < 1 or args.grad_accum < 1:
+        parser.error(f"world size {world} and --grad-accum {args.grad_accum} must be >= 1")
+    per_step = world * args.grad_accum
+    if args.batch_size is None:
+        args.batch_size = -(-8 // per_step) * per_step
+    if args.batch_size < 1 or args.batch_size % per_step:
         parser.error(f"--batch-size {args.batch_size} must be a positive multiple of "
                      f"world size x --grad-accum = {world} x {args.grad_accum}")
-    if torchrun:
+    if existing:
+        train(args, dist.get_rank(), world)
+    elif torchrun:
         _init_and_train(args, int(os.environ["RANK"]), world)
     else:
         mp.start_processes(_run_rank, args=(world, _free_port(), args), nprocs=world,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from zerocompile.passes.graph_utils import tensor_nbytes
 from zerocompile.runtime.accounting import CollectiveSummary
 
 _c10d = torch.ops._c10d_functional
@@ -19,15 +20,6 @@ _KINDS = {
 }
 
 
-def _nbytes(val) -> int:
-    numel = val.numel()
-    try:
-        numel = int(numel)
-    except TypeError:  # a symbolic size: use its hint
-        numel = int(numel.node.hint)
-    return numel * val.element_size()
-
-
 def summarize_collectives(graph: torch.fx.Graph) -> CollectiveSummary:
     """Count and size every functional collective in ``graph`` (needs ``meta["val"]``)."""
     summary = CollectiveSummary()
@@ -39,5 +31,5 @@ def summarize_collectives(graph: torch.fx.Graph) -> CollectiveSummary:
         val = src.meta.get("val")
         if val is None:
             raise RuntimeError(f"zerocompile: collective node {node} has no shape metadata")
-        summary.add(kind, _nbytes(val))
+        summary.add(kind, tensor_nbytes(val), dtype=str(val.dtype).removeprefix("torch."))
     return summary

@@ -20,7 +20,20 @@ class PassContext:
     frame: str
     """A name for the compiled frame, for logs and dumps."""
     graph_kind: str = "dynamo"
-    """Which graph the pass sees: "dynamo" (torch IR from Dynamo) or "joint" (AOTAutograd joint graph)."""
+    """Which graph the pass sees: "dynamo" (torch IR from Dynamo), "joint" (AOTAutograd joint
+    graph, before partitioning), "forward" or "backward" (after partitioning)."""
     provided: set = field(default_factory=set)
     """Capabilities provided by passes that already ran on this frame."""
+    primal_params: list = field(default_factory=list)
+    """Per input of the joint graph (its ``primals_*`` placeholders, in order): the
+    ``ShardedParam`` whose shard or replica it is, or None."""
+    num_fwd_outputs: int = 0
+    """Number of real outputs of the forward (the rest of the joint outputs are gradients)."""
+    cost_model: object = None
+    """The ``CostModel`` (``zerocompile.passes.cost_model``) the passes weigh decisions with."""
+    recorder: object = None
+    """The ``DumpRecorder`` when dumping is on (``options={"dump": DIR}``), else None."""
+    results: dict = field(default_factory=dict)
+    """What passes report about this frame (e.g. ``results["selective_unshard"]``), for logs,
+    dumps and tests."""
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("zerocompile.passes"))

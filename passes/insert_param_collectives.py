@@ -7,7 +7,9 @@ placeholder ``p`` with shard state ``sp`` it creates one placeholder per tensor 
 - stage 0: the parameter, cast to the compute dtype if that differs (``cast_param``);
 - stage 1: the compute-dtype replica itself (autograd accumulates full gradients);
 - stage 2: ``replica_with_sharded_grad(shard, replica)``: backward reduce-scatters into the shard;
-- stage 3: ``gather_param(shard)``: cast, all-gather, view as the parameter.
+- stage 3: ``gather_param(shard)``: all-gather, view as the parameter, then
+  ``cast_param`` to the compute dtype if that differs (``cast_before_gather`` moves
+  the cast in front of the all-gather).
 
 The inserted op goes right before the parameter's first use, so that a gathered
 parameter is alive only from its first use to its last.
@@ -57,11 +59,17 @@ def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=N
                 out = graph.call_function(param_ops.replica_with_sharded_grad, (
                     new_inputs[0], new_inputs[1], sp.numel, sp.reduce_dtype, group.world, group.name))
             else:
+                # gathered in the shard's dtype, then cast: the cast_before_gather pass moves
+                # the cast in front of the all-gather
                 out = graph.call_function(param_ops.gather_param, (
-                    new_inputs[0], sp.numel, sp.shape, sp.compute_dtype, sp.reduce_dtype,
+                    new_inputs[0], sp.numel, sp.shape, sp.dtype, sp.reduce_dtype,
                     group.world, group.name))
+                if sp.compute_dtype != sp.dtype:
+                    out.meta["zerocompile"] = {"role": _ROLES[sp.stage], "param": sp.name}
+                    out = graph.call_function(param_ops.cast_param, (out, sp.compute_dtype))
+                    out.meta["zerocompile"] = {"role": "gather_cast", "param": sp.name}
         if out is not new_inputs[0]:
-            out.meta["zerocompile"] = {"role": _ROLES[sp.stage], "param": sp.name}
+            out.meta.setdefault("zerocompile", {"role": _ROLES[sp.stage], "param": sp.name})
             if "example_value" in node.meta:
                 out.meta["example_value"] = node.meta["example_value"]
         node.replace_all_uses_with(out)

@@ -1,20 +1,28 @@
 """The pass manager: the ordered list of graph passes for a config, and how they run.
 
-A pass is a function ``(gm, ctx, **inputs) -> gm`` registered here with the graph it
-runs on, what it requires and what it provides. The pipeline for a config is this
-list in order, minus passes that do not apply to the stage and optional passes the
-user disabled by name (``options={"disabled_passes": [...]}``). After each pass the
-graph is linted and recompiled.
+A pass is a function ``(gm, ctx, **inputs) -> gm`` registered here with the graphs it
+runs on (``dynamo``: Dynamo's torch-IR graph; ``joint``: AOTAutograd's joint graph,
+before partitioning; ``forward`` / ``backward``: the partitioned graphs), the stages it
+applies to, what it requires and what it provides. The pipeline for a config is this
+list in order, minus passes that do not apply and optional passes the user disabled
+by name (``options={"passes": {"disable": [...]}}``). ``check_pipeline`` refuses a
+config whose enabled passes require something no earlier enabled pass provides.
+
+After each pass the graph is linted and recompiled, the pass is timed, and, when
+dumping, the graph and a summary are recorded (``ctx.recorder``).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch.fx
 
 from zerocompile.passes.context import PassContext
+
+GRAPH_KINDS = ("dynamo", "joint", "forward", "backward")
 
 
 @dataclass(frozen=True)
@@ -23,34 +31,69 @@ class GraphPass:
 
     name: str
     fn: Callable
-    graph_kind: str  # "dynamo" or "joint"
+    graph_kinds: tuple
+    """Which graphs it runs on, a subset of ``GRAPH_KINDS``."""
     stages: tuple = (0, 1, 2, 3)
     requires: tuple = ()
     provides: tuple = ()
     optional: bool = True
     """Optional passes may be disabled by name; required ones carry the stage semantics."""
     enabled: Callable = lambda config: True
-    """Whether the config asks for this pass (beyond its stage list and ``disabled_passes``)."""
+    """Whether the config asks for this pass (beyond its stage list and the disabled names)."""
+    summary: str = ""
+    """One line for docs and ``zerocompile show``."""
 
 
 def _registry() -> list[GraphPass]:
+    from zerocompile.passes.bucketing import bucketing
+    from zerocompile.passes.cast_before_gather import cast_before_gather
     from zerocompile.passes.cast_forward_inputs import cast_forward_inputs
     from zerocompile.passes.insert_param_collectives import insert_param_collectives
+    from zerocompile.passes.prefetch import prefetch
+    from zerocompile.passes.recompute import recompute
     from zerocompile.passes.reshard_after_forward import reshard_after_forward
+    from zerocompile.passes.selective_unshard import selective_unshard
+    from zerocompile.passes.tag_collectives import tag_collectives
 
     return [
-        GraphPass("insert_param_collectives", insert_param_collectives, "dynamo",
-                  provides=("param_collectives",), optional=False),
-        GraphPass("cast_forward_inputs", cast_forward_inputs, "dynamo",
-                  enabled=lambda config: config.param_dtype is not None),
-        GraphPass("reshard_after_forward", reshard_after_forward, "joint", stages=(3,),
-                  requires=("param_collectives",), provides=("resharded",),
-                  enabled=lambda config: config.reshard_after_forward),
+        GraphPass("insert_param_collectives", insert_param_collectives, ("dynamo",),
+                  provides=("param_collectives",), optional=False,
+                  summary="parameters become shards plus the stage's collectives"),
+        GraphPass("cast_forward_inputs", cast_forward_inputs, ("dynamo",),
+                  enabled=lambda config: config.param_dtype is not None,
+                  summary="cast floating-point inputs to param_dtype"),
+        GraphPass("cast_before_gather", cast_before_gather, ("dynamo",), stages=(3,),
+                  requires=("param_collectives",),
+                  summary="cast shards to param_dtype before the all-gather, not after"),
+        GraphPass("tag_collectives", tag_collectives, ("joint",), requires=("param_collectives",),
+                  provides=("tags",), optional=False,
+                  summary="tag each parameter all-gather / gradient reduce-scatter with its role and parameter"),
+        GraphPass("selective_unshard", selective_unshard, ("joint",), stages=(3,), requires=("tags",),
+                  provides=("unshard_plan",),
+                  enabled=lambda config: config.reshard_after_forward and config.unshard_budget_mb != 0,
+                  summary="keep the parameters worth keeping gathered from forward to backward"),
+        GraphPass("reshard_after_forward", reshard_after_forward, ("joint",), stages=(3,), requires=("tags",),
+                  provides=("resharded",), enabled=lambda config: config.reshard_after_forward,
+                  summary="re-gather the other parameters in backward instead of saving them"),
+        GraphPass("recompute", recompute, ("joint",), requires=("tags",), provides=("recompute_plan",),
+                  enabled=lambda config: config.recompute != "none",
+                  summary="recompute activations in backward instead of saving them"),
+        GraphPass("bucketing", bucketing, ("forward", "backward"), stages=(2, 3), requires=("tags",),
+                  provides=("buckets",), enabled=lambda config: config.bucket_mb > 0,
+                  summary="coalesce consecutive all-gathers / reduce-scatters into flat buckets"),
+        GraphPass("prefetch", prefetch, ("forward", "backward"), stages=(2, 3), requires=("tags",),
+                  enabled=lambda config: config.prefetch,
+                  summary="issue all-gathers early and wait late, within the memory budget"),
     ]
 
 
 def pass_names() -> list[str]:
     return [p.name for p in _registry()]
+
+
+def registered_passes() -> list[GraphPass]:
+    """Every registered pass, in pipeline order."""
+    return _registry()
 
 
 def check_disabled_passes(names: tuple) -> None:
@@ -61,35 +104,65 @@ def check_disabled_passes(names: tuple) -> None:
     for name in names:
         if name not in known:
             raise ZeroConfigError(_unknown_key_message(name, list(known)).replace(
-                "unknown option", "unknown pass in 'disabled_passes':"))
+                "unknown option", "unknown pass in 'passes.disable':"))
         if not known[name].optional:
             raise ZeroConfigError(
                 f"pass '{name}' cannot be disabled: it implements the ZeRO stage itself "
                 "(use stage=0 for plain data parallelism)")
 
 
-def pipeline(ctx: PassContext, graph_kind: str) -> list[GraphPass]:
-    """The passes that run on ``graph_kind`` graphs for this context's config."""
-    cfg = ctx.config
+def _selected(config, graph_kind: str | None = None, passes: list | None = None) -> list[GraphPass]:
     out = []
-    for p in _registry():
-        if p.graph_kind != graph_kind or cfg.stage not in p.stages or p.name in cfg.disabled_passes:
+    for p in _registry() if passes is None else passes:
+        if graph_kind is not None and graph_kind not in p.graph_kinds:
             continue
-        if p.enabled(cfg):
+        if config.stage in p.stages and p.name not in config.disabled_passes and p.enabled(config):
             out.append(p)
     return out
 
 
+def check_pipeline(config, passes: list | None = None) -> None:
+    """Raise ``ZeroConfigError`` if an enabled pass requires what no earlier enabled pass
+    provides. ``passes`` defaults to the registry (tests pass their own)."""
+    from zerocompile.config import ZeroConfigError
+
+    every = _registry() if passes is None else passes
+    provided: dict = {}
+    for p in _selected(config, passes=every):
+        for req in p.requires:
+            if req not in provided:
+                makers = [q.name for q in every if req in q.provides] or ["(none)"]
+                raise ZeroConfigError(
+                    f"pass '{p.name}' requires '{req}', which pass {' or '.join(repr(m) for m in makers)} "
+                    f"provides, but that pass is disabled or does not apply to stage {config.stage}; "
+                    f"enable it or also disable '{p.name}'")
+        for cap in p.provides:
+            provided[cap] = p.name
+
+
+def pipeline(ctx: PassContext, graph_kind: str) -> list[GraphPass]:
+    """The passes that run on ``graph_kind`` graphs for this context's config."""
+    return _selected(ctx.config, graph_kind)
+
+
 def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, graph_kind: str, **inputs) -> torch.fx.GraphModule:
-    """Run the pipeline for ``graph_kind`` on ``gm``, checking requirements, linting after each."""
+    """Run the pipeline for ``graph_kind`` on ``gm``: check requirements, lint, recompile,
+    time and (when dumping) record the graph after each pass."""
     ctx.graph_kind = graph_kind
+    if ctx.recorder is not None:
+        ctx.recorder.record(ctx.frame, graph_kind, "input", gm, 0.0)
     for p in pipeline(ctx, graph_kind):
         missing = [r for r in p.requires if r not in ctx.provided]
         if missing:
             raise RuntimeError(f"zerocompile: pass '{p.name}' requires {missing}, which no earlier pass provided")
+        start = time.perf_counter()
         gm = p.fn(gm, ctx, **inputs) or gm
         gm.graph.lint()
         gm.recompile()
+        elapsed = time.perf_counter() - start
         ctx.provided.update(p.provides)
-        ctx.logger.debug("[%s] after %s: %d nodes", ctx.frame, p.name, len(gm.graph.nodes))
+        ctx.logger.debug("[%s] %s graph after %s: %d nodes, %.1f ms", ctx.frame, graph_kind, p.name,
+                         len(gm.graph.nodes), elapsed * 1e3)
+        if ctx.recorder is not None:
+            ctx.recorder.record(ctx.frame, graph_kind, p.name, gm, elapsed)
     return gm

@@ -76,8 +76,9 @@ def gather_chain(gather: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def tag_parameter_gathers(graph: torch.fx.Graph, policy=CheckpointPolicy.MUST_RECOMPUTE) -> int:
-    """Tag every parameter gather chain with ``policy``; returns the number of gathers tagged."""
-    gathers = parameter_gathers(graph)
+    """Tag every parameter gather chain with ``policy``, except gathers the
+    ``selective_unshard`` pass chose to keep; returns the number of gathers tagged."""
+    gathers = [g for g in parameter_gathers(graph) if not g.meta.get("zerocompile", {}).get("keep_gathered")]
     for gather in gathers:
         for node in gather_chain(gather):
             node.meta["recompute"] = policy
@@ -88,5 +89,6 @@ def tag_parameter_gathers(graph: torch.fx.Graph, policy=CheckpointPolicy.MUST_RE
 
 def reshard_after_forward(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx.GraphModule:
     n = tag_parameter_gathers(gm.graph)
+    ctx.results["reshard_after_forward"] = {"resharded": n}
     ctx.logger.debug("[%s] reshard_after_forward: %d parameter gathers re-gathered in backward", ctx.frame, n)
     return gm

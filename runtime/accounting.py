@@ -78,12 +78,12 @@ class CollectiveSummary:
 
     totals: dict = field(default_factory=lambda: {k: CollectiveTotals() for k in COLLECTIVE_KINDS})
     sequence: list = field(default_factory=list)
-    """``(kind, bytes)`` of each collective in the order the graph issues them."""
+    """``(kind, dtype, bytes)`` of each collective in the order the graph issues them."""
 
-    def add(self, kind: str, nbytes: int, count: int = 1) -> None:
+    def add(self, kind: str, nbytes: int, count: int = 1, dtype: str = "") -> None:
         self.totals[kind].count += count
         self.totals[kind].bytes += nbytes
-        self.sequence.extend([(kind, nbytes // count)] * count)
+        self.sequence.extend([(kind, dtype, nbytes // count)] * count)
 
     def __str__(self) -> str:
         parts = [f"{k}={v.count}x/{v.bytes}B" for k, v in self.totals.items() if v.count]
@@ -98,6 +98,8 @@ class Accounting:
         self.world_size = 1
         self.states: "weakref.WeakSet" = weakref.WeakSet()
         self.optimizers: "weakref.WeakSet" = weakref.WeakSet()
+        self.frames: "weakref.WeakSet" = weakref.WeakSet()
+        """Compiled frames alive (their reports: ``frame_reports()``)."""
 
     def record(self, kind: str, nbytes: int, count: int = 1) -> None:
         self.comm[kind].count += count
@@ -138,3 +140,15 @@ def stats() -> ZeroStats:
 def reset_stats() -> None:
     """Zero the collective counters (memory figures are always current)."""
     ACCOUNTING.reset()
+
+
+def frame_reports() -> list[dict]:
+    """What the pass pipeline decided for each compiled frame still alive in this process:
+    ``{"frame", "compiled_at_ns" (``time.monotonic_ns()`` at compile), "stage", "results",
+    "forward", "backward"}`` where ``results`` holds each
+    pass's report (buckets formed, parameters kept gathered, blocks recomputed, bytes
+    saved for backward...) and ``forward`` / ``backward`` the collectives per run."""
+    out = []
+    for runner in sorted(ACCOUNTING.frames, key=lambda r: r.order):
+        out.append(runner.report())
+    return out

@@ -56,5 +56,6 @@ def run_ranks(fn, world: int, *args) -> list:
                     rec = torch.load(path, weights_only=False)
                     if not rec["ok"]:
                         errors.append(f"rank {r}:\n{rec['error']}")
-            raise AssertionError("\n".join(errors) or str(err)) from None
+            finished = [r for r in range(world) if os.path.exists(os.path.join(outdir, f"{r}.pt"))]
+            raise AssertionError("\n".join(errors) or f"{err} (ranks that had finished: {finished})") from None
         return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False)["result"] for r in range(world)]

@@ -28,6 +28,8 @@ class Run:
     param_dtype: str | None = None
     inner: str = "eager"
     seed: int = 0
+    options: tuple = ()
+    """Extra backend options as ``((key, value), ...)``."""
 
 
 def _micro_batches(run: Run, step: int):
@@ -64,6 +66,7 @@ def zero_train(rank: int, world: int, run: Run) -> dict:
     options = {"stage": run.stage, "inner_compiler": run.inner}
     if run.param_dtype:
         options["param_dtype"] = run.param_dtype
+    options.update(dict(run.options))
     compiled = torch.compile(model, backend="zero", options=options)
     cls, kw = OPTIMIZERS[run.opt]
     opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=cls, **kw)
@@ -84,7 +87,7 @@ def zero_train(rank: int, world: int, run: Run) -> dict:
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "norms": norms, "stats": zerocompile.stats().as_dict(),
-            "state": zerocompile.full_state_dict(compiled)}
+            "state": zerocompile.full_state_dict(compiled), "reports": zerocompile.frame_reports()}
 
 
 def zero_train_many(rank: int, world: int, runs: list) -> list:

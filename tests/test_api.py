@@ -325,11 +325,11 @@ def _fingerprint_worker(rank, world):
     from zerocompile.runtime.fingerprint import check_same_on_all_ranks, fingerprint
 
     group = resolve_group()
-    same = fingerprint([[("all_gather", 64)], [("reduce_scatter", 64)]])
-    check_same_on_all_ranks(same, group, "frame A")                 # equal: passes
-    differs = fingerprint([[("all_gather", 64 if rank == 0 else 128)]])
+    same = [[("all_gather", "float32", 64)], [("reduce_scatter", "float32", 64)]]
+    check_same_on_all_ranks(fingerprint(same), group, "frame A", same)     # equal: passes
+    differs = [[("all_gather", "float32", 64), ("all_gather", "float32", 64 if rank == 0 else 128)], []]
     try:
-        check_same_on_all_ranks(differs, group, "frame B")
+        check_same_on_all_ranks(fingerprint(differs), group, "frame B", differs)
     except RuntimeError as err:
         return str(err)
     return None
@@ -337,6 +337,8 @@ def _fingerprint_worker(rank, world):
 
 def test_ranks_with_different_collective_sequences_fail_loudly():
     messages = run_ranks(_fingerprint_worker, 2)
-    for msg in messages:   # every rank raises, none hangs
+    for msg in messages:   # every rank raises, none hangs, and says where the sequences part
         assert msg is not None and "different collective sequences for frame B" in msg
-        assert "ranks [1]" in msg
+        assert "collective #1 differs" in msg
+        assert "ranks [0] have all_gather of 64 bytes (float32) in the forward graph" in msg
+        assert "ranks [1] have all_gather of 128 bytes (float32) in the forward graph" in msg

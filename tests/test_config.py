@@ -40,14 +40,32 @@ def test_unknown_key_suggests_closest():
     ({"param_dtype": "int8"}, r"option 'param_dtype' = 'int8' is invalid; allowed: 'float32', 'bfloat16', 'float16' or None"),
     ({"param_dtype": torch.float64}, r"option 'param_dtype' = torch.float64 is invalid"),
     ({"reduce_dtype": None}, r"option 'reduce_dtype' = None is invalid; allowed: 'float32', 'bfloat16', 'float16'$"),
-    ({"bucket_mb": 0}, r"option 'bucket_mb' = 0 is invalid; allowed: a number of MiB > 0"),
+    ({"bucket_mb": -1}, r"option 'bucket_mb' = -1 is invalid; allowed: a number of MiB >= 0 \(0 = off\)"),
     ({"bucket_mb": "25"}, r"option 'bucket_mb' = '25' is invalid"),
     ({"inner_compiler": "aot_eager"}, r"option 'inner_compiler' = 'aot_eager' is invalid; allowed: 'inductor', 'eager'"),
     ({"process_group": "world"}, r"option 'process_group' = 'world' is invalid"),
     ({"reshard_after_forward": 1}, r"option 'reshard_after_forward' = 1 is invalid; allowed: True, False"),
     ({"disabled_passes": "reshard_after_forward"}, r"option 'disabled_passes' = 'reshard_after_forward' is invalid"),
-    ({"disabled_passes": ["reshard_after_forwrd"]}, r"unknown pass in 'disabled_passes': 'reshard_after_forwrd'; did you mean 'reshard_after_forward'\?"),
+    ({"disabled_passes": ["reshard_after_forwrd"]}, r"unknown pass in 'passes.disable': 'reshard_after_forwrd'; did you mean 'reshard_after_forward'\?"),
     ({"disabled_passes": ["insert_param_collectives"]}, r"pass 'insert_param_collectives' cannot be disabled"),
+    ({"passes": {"disable": ["prefetc"]}}, r"unknown pass in 'passes.disable': 'prefetc'; did you mean 'prefetch'\?"),
+    ({"passes": {"disable": ["tag_collectives"]}}, r"pass 'tag_collectives' cannot be disabled"),
+    ({"passes": {"enable": ["prefetch"]}}, r"option 'passes' = .* is invalid; allowed: a dict \{'disable': \[pass names\]\}"),
+    ({"passes": {"disable": "prefetch"}}, r"option 'passes.disable' = 'prefetch' is invalid; allowed: a list of pass names"),
+    ({"passes": {"disable": []}, "disabled_passes": []}, r"give disabled passes once"),
+    ({"prefetch": "yes"}, r"option 'prefetch' = 'yes' is invalid; allowed: True, False"),
+    ({"prefetch_mb": -1}, r"option 'prefetch_mb' = -1 is invalid; allowed: a number of MiB >= 0"),
+    ({"unshard_budget_mb": "all"}, r"option 'unshard_budget_mb' = 'all' is invalid; allowed: a number of MiB >= 0, or 'auto'"),
+    ({"unshard_budget_mb": float("nan")}, r"option 'unshard_budget_mb' = nan is invalid"),
+    ({"unshard_budget_mb": "auto"}, r"option 'unshard_budget_mb' = 'auto' needs 'memory_limit_mb'"),
+    ({"memory_limit_mb": "1G"}, r"option 'memory_limit_mb' = '1G' is invalid; allowed: a number of MiB >= 0, or None"),
+    ({"recompute": "selective"}, r"option 'recompute' = 'selective' is invalid; allowed: 'none', 'full', or \{'memory_budget_mb': MiB\}"),
+    ({"recompute": {"budget": 3}}, r"option 'recompute' = \{'budget': 3\} is invalid"),
+    ({"recompute": {"memory_budget_mb": -2}}, r"option 'recompute.memory_budget_mb' = -2 is invalid"),
+    ({"cost_model": "measure"}, r"option 'cost_model' = 'measure' is invalid; allowed: 'probe' or a dict with keys flops_per_s"),
+    ({"cost_model": {"flops": 1e12}}, r"unknown key in option 'cost_model': 'flops'; did you mean 'flops_per_s'\?"),
+    ({"cost_model": {"alpha_us": 0}}, r"option 'cost_model.alpha_us' = 0 is invalid; allowed: a finite number > 0"),
+    ({"dump": 3}, r"option 'dump' = 3 is invalid; allowed: a directory path, or None"),
 ])
 def test_bad_values_name_field_value_and_allowed(options, pattern):
     with pytest.raises(ZeroConfigError, match=pattern):
@@ -121,3 +139,31 @@ def test_fp16_warns_that_there_is_no_loss_scaling(caplog):
     with caplog.at_level("WARNING", logger="zerocompile"):
         ZeroConfig.from_options({"param_dtype": "fp16"})
     assert "no loss scaling" in caplog.text
+
+
+def test_pass_options_are_parsed():
+    cfg = ZeroConfig.from_options({
+        "passes": {"disable": ["prefetch", "bucketing"]}, "bucket_mb": 0, "prefetch_mb": 8,
+        "unshard_budget_mb": "auto", "memory_limit_mb": 512, "recompute": {"memory_budget_mb": 64},
+        "cost_model": {"flops_per_s": 1e12, "alpha_us": 10}, "dump": "/tmp/x"})
+    assert cfg.disabled_passes == ("prefetch", "bucketing") and cfg.bucket_mb == 0
+    assert (cfg.prefetch_mb, cfg.unshard_budget_mb, cfg.memory_limit_mb) == (8, "auto", 512)
+    assert cfg.recompute == {"memory_budget_mb": 64.0}
+    assert cfg.cost_model == {"flops_per_s": 1e12, "alpha_us": 10}
+    assert ZeroConfig.from_options({"unshard_budget_mb": float("inf")}).unshard_budget_mb == float("inf")
+    defaults = ZeroConfig()
+    assert (defaults.prefetch, defaults.unshard_budget_mb, defaults.recompute, defaults.cost_model) == (
+        True, 0.0, "none", "probe")
+
+
+def test_pipeline_that_cannot_be_satisfied_is_refused():
+    from zerocompile.passes.manager import GraphPass, check_pipeline
+
+    noop = lambda gm, ctx, **_: gm  # noqa: E731
+    passes = [GraphPass("make_plan", noop, ("joint",), provides=("plan",)),
+              GraphPass("use_plan", noop, ("forward",), requires=("plan",))]
+    check_pipeline(ZeroConfig(), passes)                      # both on: fine
+    with pytest.raises(ZeroConfigError, match=r"pass 'use_plan' requires 'plan', which pass 'make_plan' provides, "
+                                              r"but that pass is disabled"):
+        check_pipeline(ZeroConfig(), [passes[1]] + [GraphPass("make_plan", noop, ("joint",), provides=("plan",),
+                                                               enabled=lambda config: False)])

@@ -78,14 +78,14 @@ def test_memory_and_communication_match_formulas(stage, world):
             assert 2 * ring * 4 * psi < res["wire"] <= 3 * ring * 4 * psi_padded
 
 
-def _gathered_peak_worker(rank, world, reshard):
+def _gathered_peak_worker(rank, world, reshard, extra=None):
     from models import GPT
 
     torch.manual_seed(0)
     model = GPT(layers=4)
     total = sum(-(-p.numel() // world) * world * 4 for p in model.parameters())
     compiled = torch.compile(model, backend="zero", options={
-        "stage": 3, "inner_compiler": "eager", "reshard_after_forward": reshard})
+        "stage": 3, "inner_compiler": "eager", "reshard_after_forward": reshard, **(extra or {})})
     x, y = make_batch("gpt", 0, 8)
     compiled(x, y).backward()                 # compile outside the measurement
     tracker = GatheredBytes()
@@ -98,9 +98,19 @@ def _gathered_peak_worker(rank, world, reshard):
 def test_stage3_frees_each_gathered_parameter_after_its_last_use(reshard):
     """With resharding, at most about one block's parameters (plus the embeddings, which the
     tied head uses again at the end) are gathered at any time; without it, the forward keeps
-    every gathered parameter for backward."""
-    peak, total = run_ranks(_gathered_peak_worker, 2, reshard)[0]
+    every gathered parameter for backward. (No prefetch here: it gathers ahead on purpose.)"""
+    peak, total = run_ranks(_gathered_peak_worker, 2, reshard, {"prefetch": False, "bucket_mb": 0})[0]
     if reshard:
         assert peak < 0.5 * total, (peak, total)
     else:
         assert peak > 0.9 * total, (peak, total)
+
+
+def test_prefetch_keeps_gathered_bytes_in_flight_within_prefetch_mb():
+    """Prefetching with a small ``prefetch_mb`` gathers ahead by at most that many bytes:
+    the peak of gathered bytes alive stays near the no-prefetch peak, far below the model."""
+    no_prefetch, total = run_ranks(_gathered_peak_worker, 2, True, {"prefetch": False, "bucket_mb": 0})[0]
+    cap_mb = 0.02
+    peak, _ = run_ranks(_gathered_peak_worker, 2, True, {"prefetch_mb": cap_mb, "bucket_mb": 0})[0]
+    assert peak <= no_prefetch + cap_mb * 2**20, (peak, no_prefetch)
+    assert peak < 0.5 * total

@@ -35,7 +35,8 @@ def _dynamo_like_graph():
 
 
 def _ctx(stage, **options):
-    return PassContext(config=ZeroConfig(stage=stage, inner_compiler="eager", **options), group=FAKE, frame="test")
+    return PassContext(config=ZeroConfig.from_options({"stage": stage, "inner_compiler": "eager", **options}),
+                       group=FAKE, frame="test")
 
 
 @pytest.mark.parametrize("stage,op,n_inputs", [
@@ -132,21 +133,27 @@ def test_collective_summary_counts_full_buffer_bytes():
 
 def test_pipeline_follows_stage_and_options():
     names = lambda ctx, kind: [p.name for p in pipeline(ctx, kind)]  # noqa: E731
-    assert names(_ctx(3), "dynamo") == ["insert_param_collectives"]
-    assert names(_ctx(3), "joint") == ["reshard_after_forward"]
-    assert names(_ctx(2), "joint") == []
-    assert names(_ctx(3, reshard_after_forward=False), "joint") == []
-    assert names(_ctx(3, disabled_passes=["reshard_after_forward"]), "joint") == []
+    assert names(_ctx(3), "dynamo") == ["insert_param_collectives", "cast_before_gather"]
+    assert names(_ctx(3), "joint") == ["tag_collectives", "reshard_after_forward"]
+    assert names(_ctx(3), "forward") == ["bucketing", "prefetch"]
+    assert names(_ctx(3), "backward") == ["bucketing", "prefetch"]
+    assert names(_ctx(2), "joint") == ["tag_collectives"]
+    assert names(_ctx(1), "backward") == []
+    assert names(_ctx(3, reshard_after_forward=False), "joint") == ["tag_collectives"]
+    assert names(_ctx(3, passes={"disable": ["reshard_after_forward"]}), "joint") == ["tag_collectives"]
+    assert names(_ctx(3, bucket_mb=0, prefetch=False), "forward") == []
+    assert names(_ctx(3, unshard_budget_mb=4, recompute="full"), "joint") == [
+        "tag_collectives", "selective_unshard", "reshard_after_forward", "recompute"]
 
 
 def test_pass_manager_checks_requirements_and_lints():
     gm = _traced_gather()
-    with pytest.raises(RuntimeError, match=r"pass 'reshard_after_forward' requires \['param_collectives'\]"):
+    with pytest.raises(RuntimeError, match=r"pass 'tag_collectives' requires \['param_collectives'\]"):
         run_passes(gm, _ctx(3), "joint")
     ctx = _ctx(3)
     ctx.provided.add("param_collectives")
     run_passes(gm, ctx, "joint")
-    assert "resharded" in ctx.provided
+    assert {"tags", "resharded"} <= ctx.provided
 
 
 # ------------------------------------------------------------------ fake process group, 4 ranks
@@ -169,7 +176,8 @@ def test_stage3_backward_regathers_only_when_resharding(fake_world, reshard):
 
     model = make_model("mlp")
     compiled = torch.compile(model, backend="zero", options={
-        "stage": 3, "inner_compiler": "eager", "reshard_after_forward": reshard})
+        "stage": 3, "inner_compiler": "eager", "reshard_after_forward": reshard,
+        "bucket_mb": 0})  # one collective per parameter, as counted below
     x, y = make_batch("mlp", 0, 4)
     loss = compiled(x, y)
     zerocompile.reset_stats()

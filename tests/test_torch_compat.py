@@ -69,3 +69,20 @@ def test_min_cut_partition_honours_recompute_tags():
     fn(torch.randn(4, requires_grad=True)).backward()
     assert any(n.target is torch.ops.aten.cos.default for n in graphs["bw"].graph.nodes), \
         "the partitioner no longer recomputes MUST_RECOMPUTE nodes in backward"
+
+
+def test_fake_process_group_of_n_ranks():
+    import pytest
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+        _torch_compat.init_fake_process_group(0)
+    _torch_compat.init_fake_process_group(8)
+    try:
+        assert (dist.get_rank(), dist.get_world_size()) == (0, 8)
+        c10d = torch.ops._c10d_functional
+        out = c10d.wait_tensor(c10d.all_gather_into_tensor(torch.arange(3.0), 8, dist.group.WORLD.group_name))
+        assert out.shape == (24,), "the fake group's all-gather no longer returns world_size x the input"
+    finally:
+        dist.destroy_process_group()
+    assert not dist.is_initialized()

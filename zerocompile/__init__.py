@@ -7,11 +7,11 @@
 from zerocompile.backend import zero_backend
 from zerocompile.config import ZeroConfig, ZeroConfigError
 from zerocompile.optimizer import ZeroOptimizer
-from zerocompile.runtime.accounting import ZeroStats, reset_stats, stats
+from zerocompile.runtime.accounting import ZeroStats, frame_reports, reset_stats, stats
 from zerocompile.state_dict import full_state_dict, gathered_parameters
 
 __all__ = [
-    "ZeroConfig", "ZeroConfigError", "ZeroOptimizer", "ZeroStats", "full_state_dict",
+    "ZeroConfig", "ZeroConfigError", "ZeroOptimizer", "ZeroStats", "frame_reports", "full_state_dict",
     "gathered_parameters", "reset_stats", "stats", "zero_backend",
 ]
 __version__ = "0.1.0"

@@ -155,3 +155,20 @@ def root_module(source):
         return None
     obj = frame_root_object(path[0][1])
     return obj if isinstance(obj, torch.nn.Module) else None
+
+
+# Why private: torch's "fake" c10d backend is registered only when
+# ``torch.testing._internal.distributed.fake_pg`` is imported (without it, init_process_group
+# raises "Unknown c10d backend type FAKE"), and that module also holds its ``FakeStore``.
+def init_fake_process_group(world_size: int) -> None:
+    """Initialise torch.distributed's default group as torch's fake process group of
+    ``world_size`` ranks, this process being rank 0 (``zerocompile dump --world-size``).
+
+    Its collectives move no data (an all-gather repeats this rank's input), so one process
+    builds and runs the graphs of an N-rank job, shapes and collective sizes included.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)

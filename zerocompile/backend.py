@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
+import os
+
 from zerocompile.capture import compile_frame
 from zerocompile.config import ZeroConfig, ZeroConfigError
+
+log = logging.getLogger("zerocompile")
 
 
 def zero_backend(gm, example_inputs, options=None, mode=None, **kwargs):
@@ -14,5 +21,25 @@ def zero_backend(gm, example_inputs, options=None, mode=None, **kwargs):
         raise ZeroConfigError(
             f"torch.compile mode={mode!r} is not supported by the 'zero' backend; "
             "use options={...} (see docs/config.md)")
-    cfg = ZeroConfig.from_options(options)
+    cfg = ZeroConfig.from_options(_with_environment_options(options))
     return compile_frame(gm, example_inputs, cfg)
+
+
+def _with_environment_options(options):
+    """``options`` updated with the JSON object in ``ZEROCOMPILE_OPTIONS`` (set by
+    ``zerocompile dump --options``): the environment's keys win."""
+    text = os.environ.get("ZEROCOMPILE_OPTIONS")
+    if not text:
+        return options
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ZeroConfigError(f"environment variable ZEROCOMPILE_OPTIONS is not valid JSON: {err}") from None
+    if not isinstance(extra, dict):
+        raise ZeroConfigError("environment variable ZEROCOMPILE_OPTIONS must hold a JSON object, e.g. '{\"stage\": 3}'")
+    if isinstance(options, ZeroConfig):
+        options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    merged = {**(options or {}), **extra}
+    if extra:
+        log.info("options from ZEROCOMPILE_OPTIONS override the script's: %s", sorted(extra))
+    return merged

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -22,9 +23,13 @@ import torch.fx
 
 from zerocompile import _torch_compat
 from zerocompile.config import ZeroConfig
+from zerocompile.dump import recorder_for
 from zerocompile.passes.collective_summary import summarize_collectives
 from zerocompile.passes.context import PassContext
-from zerocompile.passes.manager import run_passes
+from zerocompile.passes.cost_model import cost_model_for
+from zerocompile.passes.liveness import saved_activation_bytes
+from zerocompile.passes.manager import pipeline, run_passes
+from zerocompile.runtime import param_ops
 from zerocompile.runtime.accounting import ACCOUNTING, CollectiveSummary
 from zerocompile.runtime.comm import CommGroup, resolve_group
 from zerocompile.runtime.eager_fallback import eager_only_parameters, install_eager_fallback
@@ -43,8 +48,12 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         self.forward_summary: CollectiveSummary | None = None
 
     def __call__(self, gm, joint_inputs, **kwargs):
+        self.ctx.num_fwd_outputs = kwargs.get("num_fwd_outputs", 0)
         gm = run_passes(gm, self.ctx, "joint")
         fw, bw = _torch_compat.min_cut_partition(gm, joint_inputs, **kwargs)
+        self.ctx.results["saved_activation_bytes"] = saved_activation_bytes(fw.graph, self.ctx.num_fwd_outputs)
+        fw = run_passes(fw, self.ctx, "forward")
+        bw = run_passes(bw, self.ctx, "backward")
         self.forward_summary = summarize_collectives(fw.graph)
         self.backward_summary = summarize_collectives(bw.graph)
         log.debug("[%s] forward: %s; backward: %s", self.ctx.frame, self.forward_summary,
@@ -55,6 +64,11 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         # inductor deep-copies its config (which holds this object) when it snapshots it;
         # the context holds a process group, which cannot be copied, and need not be
         return self
+
+    def __reduce__(self):
+        # inductor's FX-graph cache key pickles its config, which holds this object; what
+        # identifies it is its uuid (the pass code and options), not the context's tensors
+        return (str, (self.uuid(),))
 
     def uuid(self):
         import zerocompile.passes
@@ -67,7 +81,8 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         for f in files:
             digest.update(f.read_bytes())
         cfg = self.ctx.config
-        digest.update(repr((cfg.stage, cfg.reshard_after_forward, cfg.disabled_passes)).encode())
+        digest.update(repr(sorted((k, v) for k, v in vars(cfg).items() if k != "process_group")).encode())
+        digest.update(repr(self.ctx.cost_model).encode())
         return digest.hexdigest()
 
 
@@ -85,6 +100,18 @@ class FrameRunner:
         # tracing: a hook appearing mid-trace changes the path of Dynamo's restarted analysis
         self._roots_without_hooks = roots
         self._checked = False
+        self.order = time.monotonic_ns()  # compile order, for frame_reports()
+        ACCOUNTING.frames.add(self)
+
+    def report(self) -> dict:
+        """This frame's pass results and collectives (``zerocompile.frame_reports()``)."""
+        ctx = self.partitioner.ctx
+        fw = self.partitioner.forward_summary or self.inference_summary
+        return {"frame": self.frame, "compiled_at_ns": self.order, "stage": ctx.config.stage,
+                "results": dict(ctx.results),
+                "forward": {k: {"count": t.count, "bytes": t.bytes} for k, t in fw.totals.items()},
+                "backward": {k: {"count": t.count, "bytes": t.bytes}
+                             for k, t in self.partitioner.backward_summary.totals.items()}}
 
     def _first_run(self) -> None:
         for root in self._roots_without_hooks:
@@ -92,8 +119,8 @@ class FrameRunner:
         self._roots_without_hooks = []
         summaries = [self.partitioner.forward_summary or self.inference_summary,
                      self.partitioner.backward_summary]
-        check_same_on_all_ranks(fingerprint(s.sequence for s in summaries), self.partitioner.ctx.group,
-                                self.frame)
+        sequences = [s.sequence for s in summaries]
+        check_same_on_all_ranks(fingerprint(sequences), self.partitioner.ctx.group, self.frame, sequences)
         self._checked = True
 
     def __call__(self, *args):
@@ -196,7 +223,10 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     sources = [_torch_compat.placeholder_source(node) for node in placeholders]
     plans, roots = _param_states(placeholders, sources, example_inputs, cfg, group)
-    ctx = PassContext(config=cfg, group=group, frame=frame)
+    ctx = PassContext(config=cfg, group=group, frame=frame, recorder=recorder_for(cfg, group))
+    if _needs_cost_model(ctx):
+        ctx.cost_model = cost_model_for(cfg.cost_model, group)
+        log.debug("[%s] cost model: %s", frame, ctx.cost_model)
     kinds = [_torch_compat.input_kind(source, ex) for source, ex in zip(sources, example_inputs)]
     gm = run_passes(gm, ctx, "dynamo", plans=plans, input_kinds=kinds)
     new_inputs = []
@@ -204,12 +234,14 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     for ex, sp in zip(example_inputs, plans):
         if sp is None:
             new_inputs.append(ex)
+            ctx.primal_params.append(None)
             continue
         for t in sp.graph_inputs():
             # shards and replicas are new to Dynamo: give AOTAutograd static-shape fakes, or it
             # would invent size symbols no guard can be built for
             new_inputs.append(t if t is ex or fake_mode is None else fake_mode.from_tensor(t, static_shapes=True))
-    inference_summary = _inference_summary(plans)
+            ctx.primal_params.append(sp)
+    inference_summary = _inference_summary(gm.graph)
     partitioner = ZeroPartitioner(ctx)
     log.info("[%s] %d parameters (stage %d, world %d) -> %s", frame,
              sum(p is not None for p in plans), cfg.stage, group.world, cfg.inner_compiler)
@@ -234,12 +266,20 @@ def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return copy
 
 
-def _inference_summary(plans) -> CollectiveSummary:
-    """Forward collectives of a frame compiled without autograd (no partition to summarise):
-    the rewrite inserted one all-gather per stage-3 parameter and nothing else."""
+def _needs_cost_model(ctx: PassContext) -> bool:
+    """Whether a pass in this config's pipeline weighs costs (and the probe is worth running)."""
+    names = {p.name for kind in ("joint", "forward", "backward") for p in pipeline(ctx, kind)}
+    return bool(names & {"prefetch", "selective_unshard", "recompute"})
+
+
+def _inference_summary(graph: torch.fx.Graph) -> CollectiveSummary:
+    """Forward collectives of a frame run without autograd (AOTAutograd compiles an
+    inference graph and no partition happens to summarise): one all-gather per
+    ``gather_param`` of the rewritten Dynamo graph, in the dtype it gathers in."""
     summary = CollectiveSummary()
-    for sp in plans:
-        if sp is not None and sp.stage == 3 and sp.group.world > 1:
-            elem = torch.empty((), dtype=sp.compute_dtype).element_size()
-            summary.add("all_gather", sp.padded_numel * elem)
+    for node in graph.find_nodes(op="call_function", target=param_ops.gather_param):
+        _, numel, _, dtype, _, world, _ = node.args
+        if world > 1:
+            elem = torch.empty((), dtype=dtype).element_size()
+            summary.add("all_gather", -(-numel // world) * world * elem, dtype=str(dtype).removeprefix("torch."))
     return summary

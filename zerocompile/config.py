@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
+import os
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -44,9 +46,12 @@ class ZeroConfig:
     """Dtype gradients are reduced (reduce-scattered / all-reduced) in."""
 
     bucket_mb: float = 25.0
-    """Size cap, in MiB, of one fused collective. The optimizer-step collectives (stage 1
-    reduce-scatter of accumulated gradients, stage 1/2 all-gather of updated parameters)
-    are grouped into buckets of at most this size."""
+    """Size cap, in MiB, of one fused collective. The ``bucketing`` pass coalesces consecutive
+    all-gathers (forward and backward) and reduce-scatters of the compiled graphs into flat
+    buckets of at most this size (the first bucket of a graph is smaller, so its wait is
+    short); the optimizer-step collectives (stage 1 reduce-scatter of accumulated gradients,
+    stage 1/2 all-gather of updated parameters) are grouped the same way. 0 turns bucketing
+    off: one collective per parameter."""
 
     inner_compiler: str = "inductor"
     """What compiles the rewritten forward/backward graphs: ``"inductor"`` (C++ on CPUs,
@@ -60,8 +65,49 @@ class ZeroConfig:
     """Stage 3 only: free gathered parameters after forward and gather them again in backward
     (ZeRO-3). False keeps them from forward to backward (fewer all-gathers, more memory)."""
 
+    prefetch: bool = True
+    """Start each all-gather early and wait for it late, so communication overlaps compute
+    (the ``prefetch`` pass); in backward, re-gathers are prefetched in backward order and
+    reduce-scatters are waited for one bucket later."""
+
+    prefetch_mb: float = 50.0
+    """Most MiB of prefetched all-gather outputs in flight at once (gathered ahead of their
+    first use). The liveness simulation also keeps the graph's peak within
+    ``memory_limit_mb`` when that is set."""
+
+    unshard_budget_mb: float | str = 0.0
+    """Stage 3 only (``selective_unshard`` pass): MiB per rank of gathered parameters that may
+    stay gathered from forward to backward, so backward need not gather them again. 0 =
+    reshard everything (ZeRO-3); a number = keep the parameters that save the most time per
+    byte up to that many MiB (``float("inf")``: keep all, which moves as few bytes as stage
+    2); ``"auto"`` = as many as fit under ``memory_limit_mb`` by the liveness simulation."""
+
+    memory_limit_mb: float | None = None
+    """MiB per rank that the simulated peak of a compiled graph's transient tensors
+    (activations, gathered parameters, communication buffers; not the persistent shards,
+    gradients and optimizer state) may reach. Drives ``unshard_budget_mb="auto"`` and bounds
+    prefetching. None = no limit."""
+
+    recompute: str | dict = "none"
+    """Activation recompute (``recompute`` pass): ``"none"``; ``"full"`` = save only the inputs
+    of each block (each numbered submodule such as ``layers.3``) and recompute the rest in
+    backward; ``{"memory_budget_mb": X}`` = recompute the blocks that free the most bytes per
+    unit of recompute cost until the activations saved for backward fit in X MiB per rank."""
+
+    cost_model: str | dict = "probe"
+    """Rates the passes use to weigh compute against communication: ``"probe"`` times a
+    matmul and two all-gathers once per frame compile (the slowest rank's figures are used on
+    every rank), or a dict ``{"flops_per_s": ..., "alpha_us": ..., "bandwidth_gbps": ...,
+    "memory_gbps": ...}`` (missing keys take defaults) for reproducible decisions."""
+
+    dump: str | None = None
+    """Directory to write every frame's graphs (before the pipeline and after each pass)
+    and per-pass summaries to; read them with ``zerocompile show DIR``. The environment
+    variable ``ZEROCOMPILE_DUMP`` sets it when this option is not given."""
+
     disabled_passes: tuple = field(default_factory=tuple)
-    """Names of optional graph passes to skip (see docs/config.md for the list)."""
+    """Names of optional graph passes to skip (see docs/passes.md). Also given as
+    ``options={"passes": {"disable": [...]}}``."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -84,9 +130,12 @@ class ZeroConfig:
                 raise ZeroConfigError(
                     f"option '{key}' is given both directly and through a DeepSpeed key; give it once")
             options = {**translated, **own}
+        if "passes" in options:
+            options = dict(options)
+            options.update(_parse_passes_option(options.pop("passes"), options.get("disabled_passes")))
         for key in options:
             if key not in names:
-                raise ZeroConfigError(_unknown_key_message(key, names))
+                raise ZeroConfigError(_unknown_key_message(key, names + ["passes"]))
         cfg = cls(**options)
         return cfg
 
@@ -97,9 +146,9 @@ class ZeroConfig:
         object.__setattr__(self, "param_dtype", _parse_dtype("param_dtype", self.param_dtype, True))
         object.__setattr__(self, "reduce_dtype", _parse_dtype("reduce_dtype", self.reduce_dtype, False))
         bucket = self.bucket_mb
-        if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not bucket > 0:
+        if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not bucket >= 0:
             raise ZeroConfigError(
-                f"option 'bucket_mb' = {bucket!r} is invalid; allowed: a number of MiB > 0")
+                f"option 'bucket_mb' = {bucket!r} is invalid; allowed: a number of MiB >= 0 (0 = off)")
         if self.inner_compiler not in INNER_COMPILERS:
             raise ZeroConfigError(
                 f"option 'inner_compiler' = {self.inner_compiler!r} is invalid; "
@@ -113,17 +162,85 @@ class ZeroConfig:
             raise ZeroConfigError(
                 f"option 'reshard_after_forward' = {self.reshard_after_forward!r} is invalid; "
                 "allowed: True, False")
+        if not isinstance(self.prefetch, bool):
+            raise ZeroConfigError(f"option 'prefetch' = {self.prefetch!r} is invalid; allowed: True, False")
+        _check_mb("prefetch_mb", self.prefetch_mb)
+        if self.unshard_budget_mb != "auto":
+            _check_mb("unshard_budget_mb", self.unshard_budget_mb, extra=", or 'auto'")
+        if self.memory_limit_mb is not None:
+            _check_mb("memory_limit_mb", self.memory_limit_mb, extra=", or None")
+        if self.unshard_budget_mb == "auto" and self.memory_limit_mb is None:
+            raise ZeroConfigError(
+                "option 'unshard_budget_mb' = 'auto' needs 'memory_limit_mb' (the per-rank MiB the "
+                "simulated peak may reach); set it, or give unshard_budget_mb a number of MiB")
+        object.__setattr__(self, "recompute", _parse_recompute(self.recompute))
+        object.__setattr__(self, "cost_model", _parse_cost_model(self.cost_model))
+        if self.dump is not None and not isinstance(self.dump, (str, os.PathLike)):
+            raise ZeroConfigError(f"option 'dump' = {self.dump!r} is invalid; allowed: a directory path, or None")
         passes = self.disabled_passes
         if isinstance(passes, str) or not all(isinstance(p, str) for p in passes):
             raise ZeroConfigError(
                 f"option 'disabled_passes' = {passes!r} is invalid; allowed: a list of pass names")
-        from zerocompile.passes.manager import check_disabled_passes  # avoid an import cycle
+        from zerocompile.passes.manager import check_disabled_passes, check_pipeline  # avoid an import cycle
         check_disabled_passes(tuple(passes))
         object.__setattr__(self, "disabled_passes", tuple(passes))
+        check_pipeline(self)
         if self.param_dtype is torch.float16:
             logging.getLogger("zerocompile").warning(
                 "param_dtype float16: zerocompile does no loss scaling; scale the loss yourself "
                 "(torch.amp.GradScaler does not apply to ZeroOptimizer) or use bfloat16")
+
+
+def _check_mb(name: str, value, extra: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+        raise ZeroConfigError(f"option '{name}' = {value!r} is invalid; allowed: a number of MiB >= 0{extra}")
+
+
+def _parse_passes_option(value, disabled_passes) -> dict:
+    """``passes={"disable": [...]}`` -> ``{"disabled_passes": (...)}``."""
+    if not isinstance(value, dict) or set(value) - {"disable"}:
+        raise ZeroConfigError(
+            f"option 'passes' = {value!r} is invalid; allowed: a dict {{'disable': [pass names]}}")
+    if disabled_passes is not None:
+        raise ZeroConfigError("give disabled passes once: either 'passes': {'disable': [...]} or 'disabled_passes'")
+    names = value.get("disable", ())
+    if isinstance(names, str):
+        raise ZeroConfigError(f"option 'passes.disable' = {names!r} is invalid; allowed: a list of pass names")
+    return {"disabled_passes": tuple(names)}
+
+
+_RECOMPUTE_MODES = ("none", "full")
+
+
+def _parse_recompute(value):
+    if value in _RECOMPUTE_MODES:
+        return value
+    if isinstance(value, dict) and set(value) == {"memory_budget_mb"}:
+        budget = value["memory_budget_mb"]
+        _check_mb("recompute.memory_budget_mb", budget)
+        return {"memory_budget_mb": float(budget)}
+    raise ZeroConfigError(
+        f"option 'recompute' = {value!r} is invalid; allowed: 'none', 'full', or "
+        "{'memory_budget_mb': MiB}")
+
+
+_COST_MODEL_KEYS = ("flops_per_s", "alpha_us", "bandwidth_gbps", "memory_gbps")
+
+
+def _parse_cost_model(value):
+    if value == "probe":
+        return value
+    if isinstance(value, dict):
+        for key, v in value.items():
+            if key not in _COST_MODEL_KEYS:
+                raise ZeroConfigError(_unknown_key_message(key, list(_COST_MODEL_KEYS)).replace(
+                    "unknown option", "unknown key in option 'cost_model':"))
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isinf(v):
+                raise ZeroConfigError(f"option 'cost_model.{key}' = {v!r} is invalid; allowed: a finite number > 0")
+        return dict(value)
+    raise ZeroConfigError(
+        f"option 'cost_model' = {value!r} is invalid; allowed: 'probe' or a dict with keys "
+        f"{', '.join(_COST_MODEL_KEYS)}")
 
 
 def _unknown_key_message(key, names) -> str:

@@ -1,0 +1,187 @@
+"""Pass (forward and backward graphs, stages 2 and 3): coalesce collectives into buckets.
+
+One collective per parameter pays the collective's latency once per parameter. This
+pass merges runs of consecutive tagged collectives of the same kind, dtype and group
+into one collective on a flat bucket of at most ``bucket_mb``:
+
+- parameter all-gathers (``param_gather``: forward, and backward re-gathers): the
+  shards are concatenated (``cat``), gathered once, and each parameter's full flat
+  tensor is copied out of the ``[world, bucket]`` result (``bucket_unpack``). The
+  bucket is gathered where its first member was, so later members arrive early. The
+  first bucket of a graph holds at most an eighth of ``bucket_mb`` (and at least one
+  parameter), so the first wait, which nothing can overlap, is short.
+- gradient reduce-scatters (``grad_reduce_scatter``): each padded flat gradient is
+  viewed as ``[world, chunk]``, the rows are concatenated along dim 1, reduced once,
+  and each parameter's chunk is a slice of the result. The bucket is reduced where its
+  last member's gradient is ready.
+
+Members keep graph order (in forward that is first-use order, the same on every rank).
+The values are bitwise those of the unbucketed collectives: concatenation and
+slicing copy elements, and each element is reduced over the same ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from zerocompile.passes.context import PassContext
+from zerocompile.passes.graph_utils import call, set_tag, stable_topological_sort, tag, tensor_nbytes
+
+_c10d = torch.ops._c10d_functional
+_aten = torch.ops.aten
+_MB = 2**20
+FIRST_BUCKET_FRACTION = 1 / 8
+
+
+@dataclass
+class Member:
+    """One per-parameter collective: the collective node, its input and its wait."""
+
+    coll: torch.fx.Node
+    inp: torch.fx.Node
+    wait: torch.fx.Node
+    nbytes: int
+
+    @property
+    def key(self) -> tuple:
+        val = self.inp.meta["val"]
+        return (val.dtype, *self.coll.args[1:])  # dtype, (reduce op,) world, group name
+
+
+@dataclass
+class Bucket:
+    members: list = field(default_factory=list)
+    nbytes: int = 0
+
+
+def _members(graph: torch.fx.Graph, role: str) -> list[Member]:
+    out = []
+    for node in graph.nodes:
+        if tag(node).get("role") != role:
+            continue
+        waits = [u for u in node.users if u.target is _c10d.wait_tensor.default]
+        if len(waits) != 1 or len(node.users) != 1:
+            continue
+        size_of = node if role == "param_gather" else node.args[0]
+        out.append(Member(node, node.args[0], waits[0], tensor_nbytes(size_of.meta["val"])))
+    return out
+
+
+def plan_buckets(members: list[Member], cap_bytes: int, first_cap_bytes: int | None = None) -> list[Bucket]:
+    """Group consecutive members with the same key into buckets of at most ``cap_bytes``
+    (the first at most ``first_cap_bytes``); a member larger than the cap is alone."""
+    buckets: list[Bucket] = []
+    for m in members:
+        cur = buckets[-1] if buckets else None
+        cap = first_cap_bytes if first_cap_bytes is not None and len(buckets) == 1 else cap_bytes
+        if cur is None or cur.members[-1].key != m.key or cur.nbytes + m.nbytes > cap:
+            buckets.append(Bucket())
+            cur = buckets[-1]
+        cur.members.append(m)
+        cur.nbytes += m.nbytes
+    return buckets
+
+
+def _input_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """``node`` and the non-placeholder nodes it is computed from (in graph order)."""
+    chain, frontier = [], [node]
+    while frontier:
+        cur = frontier.pop()
+        if cur.op == "placeholder" or cur in chain:
+            continue
+        chain.append(cur)
+        frontier.extend(cur.all_input_nodes)
+    return chain
+
+
+def _bucket_gathers(graph: torch.fx.Graph, bucket: Bucket, bucket_id: str) -> None:
+    members = bucket.members
+    first = members[0].coll
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    # the members' inputs are casts/views of shards: move them up to the bucket
+    moved = sorted({n for m in members for n in _input_chain(m.inp)}, key=order.__getitem__)
+    for node in moved:
+        if order[node] > order[first]:
+            first.prepend(node)
+    world, group_name = first.args[1], first.args[2]
+    names = [tag(m.coll).get("param") for m in members]
+    with graph.inserting_before(first):
+        packed = call(graph, _aten.cat.default, ([m.inp for m in members],), role="bucket_pack", bucket=bucket_id)
+        gathered = call(graph, _c10d.all_gather_into_tensor.default, (packed, world, group_name),
+                        role="bucket_gather", params=names, bucket=bucket_id)
+        waited = call(graph, _c10d.wait_tensor.default, (gathered,), role="bucket_gather_wait", bucket=bucket_id)
+        total = packed.meta["val"].shape[0]
+        rows = call(graph, _aten.view.default, (waited, [world, total]), role="bucket_rows", bucket=bucket_id)
+        offset = 0
+        for m, name in zip(members, names):
+            chunk = m.inp.meta["val"].shape[0]
+            part = call(graph, _aten.slice.Tensor, (rows, 1, offset, offset + chunk), role="bucket_rows",
+                        bucket=bucket_id)
+            copy = call(graph, _aten.clone.default, (part,), {"memory_format": torch.contiguous_format},
+                        role="bucket_unpack", param=name, bucket=bucket_id)
+            flat = call(graph, _aten.view.default, (copy, [world * chunk]), role="bucket_unpack", param=name,
+                        bucket=bucket_id)
+            m.wait.replace_all_uses_with(flat)
+            offset += chunk
+    for m in members:
+        graph.erase_node(m.wait)
+        graph.erase_node(m.coll)
+
+
+def _bucket_reduce_scatters(graph: torch.fx.Graph, bucket: Bucket, bucket_id: str) -> None:
+    members = bucket.members
+    last = members[-1].coll
+    _, reduce_op, world, group_name = last.args
+    names = [tag(m.coll).get("param") for m in members]
+    with graph.inserting_before(last):
+        rows = [call(graph, _aten.view.default, (m.inp, [world, m.inp.meta["val"].shape[0] // world]),
+                     role="bucket_pack", bucket=bucket_id) for m in members]
+        packed = call(graph, _aten.cat.default, (rows, 1), role="bucket_pack", bucket=bucket_id)
+        total = packed.meta["val"].shape[1]
+        flat = call(graph, _aten.view.default, (packed, [world * total]), role="bucket_pack", bucket=bucket_id)
+        reduced = call(graph, _c10d.reduce_scatter_tensor.default, (flat, reduce_op, world, group_name),
+                       role="bucket_reduce_scatter", params=names, bucket=bucket_id)
+        waited = call(graph, _c10d.wait_tensor.default, (reduced,), role="bucket_reduce_scatter_wait",
+                      bucket=bucket_id)
+        offset = 0
+        for m, name in zip(members, names):
+            chunk = m.inp.meta["val"].shape[0] // world
+            part = call(graph, _aten.slice.Tensor, (waited, 0, offset, offset + chunk), role="bucket_unpack",
+                        param=name, bucket=bucket_id)
+            m.wait.replace_all_uses_with(part)
+            offset += chunk
+    for m in members:
+        graph.erase_node(m.wait)
+        graph.erase_node(m.coll)
+
+
+def bucket_collectives(graph: torch.fx.Graph, cap_bytes: int, prefix: str) -> dict:
+    """Bucket the tagged all-gathers and reduce-scatters of ``graph``; returns counts."""
+    report = {}
+    for role, first_fraction, rewrite, kind in (
+            ("param_gather", FIRST_BUCKET_FRACTION, _bucket_gathers, "all_gather"),
+            ("grad_reduce_scatter", None, _bucket_reduce_scatters, "reduce_scatter")):
+        members = _members(graph, role)
+        first_cap = max(1, int(cap_bytes * first_fraction)) if first_fraction else None
+        buckets = plan_buckets(members, cap_bytes, first_cap)
+        for i, bucket in enumerate(buckets):
+            bucket_id = f"{prefix}{kind}.{i}"
+            if len(bucket.members) > 1:
+                rewrite(graph, bucket, bucket_id)
+            else:
+                set_tag(bucket.members[0].coll, bucket=bucket_id)
+        report[kind] = {"before": len(members), "after": len(buckets),
+                        "bucket_bytes": [b.nbytes for b in buckets]}
+    stable_topological_sort(graph)
+    return report
+
+
+def bucketing(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx.GraphModule:
+    prefix = "fw." if ctx.graph_kind == "forward" else "bw."
+    report = bucket_collectives(gm.graph, int(ctx.config.bucket_mb * _MB), prefix)
+    ctx.results.setdefault("bucketing", {})[ctx.graph_kind] = report
+    ctx.logger.debug("[%s] bucketing (%s): %s", ctx.frame, ctx.graph_kind, report)
+    return gm

@@ -1,0 +1,146 @@
+"""Analysis: a cost model that weighs compute against communication.
+
+- Compute: an op takes ``max(flops / flops_per_s, bytes touched / memory bytes_per_s)``;
+  FLOPs come from ``torch.utils.flop_counter``'s formulas (matmuls, convolutions,
+  attention), bytes touched are the op's inputs plus outputs. Views and collectives
+  cost no compute.
+- Communication: the alpha-beta model, ``alpha + wire bytes / bandwidth``, where wire
+  bytes are what a ring algorithm sends per rank (``(N-1)/N`` of the full buffer;
+  twice that for an all-reduce).
+
+The rates come from the config (``cost_model={...}``) or from ``probe()``, which times
+a matmul, a memory-bound op and two all-gathers, then takes the slowest rank's figures
+(an all-reduce MAX), so every rank holds the same model and makes the same decisions.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch.utils.flop_counter import flop_registry
+
+from zerocompile.passes.graph_utils import COLLECTIVE_OPS, tensor_nbytes
+from zerocompile.passes.liveness import _is_view, _tensors
+from zerocompile.runtime.comm import CommGroup, all_gather_flat
+
+_DEFAULTS = {"flops_per_s": 5e10, "alpha_us": 50.0, "bandwidth_gbps": 2.0, "memory_gbps": 10.0}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Rates of one rank (identical on every rank)."""
+
+    flops_per_s: float = _DEFAULTS["flops_per_s"]
+    """Floating-point operations per second of matmul-like ops."""
+    alpha_s: float = _DEFAULTS["alpha_us"] * 1e-6
+    """Latency of one collective, seconds."""
+    bandwidth: float = _DEFAULTS["bandwidth_gbps"] * 1e9
+    """Bytes per second one rank sends in a collective."""
+    memory_bandwidth: float = _DEFAULTS["memory_gbps"] * 1e9
+    """Bytes per second a memory-bound op reads and writes."""
+
+    @classmethod
+    def from_rates(cls, rates: dict) -> "CostModel":
+        r = {**_DEFAULTS, **rates}
+        return cls(flops_per_s=float(r["flops_per_s"]), alpha_s=float(r["alpha_us"]) * 1e-6,
+                   bandwidth=float(r["bandwidth_gbps"]) * 1e9, memory_bandwidth=float(r["memory_gbps"]) * 1e9)
+
+    def as_dict(self) -> dict:
+        return {"flops_per_s": self.flops_per_s, "alpha_us": self.alpha_s * 1e6,
+                "bandwidth_gbps": self.bandwidth / 1e9, "memory_gbps": self.memory_bandwidth / 1e9}
+
+    # -------------------------------------------------------------------- estimates
+    def collective_time(self, kind: str, nbytes: int, world: int) -> float:
+        """Seconds for one collective of ``kind`` over a full buffer of ``nbytes``."""
+        if world <= 1:
+            return 0.0
+        wire = nbytes * (world - 1) / world * (2 if kind == "all_reduce" else 1)
+        return self.alpha_s + wire / self.bandwidth
+
+    def node_time(self, node: torch.fx.Node) -> float:
+        """Estimated compute seconds of one graph node (0 for views, collectives, inputs)."""
+        if node.op != "call_function" or node.target in COLLECTIVE_OPS or _is_view(node):
+            return 0.0
+        flops = node_flops(node)
+        moved = sum(tensor_nbytes(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
+        moved += sum(tensor_nbytes(t) for t in _tensors(node.meta.get("val")))
+        return max(flops / self.flops_per_s, moved / self.memory_bandwidth)
+
+
+def node_flops(node: torch.fx.Node) -> int:
+    """FLOPs of a node by ``torch.utils.flop_counter``'s formulas (0 for ops without one)."""
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet not in flop_registry:
+        return 0
+
+    def val(a):
+        if isinstance(a, torch.fx.Node):
+            return a.meta.get("val")
+        if isinstance(a, (list, tuple)):
+            return type(a)(val(x) for x in a)
+        return a
+
+    try:
+        return int(flop_registry[packet](*val(node.args), **{k: val(v) for k, v in node.kwargs.items()},
+                                         out_val=node.meta.get("val")))
+    except Exception:  # noqa: BLE001 - a formula that cannot read symbolic shapes: no estimate
+        return 0
+
+
+def probe(group: CommGroup, repeats: int = 3) -> CostModel:
+    """Measure the rates on this machine; every rank returns the slowest rank's figures."""
+    a = torch.randn(256, 256)
+    best_mm = best_copy = float("inf")
+    big = torch.randn(1 << 22)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ a
+        best_mm = min(best_mm, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        big.clone()
+        best_copy = min(best_copy, time.perf_counter() - t0)
+    flops_per_s = 2 * 256**3 / max(best_mm, 1e-9)
+    memory_bandwidth = 2 * big.numel() * 4 / max(best_copy, 1e-9)
+    alpha, bandwidth = _DEFAULTS["alpha_us"] * 1e-6, _DEFAULTS["bandwidth_gbps"] * 1e9
+    if group.world > 1 and _is_real_group(group):
+        small_n, large_n = 256, 1 << 18  # elements per rank
+        times = []
+        for n in (small_n, large_n):
+            x = torch.zeros(n)
+            all_gather_flat(x, group.world, group.name)  # warm-up
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                all_gather_flat(x, group.world, group.name)
+                best = min(best, time.perf_counter() - t0)
+            times.append(best)
+        frac = (group.world - 1) / group.world
+        wire = [n * 4 * group.world * frac for n in (small_n, large_n)]
+        beta = max((times[1] - times[0]) / (wire[1] - wire[0]), 1e-12)
+        bandwidth = 1.0 / beta
+        alpha = max(times[0] - wire[0] * beta, 1e-7)
+    # the slowest rank's figures, on every rank: MAX of the times, i.e. of the inverse rates
+    mine = torch.tensor([1 / flops_per_s, alpha, 1 / bandwidth, 1 / memory_bandwidth], dtype=torch.float64)
+    if group.world > 1 and _is_real_group(group):
+        worst = all_gather_flat(mine, group.world, group.name).view(group.world, -1).amax(0)
+    else:
+        worst = mine
+    inv_flops, alpha, inv_bw, inv_mem = worst.tolist()
+    return CostModel(flops_per_s=1 / inv_flops, alpha_s=alpha, bandwidth=1 / inv_bw, memory_bandwidth=1 / inv_mem)
+
+
+def _is_real_group(group: CommGroup) -> bool:
+    """False for torch's fake process group (collectives do nothing; timings mean nothing)."""
+    import torch.distributed as dist
+
+    return group.group is not None and dist.get_backend(group.group) != "fake"
+
+
+def cost_model_for(config_value, group: CommGroup) -> CostModel:
+    """The cost model the config asks for: probed (``"probe"``) or from the given rates."""
+    if config_value == "probe":
+        return probe(group)
+    return CostModel.from_rates(config_value)

@@ -1,0 +1,140 @@
+"""Pass (forward and backward graphs, stages 2 and 3): all-gathers early, waits late.
+
+A functional collective is asynchronous: its node starts it and its ``wait_tensor``
+blocks. Right after the bucketing pass, each all-gather starts just before its first
+use, so nothing overlaps it. This pass moves each all-gather's start (with the casts,
+views and ``cat`` that build its input, which read only graph inputs) earlier:
+
+- far enough back that the compute in between (cost model) covers its communication
+  time, but no further, so it holds memory no longer than useful;
+- never before the previous all-gather's start (the order of collectives is kept);
+- never so far that more than ``prefetch_mb`` of gathered bytes are in flight (started,
+  not yet waited for) at any point; with ``memory_limit_mb`` set, never so far that the
+  liveness simulation's peak exceeds it.
+
+In backward, re-gathers are prefetched the same way (the backward graph already runs
+in reverse layer order), and each gradient reduce-scatter's wait moves down to just
+before the next reduce-scatter starts (or the end), so reduction overlaps the next
+layer's gradient computation with one reduction in flight.
+
+Every input to these decisions is the same on every rank, so every rank issues the
+same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from zerocompile.passes.context import PassContext
+from zerocompile.passes.cost_model import CostModel
+from zerocompile.passes.graph_utils import stable_topological_sort, tag, tensor_nbytes
+from zerocompile.passes.liveness import simulate
+
+_c10d = torch.ops._c10d_functional
+_MB = 2**20
+_GATHER_ROLES = ("param_gather", "bucket_gather")
+_REDUCE_ROLES = ("grad_reduce_scatter", "bucket_reduce_scatter")
+
+
+def _wait_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    waits = [u for u in node.users if u.target is _c10d.wait_tensor.default]
+    return waits[0] if len(waits) == 1 else None
+
+
+def _start_group(coll: torch.fx.Node) -> list[torch.fx.Node]:
+    """The collective and the nodes computing its input from graph inputs, if all of them
+    are used only on the way to this collective (so they can move with it)."""
+    group, frontier = [coll], list(coll.all_input_nodes)
+    while frontier:
+        cur = frontier.pop()
+        if cur.op == "placeholder" or cur in group:
+            continue
+        if any(u not in group for u in cur.users):
+            return []
+        group.append(cur)
+        frontier.extend(cur.all_input_nodes)
+    return group
+
+
+def prefetch_gathers(graph: torch.fx.Graph, cost: CostModel, world: int, inflight_cap: int,
+                     memory_cap: int | None = None, count_inputs: bool = False) -> list[dict]:
+    """Move all-gather starts earlier (see the module docstring); returns one record per
+    all-gather: its parameters, how many nodes earlier it now starts, and its bytes."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    times = [cost.node_time(n) for n in nodes]
+    gathers = [n for n in nodes if tag(n).get("role") in _GATHER_ROLES and _wait_of(n) is not None]
+    inflight = [0] * len(nodes)
+    for g in gathers:  # bytes in flight at each position before any move
+        for i in range(pos[g], pos[_wait_of(g)]):
+            inflight[i] += tensor_nbytes(g.meta["val"])
+    records = []
+    floor = sum(n.op == "placeholder" for n in nodes)  # nothing moves above the inputs
+    baseline_peak = simulate(graph, count_inputs=count_inputs).peak if memory_cap is not None else None
+    for g in gathers:
+        group = _start_group(g)
+        nbytes = tensor_nbytes(g.meta["val"])
+        start = min(pos[n] for n in group) if group else pos[g]
+        target = start
+        if group:
+            # earliest legal position: after the previous gather's start and after every
+            # non-placeholder input of the group
+            lowest = max([floor] + [pos[i] + 1 for n in group for i in n.all_input_nodes
+                                    if i not in group and i.op != "placeholder"])
+            need = cost.collective_time("all_gather", nbytes, world)
+            covered = 0.0
+            while target > lowest and covered < need and inflight[target - 1] + nbytes <= inflight_cap:
+                target -= 1
+                covered += times[target]
+        if target < start:
+            anchor = nodes[target]
+            ordered = sorted(group, key=pos.__getitem__)
+            for n in ordered:
+                anchor.prepend(n)
+            if memory_cap is not None and simulate(graph, count_inputs=count_inputs).peak > max(
+                    memory_cap, baseline_peak):
+                after = nodes[start]  # undo: put the group back where it was
+                for n in ordered:
+                    after.prepend(n)
+                target = start
+            else:
+                for i in range(target, start):
+                    inflight[i] += nbytes
+                nodes = list(graph.nodes)
+                pos = {n: i for i, n in enumerate(nodes)}
+                times = [cost.node_time(n) for n in nodes]
+        floor = pos[g] + 1
+        records.append({"params": tag(g).get("params", []), "bytes": nbytes, "moved_up": start - target})
+    return records
+
+
+def delay_reduce_waits(graph: torch.fx.Graph) -> int:
+    """Move each reduce-scatter's wait to just before the next reduce-scatter (the last
+    one's to the end of the graph); returns how many waits moved."""
+    reduces = [n for n in graph.nodes if tag(n).get("role") in _REDUCE_ROLES and _wait_of(n) is not None]
+    output = next(iter(graph.find_nodes(op="output")))
+    moved = 0
+    for cur, nxt in zip(reduces, reduces[1:] + [None]):
+        wait = _wait_of(cur)
+        anchor = nxt if nxt is not None else output
+        if wait.next is anchor:
+            continue
+        anchor.prepend(wait)
+        moved += 1
+    if moved:
+        stable_topological_sort(graph)  # the wait's users follow it down
+    return moved
+
+
+def prefetch(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx.GraphModule:
+    cfg = ctx.config
+    cost = ctx.cost_model or CostModel()
+    memory_cap = int(cfg.memory_limit_mb * _MB) if cfg.memory_limit_mb is not None else None
+    records = prefetch_gathers(gm.graph, cost, ctx.group.world, int(cfg.prefetch_mb * _MB), memory_cap,
+                               count_inputs=ctx.graph_kind == "backward")
+    delayed = delay_reduce_waits(gm.graph) if ctx.graph_kind == "backward" else 0
+    ctx.results.setdefault("prefetch", {})[ctx.graph_kind] = {
+        "gathers": len(records), "prefetched": sum(r["moved_up"] > 0 for r in records),
+        "reduce_waits_delayed": delayed}
+    return gm

@@ -1,0 +1,6 @@
+"""``python -m zerocompile ...``: the same command line as ``zerocompile ...`` (zerocompile/cli.py)."""
+
+from zerocompile.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,656 @@
+"""The ``zerocompile`` command line (also ``python -m zerocompile``).
+
+``zerocompile dump [--out DIR] [--world-size N] [--options JSON] -- SCRIPT [ARGS...]``
+    runs a training script with graph dumping on (``ZEROCOMPILE_DUMP=DIR``) and summarises
+    what was recorded. With ``--world-size N`` the script runs in this process on torch's
+    fake process group of N ranks (this process is rank 0), so the graphs of an N-rank job
+    can be dumped on one machine.
+
+``zerocompile show DIR [--rank R] [--frame F] [--graph G] [--after PASS] [--diff PASS]
+[--svg OUT.svg] [--memory OUT.png]``
+    prints, per frame and graph, a table of the pipeline's steps (nodes, collectives,
+    simulated peak memory, pass time), a step's code, a diff across one pass, a graphviz
+    drawing or a plot of simulated live memory.
+
+Bad arguments and paths are one-line errors on stderr with exit code 2; a missing optional
+tool (graphviz, matplotlib) is a one-line error with exit code 1. See docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import logging
+import os
+import re
+import runpy
+import shutil
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+from rich.console import Console
+from rich.syntax import Syntax
+from rich.table import Table
+
+from zerocompile.dump import DUMP_ENV, GRAPH_KINDS, INDEX_FILE
+
+logger = logging.getLogger("zerocompile")
+
+OPTIONS_ENV = "ZEROCOMPILE_OPTIONS"
+"""Environment variable with JSON options the backend merges over the script's own options."""
+
+DEFAULT_OUT = "./zerocompile_dump"
+
+GRAPH_ALIASES = {"fw": "forward", "bw": "backward"}
+
+COLLECTIVE_COLUMNS = (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"),
+                      ("all_reduce", "all-reduce"))
+
+# fill colours of --svg drawings, by node category
+NODE_COLOURS = {
+    "param gather": "#8ecae6",
+    "reduce-scatter": "#ffb703",
+    "wait": "#d9d9d9",
+    "bucket copy": "#b7e4c7",
+    "other": "#ffffff",
+}
+
+# colours of the collectives marked in --memory plots
+PLOT_COLOURS = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange", "all_reduce": "tab:green"}
+
+
+class CliError(Exception):
+    """A problem the command reports as one line on stderr, exiting with ``code``."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(" ".join(str(message).split()))
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line (a ``CliError``), not usage + error."""
+
+    def error(self, message):
+        raise CliError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+# ============================================================================ helpers
+def human_bytes(n) -> str:
+    """``1536`` -> ``"1.5 KiB"``; None -> ``"?"``."""
+    if n is None:
+        return "?"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def _console(stderr: bool = False) -> Console:
+    """A rich console that reads no markup in messages (paths may hold brackets) and does not
+    wrap them (paths stay whole); when not writing to a terminal, wide enough that tables
+    never wrap."""
+    console = Console(stderr=stderr, highlight=False, markup=False, soft_wrap=True)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=stderr, highlight=False, markup=False, soft_wrap=True, width=200)
+    return console
+
+
+def _print_code(console: Console, text: str, lexer: str) -> None:
+    """Syntax-highlighted on a terminal, plain text otherwise."""
+    if console.is_terminal:
+        console.print(Syntax(text, lexer, theme="ansi_dark", word_wrap=False))
+    else:
+        console.out(text, highlight=False)
+
+
+def _read_json(path: Path, what: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"zerocompile show: error: cannot read {what} {path}: {exc}") from None
+
+
+def read_dump(root: Path) -> dict:
+    """``{rank: index}`` of every ``rank*/index.json`` under ``root`` (empty if none)."""
+    indexes = {}
+    if not root.is_dir():
+        return indexes
+    for child in root.iterdir():
+        match = re.fullmatch(r"rank(\d+)", child.name)
+        if match and (child / INDEX_FILE).is_file():
+            index = _read_json(child / INDEX_FILE, "dump index")
+            if isinstance(index, dict) and isinstance(index.get("frames"), dict):
+                indexes[int(match.group(1))] = index
+    return dict(sorted(indexes.items()))
+
+
+# ============================================================================ dump
+def _check_options(text: str | None) -> dict | None:
+    """Parse ``--options`` and validate it with ``ZeroConfig.from_options``."""
+    if text is None:
+        return None
+    try:
+        options = json.loads(text)
+    except ValueError as exc:
+        raise CliError(f"zerocompile dump: error: --options is not valid JSON ({exc}): {text}") from None
+    if not isinstance(options, dict):
+        raise CliError(f"zerocompile dump: error: --options must be a JSON object such as '{{\"stage\": 3}}', "
+                       f"got {text}")
+    if "process_group" in options:
+        raise CliError("zerocompile dump: error: --options cannot set 'process_group' (a process group is "
+                       "not JSON); the script's default group is used")
+    if "dump" in options:
+        raise CliError("zerocompile dump: error: --options cannot set 'dump'; give the directory with --out")
+    from zerocompile.config import ZeroConfig, ZeroConfigError
+
+    try:
+        ZeroConfig.from_options(options)
+    except ZeroConfigError as exc:
+        raise CliError(f"zerocompile dump: error: --options: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - report, as one line, whatever validation raised
+        raise CliError(f"zerocompile dump: error: --options could not be checked: "
+                       f"{type(exc).__name__}: {exc}") from None
+    return options
+
+
+def _prepare_out(out: Path, console: Console) -> None:
+    """Create ``out``; replace a previous dump there; refuse a file or an unrelated non-empty directory."""
+    if out.exists() and not out.is_dir():
+        raise CliError(f"zerocompile dump: error: --out {out} is a file, not a directory")
+    if out.is_dir():
+        entries = list(out.iterdir())
+        if entries and not all(e.is_dir() and re.fullmatch(r"rank\d+", e.name) for e in entries):
+            raise CliError(f"zerocompile dump: error: --out {out} is not empty and holds no zerocompile "
+                           "dump; choose another directory")
+        if entries:
+            console.print(f"replacing the previous dump in {out}")
+            for entry in entries:
+                shutil.rmtree(entry)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"zerocompile dump: error: cannot create --out {out}: {exc}") from None
+
+
+def _run_subprocess(script: Path, script_args: list, env: dict, console: Console) -> int:
+    """Run ``python SCRIPT ARGS...`` with ``env``; return its exit code (128 + signal if killed)."""
+    cmd = [sys.executable, str(script), *script_args]
+    with console.status(f"running {script.name} (dumping graphs)"):
+        proc = subprocess.Popen(cmd, env=env)
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:
+            code = proc.wait()
+    return 128 - code if code < 0 else code
+
+
+def _run_in_process(script: Path, script_args: list, env_updates: dict, world_size: int) -> int:
+    """Run SCRIPT as ``__main__`` in this process on a fake process group of ``world_size``
+    ranks (rank 0); return its exit code. Environment, ``sys.argv`` and ``sys.path`` are
+    restored and the group destroyed afterwards."""
+    import torch.distributed as dist
+
+    from zerocompile._torch_compat import init_fake_process_group
+
+    if dist.is_initialized():
+        raise CliError("zerocompile dump: error: a process group is already initialised in this process")
+    env_updates = {**env_updates, "WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"}
+    saved_env = {key: os.environ.get(key) for key in env_updates}
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    os.environ.update(env_updates)
+    sys.argv = [str(script), *script_args]
+    sys.path.insert(0, str(script.parent))
+    code = 0
+    try:
+        init_fake_process_group(world_size)
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        code = 130
+    except Exception:  # noqa: BLE001 - the script's own failure: show its traceback, as python would
+        traceback.print_exc()
+        code = 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return code
+
+
+def _summarize(out: Path, console: Console) -> None:
+    """Print where the dump is and what each rank recorded."""
+    indexes = read_dump(out) if out.is_dir() else {}
+    recorded = {rank: index for rank, index in indexes.items()
+                if any(entry.get("graphs") for entry in index["frames"].values())}
+    if not recorded:
+        console.print(f"nothing was recorded in {out}: the script must compile a model with "
+                      'torch.compile(model, backend="zero", ...) and run at least one step')
+        return
+    table = Table(title="recorded per rank", title_justify="left")
+    for column in ("rank", "frames", "graphs", "steps"):
+        table.add_column(column, justify="right" if column != "rank" else "left")
+    for rank, index in recorded.items():
+        graphs = [steps for entry in index["frames"].values() for steps in entry.get("graphs", {}).values()]
+        table.add_row(str(rank), str(len(index["frames"])), str(len(graphs)), str(sum(len(s) for s in graphs)))
+    console.print(table)
+    console.print(f"dump written to {out}; read it with: zerocompile show {out}")
+
+
+def cmd_dump(args) -> int:
+    """``zerocompile dump``: run SCRIPT with dumping on; summarise the dump."""
+    console, status_console = _console(), _console(stderr=True)
+    if args.world_size is not None and args.world_size < 1:
+        raise CliError(f"zerocompile dump: error: --world-size must be >= 1, got {args.world_size}")
+    options = _check_options(args.options)
+    if not args.command:
+        raise CliError("zerocompile dump: error: no script given; usage: zerocompile dump [--out DIR] "
+                       "[--world-size N] [--options JSON] -- SCRIPT [ARGS...]")
+    script, script_args = Path(args.command[0]), list(args.command[1:])
+    if not script.is_file():
+        raise CliError(f"zerocompile dump: error: no such script: {script}")
+    out = Path(args.out).expanduser().resolve()
+    _prepare_out(out, console)
+
+    env_updates = {DUMP_ENV: str(out)}
+    if options is not None:
+        env_updates[OPTIONS_ENV] = json.dumps(options)
+    logger.debug("zerocompile dump: running %s %s (world size %s) with %s", script, script_args,
+                 args.world_size, env_updates)
+    if args.world_size is None:
+        code = _run_subprocess(script, script_args, {**os.environ, **env_updates}, status_console)
+    else:
+        console.print(f"running {script} in this process on a fake process group of "
+                      f"{args.world_size} ranks (rank 0)")
+        code = _run_in_process(script.resolve(), script_args, env_updates, args.world_size)
+    if code != 0:
+        console.print(f"{script} exited with code {code}")
+    _summarize(out, console)
+    return code
+
+
+# ============================================================================ show
+def _frame_label(name: str, entry: dict) -> str:
+    return f"{name} ({entry.get('dir')})"
+
+
+def _select(index: dict, frame: str | None, graph: str | None, rank: int) -> list:
+    """``[(frame name, graph kind, steps), ...]`` matching ``--frame`` / ``--graph`` (None: all)."""
+    frames = index["frames"]
+    if frame is not None:
+        # the name ("frame 0/0"), the directory ("frame_0_0") or the compile id ("0/0")
+        matches = [name for name, entry in frames.items()
+                   if frame in (name, entry.get("dir")) or name.split(" ", 1)[-1] == frame]
+        if not matches:
+            available = ", ".join(_frame_label(n, e) for n, e in frames.items()) or "none"
+            raise CliError(f"zerocompile show: error: rank {rank} has no frame '{frame}'; available: {available}")
+        frames = {name: frames[name] for name in matches[:1]}
+    kind = GRAPH_ALIASES.get(graph, graph)
+    selected = []
+    for name, entry in frames.items():
+        graphs = entry.get("graphs", {})
+        order = [k for k in GRAPH_KINDS if k in graphs] + [k for k in graphs if k not in GRAPH_KINDS]
+        for k in order:
+            if kind is None or k == kind:
+                selected.append((name, k, graphs[k]))
+    if not selected and kind is not None:
+        where = f"frame '{next(iter(frames))}'" if frame is not None else f"rank {rank}"
+        kinds = sorted({k for entry in frames.values() for k in entry.get("graphs", {})})
+        raise CliError(f"zerocompile show: error: {where} has no {kind} graph; "
+                       f"available: {', '.join(kinds) or 'none'}")
+    return selected
+
+
+def _options_line(options) -> str:
+    """The recorded options that differ from ``ZeroConfig()``'s defaults, as ``key=value``."""
+    if not isinstance(options, dict):
+        return "?"
+    try:
+        from zerocompile.config import ZeroConfig
+        from zerocompile.dump import json_safe
+
+        defaults = json_safe(ZeroConfig())
+    except Exception:  # noqa: BLE001 - a dump from another version: show every option
+        defaults = {}
+    changed = {k: v for k, v in options.items() if k not in defaults or defaults[k] != v}
+    return ", ".join(f"{k}={json.dumps(v)}" for k, v in changed.items()) or "defaults"
+
+
+def _collective_cell(collectives, kind: str) -> str:
+    if collectives is None:
+        return "?"
+    total = collectives.get(kind, {"count": 0, "bytes": 0})
+    return "0" if total["count"] == 0 else f"{total['count']} / {human_bytes(total['bytes'])}"
+
+
+def _steps_table(rank: int, frame: str, kind: str, steps: list) -> Table:
+    table = Table(title=f"rank {rank} | {frame} | {kind} graph", title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("pass", no_wrap=True, min_width=max((len(s["pass"]) for s in steps), default=4))
+    table.add_column("nodes", justify="right")
+    for _, header in COLLECTIVE_COLUMNS:
+        table.add_column(header, justify="right")
+    table.add_column("peak", justify="right")
+    table.add_column("ms", justify="right")
+    for step in steps:
+        table.add_row(
+            str(step["index"]), step["pass"], str(step["nodes"]),
+            *(_collective_cell(step.get("collectives"), k) for k, _ in COLLECTIVE_COLUMNS),
+            human_bytes(step.get("peak_bytes")), f"{1e3 * step.get('time_s', 0.0):.1f}")
+    return table
+
+
+def _step_after(steps: list, pass_name: str) -> dict | None:
+    return next((s for s in steps if s["pass"] == pass_name), None)
+
+
+def _ran_passes(selected: list) -> list:
+    names = []
+    for _, _, steps in selected:
+        names += [s["pass"] for s in steps if s["pass"] not in names]
+    return names
+
+
+def _code(rank_dir: Path, step: dict) -> str:
+    try:
+        return (rank_dir / step["code"]).read_text()
+    except OSError as exc:
+        raise CliError(f"zerocompile show: error: cannot read {rank_dir / step['code']}: {exc}") from None
+
+
+def _steps_with(selected: list, pass_name: str, option: str) -> list:
+    """``[(frame, kind, steps, step)]`` for each selected graph where ``pass_name`` ran."""
+    found = [(f, k, steps, _step_after(steps, pass_name)) for f, k, steps in selected]
+    found = [item for item in found if item[3] is not None]
+    if not found:
+        raise CliError(f"zerocompile show: error: {option} {pass_name}: no such step in the selected graphs; "
+                       f"steps recorded: {', '.join(_ran_passes(selected)) or 'none'}")
+    return found
+
+
+def _one_graph(selected: list, option: str) -> tuple:
+    if len(selected) != 1:
+        candidates = "; ".join(f"--frame '{f}' --graph {k}" for f, k, _ in selected)
+        raise CliError(f"zerocompile show: error: {option} draws one graph; choose it with --frame and "
+                       f"--graph ({candidates})")
+    return selected[0]
+
+
+def _node_category(node: dict) -> str:
+    """The --svg colour category of a node dict from a dump's nodes file."""
+    role = node.get("role") or ""
+    target = node.get("target") or ""
+    collective = node.get("collective")
+    if "wait_tensor" in target:
+        return "wait"
+    if collective == "all_gather" or role in ("param_gather", "bucket_gather"):
+        return "param gather"
+    if collective == "reduce_scatter" or "reduce_scatter" in role:
+        return "reduce-scatter"
+    if "bucket" in role:
+        return "bucket copy"
+    return "other"
+
+
+def _dot_quote(text: str) -> str:
+    return '"' + str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def graph_to_dot(nodes: list, title: str) -> str:
+    """A graphviz DOT description of a dumped graph, nodes filled by category, with a legend."""
+    lines = [f"digraph {_dot_quote('zerocompile')} {{",
+             f"  label={_dot_quote(title)}; labelloc=t; rankdir=TB;",
+             '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];']
+    for node in nodes:
+        target = node["target"] if node["op"] not in ("placeholder", "output") else node["op"]
+        label = f"{node['name']}\n{target}"
+        if node.get("params"):
+            label += "\n" + ", ".join(node["params"])
+        if node.get("bytes"):
+            label += f"\n{human_bytes(node['bytes'])}"
+        colour = NODE_COLOURS[_node_category(node)]
+        lines.append(f"  {_dot_quote(node['name'])} [label={_dot_quote(label)}, fillcolor={_dot_quote(colour)}];")
+    for node in nodes:
+        for source in node.get("inputs", []):
+            lines.append(f"  {_dot_quote(source)} -> {_dot_quote(node['name'])};")
+    lines.append('  subgraph "cluster_legend" {')
+    lines.append('    label="legend"; style=dashed;')
+    for category, colour in NODE_COLOURS.items():
+        lines.append(f"    {_dot_quote('legend: ' + category)} [label={_dot_quote(category)}, "
+                     f"fillcolor={_dot_quote(colour)}];")
+    lines.append("  }")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _load_nodes(rank_dir: Path, step: dict) -> list:
+    data = _read_json(rank_dir / step["nodes_file"], "nodes file")
+    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
+        raise CliError(f"zerocompile show: error: {rank_dir / step['nodes_file']} is not a nodes file")
+    return data["nodes"]
+
+
+def write_svg(nodes: list, title: str, out: Path) -> Path:
+    """Write ``out`` with ``.dot`` suffix, then run ``dot -Tsvg`` into ``out``; return the .dot path."""
+    dot_path = out.with_suffix(".dot")
+    try:
+        dot_path.write_text(graph_to_dot(nodes, title))
+    except OSError as exc:
+        raise CliError(f"zerocompile show: error: cannot write {dot_path}: {exc}") from None
+    dot = shutil.which("dot")
+    if dot is None:
+        raise CliError(f"zerocompile show: error: graphviz 'dot' is not on PATH; install graphviz "
+                       f"(e.g. apt install graphviz / conda install graphviz); the graph was still written "
+                       f"to {dot_path}", code=1)
+    try:
+        done = subprocess.run([dot, "-Tsvg", str(dot_path), "-o", str(out)], capture_output=True, text=True,
+                              timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise CliError(f"zerocompile show: error: running dot failed: {exc}; the graph is in {dot_path}",
+                       code=1) from None
+    if done.returncode != 0:
+        reason = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[0]
+        raise CliError(f"zerocompile show: error: dot failed: {reason}; the graph is in {dot_path}", code=1)
+    return dot_path
+
+
+def write_memory_plot(nodes: list, title: str, out: Path) -> None:
+    """Plot simulated live bytes per node (Agg backend), collectives as vertical lines, peak annotated."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise CliError("zerocompile show: error: --memory needs matplotlib, which is not installed "
+                       "(pip install matplotlib)", code=1) from None
+    live = [n.get("live") or 0 for n in nodes]
+    peak = max(live, default=0)
+    scale, unit = next(((s, u) for s, u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")) if peak >= s),
+                       (1, "B"))
+    fig = Figure(figsize=(10, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(range(len(live)), [v / scale for v in live], color="black", linewidth=1.2, label="live")
+    labelled = set()
+    for i, node in enumerate(nodes):
+        kind = node.get("collective")
+        if kind:
+            ax.axvline(i, color=PLOT_COLOURS.get(kind, "tab:gray"), alpha=0.6, linewidth=0.8,
+                       label=None if kind in labelled else kind.replace("_", "-"))
+            labelled.add(kind)
+    if live:
+        at = live.index(peak)
+        ax.annotate(f"peak {human_bytes(peak)}\n{nodes[at]['name']}", xy=(at, peak / scale),
+                    xytext=(0.02, 0.95), textcoords="axes fraction", va="top",
+                    arrowprops={"arrowstyle": "->", "color": "tab:red"})
+    ax.set_xlabel("node (graph order)")
+    ax.set_ylabel(f"simulated live {unit}")
+    ax.set_title(title)
+    ax.set_ylim(bottom=0, top=max(peak / scale * 1.15, 1e-9))
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    try:
+        fig.savefig(out, dpi=100)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"zerocompile show: error: cannot write {out}: {exc}", code=2) from None
+
+
+def cmd_show(args) -> int:
+    """``zerocompile show``: tables, code, diffs and drawings of a dump."""
+    console = _console()
+    root = Path(args.dir)
+    if not root.exists():
+        raise CliError(f"zerocompile show: error: no such directory: {root}")
+    if not root.is_dir():
+        raise CliError(f"zerocompile show: error: {root} is not a directory")
+    indexes = read_dump(root)
+    if not indexes:
+        raise CliError(f"zerocompile show: error: {root} is not a zerocompile dump (no rank*/{INDEX_FILE}); "
+                       "make one with zerocompile dump")
+    if args.rank not in indexes:
+        raise CliError(f"zerocompile show: error: rank {args.rank} is not in the dump {root}; available ranks: "
+                       f"{', '.join(str(r) for r in indexes)}")
+    index, rank_dir = indexes[args.rank], root / f"rank{args.rank}"
+    selected = _select(index, args.frame, args.graph, args.rank)
+    drawing = args.svg is not None or args.memory is not None
+
+    if args.diff is not None:
+        if args.after is not None or drawing:
+            raise CliError("zerocompile show: error: --diff cannot be combined with --after, --svg or --memory")
+        if args.diff == "input":
+            raise CliError("zerocompile show: error: --diff input: 'input' is the graph before the pipeline, "
+                           "so there is nothing to diff; use --after input to print it")
+        for frame, kind, steps, step in _steps_with(selected, args.diff, "--diff"):
+            before = steps[steps.index(step) - 1]
+            diff = "".join(difflib.unified_diff(
+                _code(rank_dir, before).splitlines(keepends=True), _code(rank_dir, step).splitlines(keepends=True),
+                fromfile=f"{frame} {kind} {before['index']:02d} after {before['pass']}",
+                tofile=f"{frame} {kind} {step['index']:02d} after {step['pass']}"))
+            console.rule(f"{frame} | {kind} graph | --diff {args.diff}")
+            if diff:
+                _print_code(console, diff, "diff")
+            else:
+                console.print(f"({args.diff} did not change the code of this graph)")
+        return 0
+
+    if drawing:
+        frame, kind, steps = _one_graph(selected, "--svg" if args.svg is not None else "--memory")
+        step = steps[-1] if args.after is None else _steps_with([(frame, kind, steps)], args.after, "--after")[0][3]
+        nodes = _load_nodes(rank_dir, step)
+        title = f"rank {args.rank} | {frame} | {kind} graph | {step['index']:02d} after {step['pass']}"
+        if args.memory is not None:
+            write_memory_plot(nodes, title, Path(args.memory))
+            console.print(f"wrote {args.memory} (peak {human_bytes(step.get('peak_bytes'))} at "
+                          f"{step.get('peak_node')})")
+        if args.svg is not None:
+            dot_path = write_svg(nodes, title, Path(args.svg))
+            console.print(f"wrote {args.svg} (graphviz source: {dot_path})")
+        return 0
+
+    if args.after is not None:
+        for frame, kind, _, step in _steps_with(selected, args.after, "--after"):
+            console.rule(f"{frame} | {kind} graph | {step['index']:02d} after {step['pass']}")
+            _print_code(console, _code(rank_dir, step), "python")
+        return 0
+
+    console.print(f"zerocompile dump {root}: rank {args.rank} of {index.get('world', '?')}; "
+                  f"options: {_options_line(index.get('options'))}")
+    if not selected:
+        console.print(f"rank {args.rank} recorded no graphs")
+        return 0
+    for frame, kind, steps in selected:
+        console.print(_steps_table(args.rank, frame, kind, steps))
+    if args.frame is not None or args.graph is not None:
+        for frame, kind, steps in selected:
+            step = steps[-1]
+            console.rule(f"{frame} | {kind} graph | {step['index']:02d} after {step['pass']} (last step)")
+            _print_code(console, _code(rank_dir, step), "python")
+    return 0
+
+
+# ============================================================================ entry point
+def build_parser() -> argparse.ArgumentParser:
+    """The ``zerocompile`` argument parser (subcommands ``dump`` and ``show``)."""
+    from zerocompile import __version__
+
+    parser = _Parser(prog="zerocompile", description="Debugging tools for the zerocompile torch.compile backend.")
+    parser.add_argument("--version", action="version", version=f"zerocompile {__version__}")
+    sub = parser.add_subparsers(dest="subcommand", metavar="{dump,show}", parser_class=_Parser)
+
+    dump = sub.add_parser("dump", help="run a training script and dump every compiled graph",
+                          description="Run SCRIPT with graph dumping on (ZEROCOMPILE_DUMP=DIR). Put the script "
+                                      "and its arguments after --.",
+                          usage="zerocompile dump [--out DIR] [--world-size N] [--options JSON] -- SCRIPT [ARGS...]")
+    dump.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                      help=f"dump directory (default: {DEFAULT_OUT}); a previous dump there is replaced")
+    dump.add_argument("--world-size", type=int, default=None, metavar="N",
+                      help="run the script in this process on a fake process group of N ranks (rank 0) "
+                           "instead of as a subprocess (default: subprocess)")
+    dump.add_argument("--options", default=None, metavar="JSON",
+                      help="backend options as a JSON object, merged over the script's own "
+                           "(sets ZEROCOMPILE_OPTIONS; default: none)")
+    dump.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...]")
+    dump.set_defaults(func=cmd_dump)
+
+    show = sub.add_parser("show", help="summarise a dump: per-pass tables, code, diffs, drawings",
+                          description="Show what a zerocompile dump recorded.")
+    show.add_argument("dir", metavar="DIR", help="a dump directory (from zerocompile dump or options={'dump': DIR})")
+    show.add_argument("--rank", type=int, default=0, help="rank to show (default: 0)")
+    show.add_argument("--frame", default=None, metavar="F",
+                      help="frame: its name ('frame 0/0'), directory (frame_0_0) or compile id (0/0) "
+                           "(default: all)")
+    show.add_argument("--graph", default=None, choices=(*GRAPH_KINDS, *GRAPH_ALIASES),
+                      help="graph kind (default: all)")
+    show.add_argument("--after", default=None, metavar="PASS",
+                      help="print the code after PASS ('input': before the pipeline) (default: the last "
+                           "step when --frame/--graph are given)")
+    show.add_argument("--diff", default=None, metavar="PASS",
+                      help="unified diff of the code before and after PASS (default: none)")
+    show.add_argument("--svg", default=None, metavar="OUT.svg",
+                      help="draw the selected step with graphviz; OUT.dot is written next to it (default: none)")
+    show.add_argument("--memory", default=None, metavar="OUT.png",
+                      help="plot simulated live bytes per node of the selected step (default: none)")
+    show.set_defaults(func=cmd_show)
+    return parser
+
+
+def _split_script(argv: list) -> tuple:
+    """For ``dump``: everything after the first ``--`` is the script and its arguments, kept
+    out of argparse (whose handling of ``--`` before a remainder varies between versions)."""
+    if argv and argv[0] == "dump" and "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, None
+
+
+def main(argv: list | None = None) -> int:
+    """Run the command line; return the exit code (``zerocompile`` calls ``sys.exit`` with it)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        head, tail = _split_script(argv)
+        args = parser.parse_args(head)
+        if args.subcommand is None:
+            parser.print_help(sys.stderr)
+            return 2
+        if tail is not None:
+            args.command = list(args.command) + tail
+        return args.func(args)
+    except CliError as exc:
+        print(exc, file=sys.stderr)
+        return exc.code
