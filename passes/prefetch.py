@@ -88,15 +88,14 @@ def prefetch_gathers(graph: torch.fx.Graph, cost: CostModel, world: int, infligh
                 target -= 1
                 covered += times[target]
         if target < start:
-            anchor = nodes[target]
             ordered = sorted(group, key=pos.__getitem__)
+            back = ordered[-1].next  # where the group goes back to if the move is refused
             for n in ordered:
-                anchor.prepend(n)
+                nodes[target].prepend(n)
             if memory_cap is not None and simulate(graph, count_inputs=count_inputs).peak > max(
                     memory_cap, baseline_peak):
-                after = nodes[start]  # undo: put the group back where it was
                 for n in ordered:
-                    after.prepend(n)
+                    back.prepend(n)
                 target = start
             else:
                 for i in range(target, start):
