@@ -23,7 +23,7 @@ import torch.fx
 from torch.utils.flop_counter import flop_registry
 
 from zerocompile.passes.graph_utils import COLLECTIVE_OPS, tensor_nbytes
-from zerocompile.passes.liveness import _is_view, _tensors
+from zerocompile.passes.liveness import is_view, tensors_of
 from zerocompile.runtime.comm import CommGroup, all_gather_flat
 
 _DEFAULTS = {"flops_per_s": 5e10, "alpha_us": 50.0, "bandwidth_gbps": 2.0, "memory_gbps": 10.0}
@@ -62,11 +62,11 @@ class CostModel:
 
     def node_time(self, node: torch.fx.Node) -> float:
         """Estimated compute seconds of one graph node (0 for views, collectives, inputs)."""
-        if node.op != "call_function" or node.target in COLLECTIVE_OPS or _is_view(node):
+        if node.op != "call_function" or node.target in COLLECTIVE_OPS or is_view(node):
             return 0.0
         flops = node_flops(node)
-        moved = sum(tensor_nbytes(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
-        moved += sum(tensor_nbytes(t) for t in _tensors(node.meta.get("val")))
+        moved = sum(tensor_nbytes(t) for a in node.all_input_nodes for t in tensors_of(a.meta.get("val")))
+        moved += sum(tensor_nbytes(t) for t in tensors_of(node.meta.get("val")))
         return max(flops / self.flops_per_s, moved / self.memory_bandwidth)
 
 

@@ -47,7 +47,7 @@ class Liveness:
     """``(index, kind)`` of each collective node, for plots."""
 
 
-def _is_view(node: torch.fx.Node) -> bool:
+def is_view(node: torch.fx.Node) -> bool:
     target = node.target
     if target in _ALIASING:
         return True
@@ -69,7 +69,7 @@ def _category(node: torch.fx.Node) -> str:
     return "activations"
 
 
-def _tensors(val) -> list:
+def tensors_of(val) -> list:
     if isinstance(val, torch.Tensor):
         return [val]
     if isinstance(val, (list, tuple)):
@@ -91,13 +91,13 @@ def simulate(graph: torch.fx.Graph, count_inputs: bool = False, zero_nodes: set 
             continue
         val = node.meta.get("val", node.meta.get("example_value"))
         if node.op == "placeholder":
-            tensors = _tensors(val)
+            tensors = tensors_of(val)
             bufs = [(node, i) for i in range(len(tensors))]
             for b, t in zip(bufs, tensors):
                 size[b] = tensor_nbytes(t) if count_inputs else 0
                 category[b] = "inputs"
             buffers_of[node] = bufs
-        elif node.op == "call_function" and _is_view(node):
+        elif node.op == "call_function" and is_view(node):
             src = node.args[0] if node.args else None
             if node.target is operator.getitem and isinstance(src, torch.fx.Node) and src in buffers_of:
                 base = buffers_of[src]
@@ -106,7 +106,7 @@ def simulate(graph: torch.fx.Graph, count_inputs: bool = False, zero_nodes: set 
             else:
                 buffers_of[node] = list(buffers_of.get(src, [])) if isinstance(src, torch.fx.Node) else []
         else:
-            tensors = _tensors(val)
+            tensors = tensors_of(val)
             bufs = [(node, i) for i in range(len(tensors))]
             for b, t in zip(bufs, tensors):
                 size[b] = 0 if zero_nodes and node in zero_nodes else tensor_nbytes(t)
@@ -157,12 +157,12 @@ def saved_activation_bytes(forward: torch.fx.Graph, num_fwd_outputs: int) -> int
     total = 0
     for node in saved:
         base = node
-        while base.op == "call_function" and _is_view(base) and base.args and isinstance(base.args[0], torch.fx.Node):
+        while base.op == "call_function" and is_view(base) and base.args and isinstance(base.args[0], torch.fx.Node):
             if base.target is operator.getitem:
                 break
             base = base.args[0]
         if base.op == "placeholder" or base in seen:
             continue
         seen.add(base)
-        total += sum(tensor_nbytes(t) for t in _tensors(node.meta.get("val") if base is node else base.meta.get("val")))
+        total += sum(tensor_nbytes(t) for t in tensors_of(node.meta.get("val") if base is node else base.meta.get("val")))
     return total

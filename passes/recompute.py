@@ -56,8 +56,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.cost_model import CostModel
 from zerocompile.passes.graph_utils import backward_nodes, is_backward_node, tensor_nbytes
-from zerocompile.passes.liveness import _is_view, _tensors
-from zerocompile.passes.reshard_after_forward import _AC_GRAPH_ID as _GATHER_AC_GRAPH_ID
+from zerocompile.passes.liveness import is_view, tensors_of
+from zerocompile.passes.reshard_after_forward import GATHER_AC_GRAPH_ID
 
 _MB = 2**20
 _RECOMPUTE_POLICIES = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
@@ -165,7 +165,7 @@ def _taggable(node: torch.fx.Node) -> bool:
         return False
     if node.is_impure(impure_random=False):
         return False  # in-place / side-effecting: recomputing would apply it twice
-    return bool(_tensors(node.meta.get("val")))
+    return bool(tensors_of(node.meta.get("val")))
 
 
 def plan_tags(blocks: list[Block], chosen, first_id: int) -> dict:
@@ -186,7 +186,7 @@ def first_block_id(graph: torch.fx.Graph) -> int:
     """The id of the first block: above every region id already in the graph (the user's
     ``torch.utils.checkpoint`` regions), below the parameter gathers' id."""
     ids = [n.meta["ac_graph_id"] for n in graph.nodes
-           if isinstance(n.meta.get("ac_graph_id"), int) and n.meta["ac_graph_id"] < _GATHER_AC_GRAPH_ID]
+           if isinstance(n.meta.get("ac_graph_id"), int) and n.meta["ac_graph_id"] < GATHER_AC_GRAPH_ID]
     return max(ids, default=0) + 1
 
 
@@ -195,7 +195,7 @@ def _storage_root(node: torch.fx.Node) -> torch.fx.Node:
     """The node whose buffer ``node`` aliases (views alias their base; a ``getitem`` of a
     multi-output op is its own buffer)."""
     base = node
-    while (base.op == "call_function" and base.target is not operator.getitem and _is_view(base)
+    while (base.op == "call_function" and base.target is not operator.getitem and is_view(base)
            and base.args and isinstance(base.args[0], torch.fx.Node)):
         base = base.args[0]
     return base
@@ -224,7 +224,7 @@ class SavedBytesEstimator:
         self.read_by_backward = {
             n for n in self.forward if any(is_backward_node(u, tangent_descendants) for u in self.readers[n])}
         self.root = {n: _storage_root(n) for n in self.forward}
-        self.root_bytes = {r: sum(tensor_nbytes(t) for t in _tensors(r.meta.get("val")))
+        self.root_bytes = {r: sum(tensor_nbytes(t) for t in tensors_of(r.meta.get("val")))
                            for r in set(self.root.values()) if r.op != "placeholder"}
 
     def saved_bytes(self, plan: dict) -> int:

@@ -23,9 +23,9 @@ _aten = torch.ops.aten
 
 # A large AC region id keeps the partitioner's "save at region boundary" rule away
 # from these nodes (the same value SimpleFSDP uses).
-_AC_GRAPH_ID = 100000
+GATHER_AC_GRAPH_ID = 100000
 
-_PASS_THROUGH = {
+PASS_THROUGH_OPS = {
     _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.t.default,
     _aten.permute.default, _aten.transpose.int, _aten.expand.default, _aten.slice.Tensor,
     _aten.alias.default, _aten.unsqueeze.default, _aten.squeeze.dim, _aten.squeeze.dims,
@@ -36,13 +36,13 @@ _PASS_THROUGH = {
 }
 
 
-def _is_op(node, ops) -> bool:
+def is_op(node, ops) -> bool:
     if node.op != "call_function":
         return False
     if node.target in ops:
         return True
     import operator
-    return node.target is operator.getitem and node.args and _is_op(node.args[0], ops)
+    return node.target is operator.getitem and node.args and is_op(node.args[0], ops)
 
 
 def parameter_gathers(graph: torch.fx.Graph) -> list[torch.fx.Node]:
@@ -50,7 +50,7 @@ def parameter_gathers(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     out = []
     for node in graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default):
         src = node.args[0]
-        while src.op == "call_function" and _is_op(src, _PASS_THROUGH):
+        while src.op == "call_function" and is_op(src, PASS_THROUGH_OPS):
             src = src.args[0]
         if src.op == "placeholder":
             out.append(node)
@@ -61,7 +61,7 @@ def gather_chain(gather: torch.fx.Node) -> list[torch.fx.Node]:
     """The all-gather, the casts/views before it, its wait and the views/casts after it."""
     chain = [gather]
     src = gather.args[0]
-    while src.op == "call_function" and _is_op(src, _PASS_THROUGH):
+    while src.op == "call_function" and is_op(src, PASS_THROUGH_OPS):
         chain.append(src)
         src = src.args[0]
     frontier = list(gather.users)
@@ -69,7 +69,7 @@ def gather_chain(gather: torch.fx.Node) -> list[torch.fx.Node]:
         node = frontier.pop()
         if node in chain:
             continue
-        if node.target is _c10d.wait_tensor.default or _is_op(node, _PASS_THROUGH):
+        if node.target is _c10d.wait_tensor.default or is_op(node, PASS_THROUGH_OPS):
             chain.append(node)
             frontier.extend(node.users)
     return chain
@@ -82,7 +82,7 @@ def tag_parameter_gathers(graph: torch.fx.Graph, policy=CheckpointPolicy.MUST_RE
     for gather in gathers:
         for node in gather_chain(gather):
             node.meta["recompute"] = policy
-            node.meta["ac_graph_id"] = _AC_GRAPH_ID
+            node.meta["ac_graph_id"] = GATHER_AC_GRAPH_ID
             node.meta.setdefault("zerocompile", {"role": "param_gather"})
     return len(gathers)
 

@@ -23,14 +23,14 @@ import torch.fx
 
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.graph_utils import set_tag
-from zerocompile.passes.reshard_after_forward import _PASS_THROUGH, _is_op, gather_chain
+from zerocompile.passes.reshard_after_forward import PASS_THROUGH_OPS, is_op, gather_chain
 
 _c10d = torch.ops._c10d_functional
 
 
 def _source_placeholder(node: torch.fx.Node) -> torch.fx.Node | None:
     src = node.args[0]
-    while src.op == "call_function" and _is_op(src, _PASS_THROUGH):
+    while src.op == "call_function" and is_op(src, PASS_THROUGH_OPS):
         src = src.args[0]
     return src if src.op == "placeholder" else None
 
