@@ -180,7 +180,7 @@ def bucket_collectives(graph: torch.fx.Graph, cap_bytes: int, prefix: str) -> di
 
 
 def bucketing(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx.GraphModule:
-    prefix = "fw." if ctx.graph_kind == "forward" else "bw."
+    prefix = {"forward": "fw.", "backward": "bw.", "inference": "inf."}.get(ctx.graph_kind, "")
     report = bucket_collectives(gm.graph, int(ctx.config.bucket_mb * _MB), prefix)
     ctx.results.setdefault("bucketing", {})[ctx.graph_kind] = report
     ctx.logger.debug("[%s] bucketing (%s): %s", ctx.frame, ctx.graph_kind, report)

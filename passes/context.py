@@ -21,7 +21,8 @@ class PassContext:
     """A name for the compiled frame, for logs and dumps."""
     graph_kind: str = "dynamo"
     """Which graph the pass sees: "dynamo" (torch IR from Dynamo), "joint" (AOTAutograd joint
-    graph, before partitioning), "forward" or "backward" (after partitioning)."""
+    graph, before partitioning), "forward" or "backward" (after partitioning), or "inference"
+    (the one graph of a frame run without autograd)."""
     provided: set = field(default_factory=set)
     """Capabilities provided by passes that already ran on this frame."""
     primal_params: list = field(default_factory=list)

@@ -22,7 +22,7 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import flop_registry
 
-from zerocompile.passes.graph_utils import COLLECTIVE_OPS, tensor_nbytes
+from zerocompile.passes.graph_utils import COLLECTIVE_OPS, concrete_int, tensor_nbytes
 from zerocompile.passes.liveness import is_view, tensors_of
 from zerocompile.runtime.comm import CommGroup, all_gather_flat
 
@@ -84,8 +84,9 @@ def node_flops(node: torch.fx.Node) -> int:
         return a
 
     try:
-        return int(flop_registry[packet](*val(node.args), **{k: val(v) for k, v in node.kwargs.items()},
-                                         out_val=node.meta.get("val")))
+        flops = flop_registry[packet](*val(node.args), **{k: val(v) for k, v in node.kwargs.items()},
+                                      out_val=node.meta.get("val"))
+        return concrete_int(flops)  # symbolic shapes: their hints, without guarding on them
     except Exception:  # noqa: BLE001 - a formula that cannot read symbolic shapes: no estimate
         return 0
 

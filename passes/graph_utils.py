@@ -20,12 +20,12 @@ COLLECTIVE_OPS = (
 
 
 def concrete_int(x) -> int:
-    """An int from an int or a symbolic size (its hint)."""
-    try:
-        return int(x)
-    except TypeError:
+    """An int from an int or a symbolic size (its hint). Never ``int(symint)``: that would
+    specialise the size (a guard), and Dynamo would recompile for every new batch size."""
+    if isinstance(x, torch.SymInt):
         hint = x.node.hint
         return int(hint) if hint is not None else 0
+    return int(x)
 
 
 def tensor_nbytes(val) -> int:

@@ -2,7 +2,8 @@
 
 A pass is a function ``(gm, ctx, **inputs) -> gm`` registered here with the graphs it
 runs on (``dynamo``: Dynamo's torch-IR graph; ``joint``: AOTAutograd's joint graph,
-before partitioning; ``forward`` / ``backward``: the partitioned graphs), the stages it
+before partitioning; ``forward`` / ``backward``: the partitioned graphs; ``inference``:
+the one graph of a frame run without autograd), the stages it
 applies to, what it requires and what it provides. The pipeline for a config is this
 list in order, minus passes that do not apply and optional passes the user disabled
 by name (``options={"passes": {"disable": [...]}}``). ``check_pipeline`` refuses a
@@ -22,7 +23,7 @@ import torch.fx
 
 from zerocompile.passes.context import PassContext
 
-GRAPH_KINDS = ("dynamo", "joint", "forward", "backward")
+GRAPH_KINDS = ("dynamo", "joint", "forward", "backward", "inference")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def _registry() -> list[GraphPass]:
         GraphPass("cast_before_gather", cast_before_gather, ("dynamo",), stages=(3,),
                   requires=("param_collectives",),
                   summary="cast shards to param_dtype before the all-gather, not after"),
-        GraphPass("tag_collectives", tag_collectives, ("joint",), requires=("param_collectives",),
+        GraphPass("tag_collectives", tag_collectives, ("joint", "inference"), requires=("param_collectives",),
                   provides=("tags",), optional=False,
                   summary="tag each parameter all-gather / gradient reduce-scatter with its role and parameter"),
         GraphPass("selective_unshard", selective_unshard, ("joint",), stages=(3,), requires=("tags",),
@@ -78,10 +79,10 @@ def _registry() -> list[GraphPass]:
         GraphPass("recompute", recompute, ("joint",), requires=("tags",), provides=("recompute_plan",),
                   enabled=lambda config: config.recompute != "none",
                   summary="recompute activations in backward instead of saving them"),
-        GraphPass("bucketing", bucketing, ("forward", "backward"), stages=(2, 3), requires=("tags",),
+        GraphPass("bucketing", bucketing, ("forward", "backward", "inference"), stages=(2, 3), requires=("tags",),
                   provides=("buckets",), enabled=lambda config: config.bucket_mb > 0,
                   summary="coalesce consecutive all-gathers / reduce-scatters into flat buckets"),
-        GraphPass("prefetch", prefetch, ("forward", "backward"), stages=(2, 3), requires=("tags",),
+        GraphPass("prefetch", prefetch, ("forward", "backward", "inference"), stages=(2, 3), requires=("tags",),
                   enabled=lambda config: config.prefetch,
                   summary="issue all-gathers early and wait late, within the memory budget"),
     ]

@@ -159,3 +159,30 @@ def test_rank_divergent_graphs_raise_naming_the_first_differing_collective():
         assert "different collective sequences" in message
         assert "collective #" in message and "ranks [0] have" in message and "ranks [1] have" in message
         assert seconds < 60
+
+
+# ---------------------------------------------------------------- frames run without autograd
+def _inference_worker(rank, world):
+    from models import make_batch, make_model
+
+    out = {}
+    for name, options in {"per_parameter": {"bucket_mb": 0}, "bucketed": {}}.items():
+        torch._dynamo.reset()
+        model = make_model("gpt")
+        compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager", **options})
+        x, y = make_batch("gpt", 0, 4)
+        with torch.no_grad():
+            compiled(x, y)                         # compiles an inference graph
+            zerocompile.reset_stats()
+            loss = compiled(x, y).item()
+        stats = zerocompile.stats()
+        out[name] = (loss, stats.all_gather.count, stats.all_gather.bytes)
+    return out
+
+
+def test_eval_without_autograd_runs_the_forward_passes_too():
+    res = run_ranks(_inference_worker, 2)[0]
+    loss, count, nbytes = res["bucketed"]
+    ref_loss, ref_count, ref_bytes = res["per_parameter"]
+    assert loss == ref_loss and nbytes == ref_bytes
+    assert count < ref_count / 4, (count, ref_count)

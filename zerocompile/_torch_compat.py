@@ -40,18 +40,28 @@ def _without_autograd_cache():
         yield
 
 
-def compile_with_inductor(gm, example_inputs, partitioner):
-    """Inductor's ``compile_fx`` with our partitioner (its ``custom_partitioner_fn`` config hook)."""
-    from torch._inductor.compile_fx import compile_fx
+def compile_with_inductor(gm, example_inputs, partitioner, on_inference=None):
+    """Inductor's ``compile_fx`` with our partitioner (its ``custom_partitioner_fn`` config
+    hook). ``on_inference(graph_module)`` rewrites an inference graph (a frame run without
+    autograd, which no partitioner sees) before inductor compiles it, through
+    ``compile_fx``'s ``inner_compile`` argument."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(graph, inputs, **kwargs):
+        if kwargs.get("is_inference") and on_inference is not None:
+            graph = on_inference(graph)
+        return compile_fx_inner(graph, inputs, **kwargs)
 
     with _without_autograd_cache():
-        return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                          config_patches={"custom_partitioner_fn": partitioner})
 
 
-def compile_with_aot_eager(gm, example_inputs, partitioner):
+def compile_with_aot_eager(gm, example_inputs, partitioner, on_inference=None):
     """AOTAutograd with our partitioner; the forward and backward graphs run op by op.
 
-    They run through ``torch.fx.Interpreter``, which drops each value after its last use
+    ``on_inference(graph_module)`` rewrites an inference graph (no autograd) before it runs.
+    Graphs run through ``torch.fx.Interpreter``, which drops each value after its last use
     (generated FX code keeps every intermediate alive until the graph returns), so a
     gathered stage-3 parameter is freed right after its last use, as with inductor.
     """
@@ -71,9 +81,12 @@ def compile_with_aot_eager(gm, example_inputs, partitioner):
         run._boxed_call = True
         return run
 
+    def inference(graph, inputs):
+        return boxed(on_inference(graph) if on_inference is not None else graph, inputs)
+
     with _without_autograd_cache():
-        return aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partitioner,
-                            keep_inference_input_mutations=True)(gm, example_inputs)
+        return aot_autograd(fw_compiler=boxed, bw_compiler=boxed, inference_compiler=inference,
+                            partition_fn=partitioner, keep_inference_input_mutations=True)(gm, example_inputs)
 
 
 def placeholder_source(node: torch.fx.Node):

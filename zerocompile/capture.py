@@ -29,7 +29,6 @@ from zerocompile.passes.context import PassContext
 from zerocompile.passes.cost_model import cost_model_for
 from zerocompile.passes.liveness import saved_activation_bytes
 from zerocompile.passes.manager import pipeline, run_passes
-from zerocompile.runtime import param_ops
 from zerocompile.runtime.accounting import ACCOUNTING, CollectiveSummary
 from zerocompile.runtime.comm import CommGroup, resolve_group
 from zerocompile.runtime.eager_fallback import eager_only_parameters, install_eager_fallback
@@ -46,6 +45,7 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         self.ctx = ctx
         self.backward_summary = CollectiveSummary()
         self.forward_summary: CollectiveSummary | None = None
+        self.inference_summary: CollectiveSummary | None = None
 
     def __call__(self, gm, joint_inputs, **kwargs):
         self.ctx.num_fwd_outputs = kwargs.get("num_fwd_outputs", 0)
@@ -59,6 +59,14 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         log.debug("[%s] forward: %s; backward: %s", self.ctx.frame, self.forward_summary,
                   self.backward_summary)
         return fw, bw
+
+    def inference(self, gm):
+        """Passes on the graph of a frame run without autograd (AOTAutograd compiles one
+        inference graph and calls no partitioner): tagging, then the forward passes."""
+        self.ctx.num_fwd_outputs = len(next(iter(gm.graph.find_nodes(op="output"))).args[0])
+        gm = run_passes(gm, self.ctx, "inference")
+        self.inference_summary = summarize_collectives(gm.graph)
+        return gm
 
     def __deepcopy__(self, memo):
         # inductor deep-copies its config (which holds this object) when it snapshots it;
@@ -89,12 +97,11 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
 class FrameRunner:
     """The callable Dynamo runs for a compiled frame."""
 
-    def __init__(self, compiled, plans: list, partitioner: ZeroPartitioner, inference_summary, frame: str,
+    def __init__(self, compiled, plans: list, partitioner: ZeroPartitioner, frame: str,
                  roots: list):
         self.compiled = compiled
         self.plans = plans
         self.partitioner = partitioner
-        self.inference_summary = inference_summary
         self.frame = frame
         # The eager-fallback hooks are installed at the first run, not while Dynamo is still
         # tracing: a hook appearing mid-trace changes the path of Dynamo's restarted analysis
@@ -103,10 +110,16 @@ class FrameRunner:
         self.order = time.monotonic_ns()  # compile order, for frame_reports()
         ACCOUNTING.frames.add(self)
 
+    def _forward_summary(self) -> CollectiveSummary:
+        """The collectives one run issues before backward: the partitioned forward's, or the
+        inference graph's when AOTAutograd compiled the frame without autograd."""
+        p = self.partitioner
+        return p.forward_summary or p.inference_summary or CollectiveSummary()
+
     def report(self) -> dict:
         """This frame's pass results and collectives (``zerocompile.frame_reports()``)."""
         ctx = self.partitioner.ctx
-        fw = self.partitioner.forward_summary or self.inference_summary
+        fw = self._forward_summary()
         return {"frame": self.frame, "compiled_at_ns": self.order, "stage": ctx.config.stage,
                 "results": dict(ctx.results),
                 "forward": {k: {"count": t.count, "bytes": t.bytes} for k, t in fw.totals.items()},
@@ -117,7 +130,7 @@ class FrameRunner:
         for root in self._roots_without_hooks:
             install_eager_fallback(root)
         self._roots_without_hooks = []
-        summaries = [self.partitioner.forward_summary or self.inference_summary,
+        summaries = [self._forward_summary(),
                      self.partitioner.backward_summary]
         sequences = [s.sequence for s in summaries]
         check_same_on_all_ranks(fingerprint(sequences), self.partitioner.ctx.group, self.frame, sequences)
@@ -133,10 +146,7 @@ class FrameRunner:
             else:
                 new_args.extend(sp.graph_inputs())
         out = self.compiled(*new_args)
-        fw = self.partitioner.forward_summary
-        if fw is None or not torch.is_grad_enabled():
-            fw = self.inference_summary
-        ACCOUNTING.record_summary(fw)
+        ACCOUNTING.record_summary(self._forward_summary())
         bw = self.partitioner.backward_summary
         if any(t.count for t in bw.totals.values()):
             tensors = [t for t in (out if isinstance(out, (list, tuple)) else [out])
@@ -241,15 +251,14 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
             # would invent size symbols no guard can be built for
             new_inputs.append(t if t is ex or fake_mode is None else fake_mode.from_tensor(t, static_shapes=True))
             ctx.primal_params.append(sp)
-    inference_summary = _inference_summary(gm.graph)
     partitioner = ZeroPartitioner(ctx)
     log.info("[%s] %d parameters (stage %d, world %d) -> %s", frame,
              sum(p is not None for p in plans), cfg.stage, group.world, cfg.inner_compiler)
     if cfg.inner_compiler == "eager":
-        compiled = _torch_compat.compile_with_aot_eager(gm, new_inputs, partitioner)
+        compiled = _torch_compat.compile_with_aot_eager(gm, new_inputs, partitioner, partitioner.inference)
     else:
-        compiled = _torch_compat.compile_with_inductor(gm, new_inputs, partitioner)
-    return FrameRunner(compiled, plans, partitioner, inference_summary, frame, roots)
+        compiled = _torch_compat.compile_with_inductor(gm, new_inputs, partitioner, partitioner.inference)
+    return FrameRunner(compiled, plans, partitioner, frame, roots)
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -268,18 +277,5 @@ def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def _needs_cost_model(ctx: PassContext) -> bool:
     """Whether a pass in this config's pipeline weighs costs (and the probe is worth running)."""
-    names = {p.name for kind in ("joint", "forward", "backward") for p in pipeline(ctx, kind)}
+    names = {p.name for kind in ("joint", "forward", "backward", "inference") for p in pipeline(ctx, kind)}
     return bool(names & {"prefetch", "selective_unshard", "recompute"})
-
-
-def _inference_summary(graph: torch.fx.Graph) -> CollectiveSummary:
-    """Forward collectives of a frame run without autograd (AOTAutograd compiles an
-    inference graph and no partition happens to summarise): one all-gather per
-    ``gather_param`` of the rewritten Dynamo graph, in the dtype it gathers in."""
-    summary = CollectiveSummary()
-    for node in graph.find_nodes(op="call_function", target=param_ops.gather_param):
-        _, numel, _, dtype, _, world, _ = node.args
-        if world > 1:
-            elem = torch.empty((), dtype=dtype).element_size()
-            summary.add("all_gather", -(-numel // world) * world * elem, dtype=str(dtype).removeprefix("torch."))
-    return summary

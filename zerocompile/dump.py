@@ -52,7 +52,7 @@ logger = logging.getLogger("zerocompile")
 DUMP_ENV = "ZEROCOMPILE_DUMP"
 """Environment variable naming the dump directory when the ``dump`` option is not given."""
 
-GRAPH_KINDS = ("dynamo", "joint", "forward", "backward")
+GRAPH_KINDS = ("dynamo", "joint", "forward", "backward", "inference")
 
 INDEX_FILE = "index.json"
 
