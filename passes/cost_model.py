@@ -9,8 +9,10 @@
   twice that for an all-reduce).
 
 The rates come from the config (``cost_model={...}``) or from ``probe()``, which times
-a matmul, a memory-bound op and two all-gathers, then takes the slowest rank's figures
-(an all-reduce MAX), so every rank holds the same model and makes the same decisions.
+a matmul, a memory-bound op and two all-gathers on the parameters' device, then takes the
+slowest rank's figures (an all-gather of every rank's figures, then their maximum), so
+every rank holds the same model and makes the same decisions. On torch's fake process
+group (``zerocompile dump --world-size N``) the communication rates keep their defaults.
 """
 
 from __future__ import annotations
@@ -91,31 +93,44 @@ def node_flops(node: torch.fx.Node) -> int:
         return 0
 
 
-def probe(group: CommGroup, repeats: int = 3) -> CostModel:
-    """Measure the rates on this machine; every rank returns the slowest rank's figures."""
-    a = torch.randn(256, 256)
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def probe(group: CommGroup, device=None, repeats: int = 3) -> CostModel:
+    """Measure the rates on ``device`` (the parameters' device; default CPU); every rank
+    returns the slowest rank's figures."""
+    device = torch.device(device or "cpu")
+    n = 1024 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device)
     best_mm = best_copy = float("inf")
-    big = torch.randn(1 << 22)
-    for _ in range(repeats):
+    big = torch.randn(1 << 22, device=device)
+    for _ in range(repeats + 1):  # the first round warms up
+        _synchronize(device)
         t0 = time.perf_counter()
         a @ a
+        _synchronize(device)
         best_mm = min(best_mm, time.perf_counter() - t0)
         t0 = time.perf_counter()
         big.clone()
+        _synchronize(device)
         best_copy = min(best_copy, time.perf_counter() - t0)
-    flops_per_s = 2 * 256**3 / max(best_mm, 1e-9)
+    flops_per_s = 2 * n**3 / max(best_mm, 1e-9)
     memory_bandwidth = 2 * big.numel() * 4 / max(best_copy, 1e-9)
     alpha, bandwidth = _DEFAULTS["alpha_us"] * 1e-6, _DEFAULTS["bandwidth_gbps"] * 1e9
     if group.world > 1 and _is_real_group(group):
         small_n, large_n = 256, 1 << 18  # elements per rank
         times = []
-        for n in (small_n, large_n):
-            x = torch.zeros(n)
+        for numel in (small_n, large_n):
+            x = torch.zeros(numel, device=device)
             all_gather_flat(x, group.world, group.name)  # warm-up
             best = float("inf")
             for _ in range(repeats):
+                _synchronize(device)
                 t0 = time.perf_counter()
                 all_gather_flat(x, group.world, group.name)
+                _synchronize(device)
                 best = min(best, time.perf_counter() - t0)
             times.append(best)
         frac = (group.world - 1) / group.world
@@ -124,9 +139,10 @@ def probe(group: CommGroup, repeats: int = 3) -> CostModel:
         bandwidth = 1.0 / beta
         alpha = max(times[0] - wire[0] * beta, 1e-7)
     # the slowest rank's figures, on every rank: MAX of the times, i.e. of the inverse rates
-    mine = torch.tensor([1 / flops_per_s, alpha, 1 / bandwidth, 1 / memory_bandwidth], dtype=torch.float64)
+    mine = torch.tensor([1 / flops_per_s, alpha, 1 / bandwidth, 1 / memory_bandwidth], dtype=torch.float64,
+                        device=device)
     if group.world > 1 and _is_real_group(group):
-        worst = all_gather_flat(mine, group.world, group.name).view(group.world, -1).amax(0)
+        worst = all_gather_flat(mine, group.world, group.name).view(group.world, -1).amax(0).cpu()
     else:
         worst = mine
     inv_flops, alpha, inv_bw, inv_mem = worst.tolist()
@@ -140,8 +156,9 @@ def _is_real_group(group: CommGroup) -> bool:
     return group.group is not None and dist.get_backend(group.group) != "fake"
 
 
-def cost_model_for(config_value, group: CommGroup) -> CostModel:
-    """The cost model the config asks for: probed (``"probe"``) or from the given rates."""
+def cost_model_for(config_value, group: CommGroup, device=None) -> CostModel:
+    """The cost model the config asks for: probed on ``device`` (``"probe"``) or from the
+    given rates."""
     if config_value == "probe":
-        return probe(group)
+        return probe(group, device)
     return CostModel.from_rates(config_value)

@@ -43,6 +43,8 @@ class GraphPass:
     """Whether the config asks for this pass (beyond its stage list and the disabled names)."""
     summary: str = ""
     """One line for docs and ``zerocompile show``."""
+    required_because: str = ""
+    """For a pass that is not optional: why it cannot be disabled (for the error)."""
 
 
 def _registry() -> list[GraphPass]:
@@ -59,7 +61,8 @@ def _registry() -> list[GraphPass]:
     return [
         GraphPass("insert_param_collectives", insert_param_collectives, ("dynamo",),
                   provides=("param_collectives",), optional=False,
-                  summary="parameters become shards plus the stage's collectives"),
+                  summary="parameters become shards plus the stage's collectives",
+                  required_because="it implements the ZeRO stage itself (use stage=0 for plain data parallelism)"),
         GraphPass("cast_forward_inputs", cast_forward_inputs, ("dynamo",),
                   enabled=lambda config: config.param_dtype is not None,
                   summary="cast floating-point inputs to param_dtype"),
@@ -68,7 +71,9 @@ def _registry() -> list[GraphPass]:
                   summary="cast shards to param_dtype before the all-gather, not after"),
         GraphPass("tag_collectives", tag_collectives, ("joint", "inference"), requires=("param_collectives",),
                   provides=("tags",), optional=False,
-                  summary="tag each parameter all-gather / gradient reduce-scatter with its role and parameter"),
+                  summary="tag each parameter all-gather / gradient reduce-scatter with its role and parameter",
+                  required_because="it only labels nodes, and the other passes find their collectives by its "
+                                   "labels (disable those passes instead)"),
         GraphPass("selective_unshard", selective_unshard, ("joint",), stages=(3,), requires=("tags",),
                   provides=("unshard_plan",),
                   enabled=lambda config: config.reshard_after_forward and config.unshard_budget_mb != 0,
@@ -105,11 +110,9 @@ def check_disabled_passes(names: tuple) -> None:
     for name in names:
         if name not in known:
             raise ZeroConfigError(_unknown_key_message(name, list(known)).replace(
-                "unknown option", "unknown pass in 'passes.disable':"))
+                "unknown option", "unknown pass in the disabled passes:"))
         if not known[name].optional:
-            raise ZeroConfigError(
-                f"pass '{name}' cannot be disabled: it implements the ZeRO stage itself "
-                "(use stage=0 for plain data parallelism)")
+            raise ZeroConfigError(f"pass '{name}' cannot be disabled: {known[name].required_because}")
 
 
 def _selected(config, graph_kind: str | None = None, passes: list | None = None) -> list[GraphPass]:

@@ -63,12 +63,13 @@ def first_difference(per_rank: list[list[int]], graph_names) -> str:
 
 
 def check_same_on_all_ranks(value: int, group: CommGroup, what: str, sequences=None,
-                            graph_names=("forward", "backward")) -> None:
+                            graph_names=("forward", "backward"), device=None) -> None:
     """All-gather ``value`` over ``group``; raise, naming the first differing collective
-    of ``sequences`` when given, if any rank holds another one."""
+    of ``sequences`` when given, if any rank holds another one. ``device``: where the
+    group's collectives run (the parameters' device; CPU for gloo)."""
     if group.world == 1 or _is_fake(group):
         return
-    mine = torch.tensor([value], dtype=torch.int64)
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
     values = all_gather_flat(mine, group.world, group.name).tolist()
     ACCOUNTING.record("all_gather", 8 * group.world)
     differing = [rank for rank, v in enumerate(values) if v != values[0]]
@@ -77,9 +78,9 @@ def check_same_on_all_ranks(value: int, group: CommGroup, what: str, sequences=N
     detail = f"rank 0 differs from ranks {differing}"
     if sequences is not None:
         encoded = _encode([list(s) for s in sequences])
-        length = torch.tensor([len(encoded)], dtype=torch.int64)
+        length = torch.tensor([len(encoded)], dtype=torch.int64, device=device)
         lengths = all_gather_flat(length, group.world, group.name).tolist()
-        padded = torch.zeros(max(lengths), dtype=torch.int64)
+        padded = torch.zeros(max(lengths), dtype=torch.int64, device=device)
         padded[: len(encoded)] = torch.tensor(encoded, dtype=torch.int64)
         rows = all_gather_flat(padded, group.world, group.name).view(group.world, -1).tolist()
         detail = first_difference([row[:n] for row, n in zip(rows, lengths)], graph_names)

@@ -190,3 +190,25 @@ def test_stage3_backward_regathers_only_when_resharding(fake_world, reshard):
         assert (bw.all_gather.count, bw.all_gather.bytes) == (1, 4 * padded(13 * 5))
     else:        # the gathered weight was saved from forward instead
         assert bw.all_gather.count == 0
+
+
+@pytest.mark.parametrize("limit_mb,kept", [(1e-6, 0), (1000, None)])
+def test_auto_unshard_budget_follows_the_memory_limit(fake_world, limit_mb, kept):
+    """``unshard_budget_mb="auto"`` keeps what fits under ``memory_limit_mb`` after the
+    simulated peak: nothing under a tiny limit, every re-gathered parameter under a large one."""
+    import zerocompile
+    from models import make_batch, make_model
+
+    model = make_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={
+        "stage": 3, "inner_compiler": "eager", "unshard_budget_mb": "auto", "memory_limit_mb": limit_mb,
+        "cost_model": {"alpha_us": 50}})
+    x, y = make_batch("gpt", 0, 4)
+    compiled(x, y).backward()
+    report = zerocompile.frame_reports()[-1]["results"]["selective_unshard"]
+    assert report["simulated_peak_without_kept"] > 0
+    if kept == 0:
+        assert report["kept"] == [] and report["budget_bytes"] == 0
+    else:
+        assert len(report["kept"]) == report["candidates"] > 0
+        assert report["kept_bytes"] <= report["budget_bytes"]

@@ -2,11 +2,13 @@
 
 1. Find the parameter inputs; create (or reuse) each one's shard state.
 2. Run the Dynamo-graph passes (``insert_param_collectives``: parameters become shards
-   plus collectives, per stage).
+   plus collectives, per stage; ``cast_before_gather``).
 3. AOTAutograd traces the joint forward/backward graph; our partitioner runs the
-   joint-graph passes (``reshard_after_forward``), calls the min-cut partitioner and
-   summarises the collectives of the forward and backward graphs.
-4. The inner compiler (inductor or eager) compiles both graphs.
+   joint-graph passes (tagging, selective unsharding, resharding, recompute), calls the
+   min-cut partitioner, runs the forward and backward passes (bucketing, prefetch) and
+   summarises the collectives of both graphs. A frame run without autograd gets one
+   inference graph instead, which gets the tagging and forward passes.
+4. The inner compiler (inductor or eager) compiles the graphs.
 5. ``FrameRunner`` swaps each parameter argument for its shard tensors at call time
    and records the collectives for ``zerocompile.stats()``.
 """
@@ -89,8 +91,8 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         for f in files:
             digest.update(f.read_bytes())
         cfg = self.ctx.config
+        # not the probed cost model: what it decides is in the graphs inductor hashes anyway
         digest.update(repr(sorted((k, v) for k, v in vars(cfg).items() if k != "process_group")).encode())
-        digest.update(repr(self.ctx.cost_model).encode())
         return digest.hexdigest()
 
 
@@ -133,7 +135,8 @@ class FrameRunner:
         summaries = [self._forward_summary(),
                      self.partitioner.backward_summary]
         sequences = [s.sequence for s in summaries]
-        check_same_on_all_ranks(fingerprint(sequences), self.partitioner.ctx.group, self.frame, sequences)
+        check_same_on_all_ranks(fingerprint(sequences), self.partitioner.ctx.group, self.frame, sequences,
+                                device=_frame_device(self.plans))
         self._checked = True
 
     def __call__(self, *args):
@@ -235,7 +238,7 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     plans, roots = _param_states(placeholders, sources, example_inputs, cfg, group)
     ctx = PassContext(config=cfg, group=group, frame=frame, recorder=recorder_for(cfg, group))
     if _needs_cost_model(ctx):
-        ctx.cost_model = cost_model_for(cfg.cost_model, group)
+        ctx.cost_model = cost_model_for(cfg.cost_model, group, _frame_device(plans))
         log.debug("[%s] cost model: %s", frame, ctx.cost_model)
     kinds = [_torch_compat.input_kind(source, ex) for source, ex in zip(sources, example_inputs)]
     gm = run_passes(gm, ctx, "dynamo", plans=plans, input_kinds=kinds)
@@ -279,3 +282,8 @@ def _needs_cost_model(ctx: PassContext) -> bool:
     """Whether a pass in this config's pipeline weighs costs (and the probe is worth running)."""
     names = {p.name for kind in ("joint", "forward", "backward", "inference") for p in pipeline(ctx, kind)}
     return bool(names & {"prefetch", "selective_unshard", "recompute"})
+
+
+def _frame_device(plans) -> torch.device:
+    """The device of the frame's parameters (where its collectives run); CPU if none."""
+    return next((sp.device for sp in plans if sp is not None), torch.device("cpu"))

@@ -146,9 +146,9 @@ class ZeroConfig:
         object.__setattr__(self, "param_dtype", _parse_dtype("param_dtype", self.param_dtype, True))
         object.__setattr__(self, "reduce_dtype", _parse_dtype("reduce_dtype", self.reduce_dtype, False))
         bucket = self.bucket_mb
-        if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not bucket >= 0:
+        if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not 0 <= bucket < math.inf:
             raise ZeroConfigError(
-                f"option 'bucket_mb' = {bucket!r} is invalid; allowed: a number of MiB >= 0 (0 = off)")
+                f"option 'bucket_mb' = {bucket!r} is invalid; allowed: a finite number of MiB >= 0 (0 = off)")
         if self.inner_compiler not in INNER_COMPILERS:
             raise ZeroConfigError(
                 f"option 'inner_compiler' = {self.inner_compiler!r} is invalid; "
@@ -166,7 +166,7 @@ class ZeroConfig:
             raise ZeroConfigError(f"option 'prefetch' = {self.prefetch!r} is invalid; allowed: True, False")
         _check_mb("prefetch_mb", self.prefetch_mb)
         if self.unshard_budget_mb != "auto":
-            _check_mb("unshard_budget_mb", self.unshard_budget_mb, extra=", or 'auto'")
+            _check_mb("unshard_budget_mb", self.unshard_budget_mb, extra=", or 'auto'", allow_inf=True)
         if self.memory_limit_mb is not None:
             _check_mb("memory_limit_mb", self.memory_limit_mb, extra=", or None")
         if self.unshard_budget_mb == "auto" and self.memory_limit_mb is None:
@@ -191,9 +191,11 @@ class ZeroConfig:
                 "(torch.amp.GradScaler does not apply to ZeroOptimizer) or use bfloat16")
 
 
-def _check_mb(name: str, value, extra: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
-        raise ZeroConfigError(f"option '{name}' = {value!r} is invalid; allowed: a number of MiB >= 0{extra}")
+def _check_mb(name: str, value, extra: str = "", allow_inf: bool = False) -> None:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0
+            or (math.isinf(value) and not allow_inf)):
+        allowed = "a number of MiB >= 0" + ("" if allow_inf else " (finite)")
+        raise ZeroConfigError(f"option '{name}' = {value!r} is invalid; allowed: {allowed}{extra}")
 
 
 def _parse_passes_option(value, disabled_passes) -> dict:

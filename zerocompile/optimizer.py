@@ -123,8 +123,8 @@ class ZeroOptimizer(Optimizer):
                     yield p
 
     def _bucket_bytes(self, states) -> int:
-        mbs = {s.bucket_mb for s in states if getattr(s, "bucket_mb", None)}
-        return int((min(mbs) if mbs else _DEFAULT_BUCKET_MB) * 2**20)
+        mbs = {s.bucket_mb for s in states if getattr(s, "bucket_mb", None) is not None}
+        return int((min(mbs) if mbs else _DEFAULT_BUCKET_MB) * 2**20)  # 0: one tensor per collective
 
     def _group_of(self, sp) -> CommGroup:
         return sp.group if sp is not None else resolve_group(self._default_group)

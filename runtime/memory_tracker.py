@@ -1,0 +1,156 @@
+"""Live tensor-storage bytes, measured independently of any allocator.
+
+``LiveStorageTracker`` is a ``TorchDispatchMode``. While it is active it records, by weak
+reference, the storage of every tensor that an op returns (and of any tensor passed to
+``track()``). ``live_bytes()`` is then the current size of every recorded storage that is
+still alive. It is what the tests and the benchmarks use to check memory claims on CPU,
+where ``torch.cuda.memory_allocated()`` does not exist and the process RSS reflects the
+allocator's caching rather than the tensors in use.
+
+What it measures:
+
+- Every storage created by an op dispatched while the tracker is active: parameters (if
+  the model is built under it), gradients, optimizer state, activations, collective
+  buffers. A storage counts its current ``nbytes()``, so one freed by
+  ``untyped_storage().resize_(0)`` counts zero and one resized later counts its new size.
+- Each storage once, however many tensors (views) use it.
+- Inner tensors of traceable wrapper subclasses (such as ``DTensor``, which FSDP2's sharded
+  parameters are): their storages are recorded, not the wrapper.
+
+Its limits:
+
+- Storages created while it is not active are invisible unless passed to ``track()``.
+- Allocations that bypass the dispatcher are invisible: temporaries inside one C++ kernel
+  and, notably, buffers that inductor-generated code allocates directly
+  (``empty_strided_cpu``) and frees before returning. Tensors that such code *returns*
+  are invisible too, unless ``track_inputs=True``: then they are recorded as soon as an op
+  that the tracker sees reads them (which also records storages created before the
+  tracker started, once an op uses them).
+- ``peak`` is sampled at op boundaries. By default it is kept incrementally (a storage adds
+  its size when recorded and removes it when it dies), which is cheap but does not see a
+  storage being resized between ops (``resize_`` on a storage is not an op); ``reset_peak()``
+  resynchronises. With ``exact_peak=True`` the tracker recomputes ``live_bytes()`` after
+  every op instead, which sees resizes but costs a pass over all recorded storages per op.
+- The dispatch mode adds Python overhead to every op, so do not time code under it.
+
+``ignore_compile_internals()`` is True: Dynamo still compiles while the tracker is active,
+and the tracker sees what the compiled code runs, not the fake tensors of tracing.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["LiveStorageTracker"]
+
+
+def _plain_tensors(value):
+    """Yield the plain (storage-backed) tensors in ``value``, unwrapping traceable subclasses."""
+    if not isinstance(value, torch.Tensor):
+        return
+    if is_traceable_wrapper_subclass(value):
+        inner_names, _ = value.__tensor_flatten__()
+        for name in inner_names:
+            yield from _plain_tensors(getattr(value, name))
+    elif type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
+        if not value.is_meta:
+            yield value
+
+
+class LiveStorageTracker(TorchDispatchMode):
+    """Track the storages of tensors created under this mode and report their live bytes.
+
+    Use it as a context manager around everything to be counted (build the model under
+    it so its parameters count)::
+
+        tracker = LiveStorageTracker()
+        with tracker:
+            model = build()
+            ...
+            tracker.reset_peak()
+            step()
+            print(tracker.peak, tracker.live_bytes())
+
+    Attributes:
+        peak: the largest number of live bytes seen since construction or ``reset_peak()``.
+        current: the running total the incremental peak is kept from (see the module
+            docstring for how it can lag behind storage resizes).
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, exact_peak: bool = False, track_inputs: bool = False):
+        """``exact_peak``: recompute live bytes after every op (sees storage resizes; slow).
+        ``track_inputs``: also record storages of op inputs, not just outputs."""
+        super().__init__()
+        self.exact_peak = exact_peak
+        self.track_inputs = track_inputs
+        self._refs: dict[int, weakref.ref] = {}
+        """Recorded storages by address (``storage._cdata``)."""
+        self._sizes: dict[int, int] = {}
+        """The size each recorded storage had when it was recorded (for ``current``)."""
+        self.current = 0
+        self.peak = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        """Weak-reference callback: a recorded storage died."""
+        if self._refs.get(key) is ref:
+            del self._refs[key]
+            self.current -= self._sizes.pop(key)
+
+    def track(self, tensor: torch.Tensor) -> None:
+        """Record the storage(s) behind ``tensor`` (a no-op for ones already recorded)."""
+        for t in _plain_tensors(tensor):
+            storage = t.untyped_storage()
+            key = storage._cdata
+            old = self._refs.get(key)
+            if old is not None:
+                if old() is not None:
+                    continue
+                self.current -= self._sizes[key]          # a dead one at a reused address
+            nbytes = storage.nbytes()
+            self._refs[key] = weakref.ref(storage, lambda ref, key=key: self._forget(key, ref))
+            self._sizes[key] = nbytes
+            self.current += nbytes
+            if self.current > self.peak:
+                self.peak = self.current
+
+    def live_bytes(self) -> int:
+        """Current bytes of every recorded storage that is still alive."""
+        total = 0
+        for ref in list(self._refs.values()):
+            storage = ref()
+            if storage is not None:
+                total += storage.nbytes()
+        return total
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now (this also resynchronises ``current``
+        after storage resizes, which happen outside any op)."""
+        for key, ref in list(self._refs.items()):
+            storage = ref()
+            if storage is not None:
+                self._sizes[key] = storage.nbytes()
+        self.current = sum(self._sizes[key] for key in self._refs)
+        self.peak = self.current
+
+    # ------------------------------------------------------------------ dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.track_inputs:
+            for value in tree_flatten((args, kwargs))[0]:
+                self.track(value)
+        out = func(*args, **kwargs)
+        for value in tree_flatten(out)[0]:
+            self.track(value)
+        if self.exact_peak:
+            self.current = self.live_bytes()
+            self.peak = max(self.peak, self.current)
+        return out
