@@ -212,3 +212,24 @@ def test_auto_unshard_budget_follows_the_memory_limit(fake_world, limit_mb, kept
     else:
         assert len(report["kept"]) == report["candidates"] > 0
         assert report["kept_bytes"] <= report["budget_bytes"]
+
+
+def test_cast_before_gather_halves_the_bf16_gather_bytes(fake_world):
+    import zerocompile
+    from models import make_batch, make_model
+
+    gathered = {}
+    for disabled in ([], ["cast_before_gather"]):
+        torch._dynamo.reset()
+        model = make_model("mlp")
+        compiled = torch.compile(model, backend="zero", options={
+            "stage": 3, "inner_compiler": "eager", "param_dtype": "bfloat16", "bucket_mb": 0,
+            "passes": {"disable": disabled}})
+        x, y = make_batch("mlp", 0, 4)
+        compiled(x, y).backward()
+        report = zerocompile.frame_reports()[-1]
+        gathered[bool(disabled)] = report["forward"]["all_gather"]
+    assert gathered[False]["count"] == gathered[True]["count"] == 4
+    assert gathered[True]["bytes"] == 2 * gathered[False]["bytes"]
+    padded = lambda n: -(-n // 4) * 4  # noqa: E731
+    assert gathered[False]["bytes"] == 2 * sum(padded(n) for n in (7 * 13, 13, 13 * 5, 5))
