@@ -157,18 +157,6 @@ def test_pass_manager_checks_requirements_and_lints():
 
 
 # ------------------------------------------------------------------ fake process group, 4 ranks
-@pytest.fixture
-def fake_world():
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("reshard", [True, False])
 def test_stage3_backward_regathers_only_when_resharding(fake_world, reshard):
     import zerocompile

@@ -389,18 +389,6 @@ def test_zero_backend_stage3_full_recompute_trains_like_eager(caplog):
     assert any("recompute (full): 4 of 4 blocks" in r.message for r in caplog.records)
 
 
-@pytest.fixture
-def fake_world():
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    torch.compiler.reset()
-    yield
-    torch.compiler.reset()
-    dist.destroy_process_group()
-
-
 def test_zero_backend_stage3_four_ranks_keeps_the_collectives(fake_world, caplog):
     """With parameter all-gathers in the graph (4 fake ranks), full recompute partitions
     and runs; forward gathers and gradient reduce-scatters are one per parameter."""
