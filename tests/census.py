@@ -1,9 +1,10 @@
 """Independent measurements for the memory and communication tests.
 
-``StorageCensus`` is a TorchDispatchMode that records every storage any op creates
-while it is active (a weak reference each), so ``live_bytes()`` is the current size
-of every storage created under it that is still alive, freed storages (``resize_(0)``)
-counting zero. Build the model under it so parameters are seen too.
+``StorageCensus`` is ``zerocompile.runtime.memory_tracker.LiveStorageTracker``: a
+TorchDispatchMode that records every storage any op creates while it is active (a weak
+reference each), so ``live_bytes()`` is the current size of every storage created under
+it that is still alive, freed storages (``resize_(0)``) counting zero. Build the model
+under it so parameters are seen too.
 
 ``CollectiveCounter`` is a TorchDispatchMode that counts the c10d collectives it sees,
 with the bytes of their full buffers (all-gather output, reduce-scatter input,
@@ -17,7 +18,8 @@ from collections import defaultdict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from zerocompile.runtime.memory_tracker import LiveStorageTracker
 
 _c10d = torch.ops._c10d_functional
 
@@ -31,46 +33,9 @@ class _RuntimeMode(TorchDispatchMode):
         return True
 
 
-class StorageCensus(_RuntimeMode):
-    def __init__(self):
-        super().__init__()
-        self.storages: dict[int, weakref.ref] = {}
-        self.current = 0
-        self.peak = 0
-
-    def _freed(self, key: int, nbytes: int) -> None:
-        self.current -= nbytes
-        self.storages.pop(key, None)
-
-    def track(self, tensor: torch.Tensor) -> None:
-        st = tensor.untyped_storage()
-        key = st._cdata
-        if key not in self.storages or self.storages[key]() is None:
-            nbytes = st.nbytes()
-            self.storages[key] = weakref.ref(st, lambda _, key=key, n=nbytes: self._freed(key, n))
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
-
-    def reset_peak(self) -> None:
-        """Start a new peak from the bytes live now (also resyncs after storage resizes,
-        which happen outside any op)."""
-        self.current = self.live_bytes()
-        self.peak = self.current
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and not t.is_meta and type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
-                self.track(t)
-        return out
-
-    def live_bytes(self) -> int:
-        total = 0
-        for ref in list(self.storages.values()):
-            st = ref()
-            if st is not None:
-                total += st.nbytes()
-        return total
+class StorageCensus(LiveStorageTracker):
+    """The package's ``zerocompile.runtime.memory_tracker.LiveStorageTracker`` under the name
+    these tests use: storages of op outputs, incremental peak."""
 
 
 _KINDS = {
