@@ -62,51 +62,61 @@ def _start_group(coll: torch.fx.Node) -> list[torch.fx.Node]:
 def prefetch_gathers(graph: torch.fx.Graph, cost: CostModel, world: int, inflight_cap: int,
                      memory_cap: int | None = None, count_inputs: bool = False) -> list[dict]:
     """Move all-gather starts earlier (see the module docstring); returns one record per
-    all-gather: its parameters, how many nodes earlier it now starts, and its bytes."""
+    all-gather: its parameters, how many nodes earlier it now starts, and its bytes.
+
+    Linear in the distance moved: bookkeeping is per node, walking ``node.prev``."""
     nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    times = [cost.node_time(n) for n in nodes]
+    time_of = {n: cost.node_time(n) for n in nodes}
     gathers = [n for n in nodes if tag(n).get("role") in _GATHER_ROLES and _wait_of(n) is not None]
-    inflight = [0] * len(nodes)
-    for g in gathers:  # bytes in flight at each position before any move
-        for i in range(pos[g], pos[_wait_of(g)]):
-            inflight[i] += tensor_nbytes(g.meta["val"])
-    records = []
-    floor = sum(n.op == "placeholder" for n in nodes)  # nothing moves above the inputs
+    inflight = dict.fromkeys(nodes, 0)  # gathered bytes in flight while each node runs
+    for g in gathers:
+        node, wait, nbytes = g, _wait_of(g), tensor_nbytes(g.meta["val"])
+        while node is not wait:
+            inflight[node] += nbytes
+            node = node.next
+    floor = None  # the node after the previous gather: nothing moves above it
     baseline_peak = simulate(graph, count_inputs=count_inputs).peak if memory_cap is not None else None
+    records = []
     for g in gathers:
         group = _start_group(g)
         nbytes = tensor_nbytes(g.meta["val"])
-        start = min(pos[n] for n in group) if group else pos[g]
-        target = start
+        steps = 0
         if group:
-            # earliest legal position: after the previous gather's start and after every
-            # non-placeholder input of the group
-            lowest = max([floor] + [pos[i] + 1 for n in group for i in n.all_input_nodes
-                                    if i not in group and i.op != "placeholder"])
+            members = set(group)
+            ordered, node = [], g
+            while len(ordered) < len(group):  # the group in graph order (all of it precedes g)
+                if node in members:
+                    ordered.append(node)
+                node = node.prev
+            ordered.reverse()
+            for n in ordered[:-1]:  # gather the group right before its collective first
+                g.prepend(n)
+            blockers = {i for n in group for i in n.all_input_nodes if i not in members and i.op != "placeholder"}
             need = cost.collective_time("all_gather", nbytes, world)
-            covered = 0.0
-            while target > lowest and covered < need and inflight[target - 1] + nbytes <= inflight_cap:
-                target -= 1
-                covered += times[target]
-        if target < start:
-            ordered = sorted(group, key=pos.__getitem__)
-            back = ordered[-1].next  # where the group goes back to if the move is refused
-            for n in ordered:
-                nodes[target].prepend(n)
-            if memory_cap is not None and simulate(graph, count_inputs=count_inputs).peak > max(
-                    memory_cap, baseline_peak):
+            cursor, covered = ordered[0], 0.0
+            while cursor is not floor and covered < need:
+                prev = cursor.prev
+                if (prev.op in ("placeholder", "root") or prev in blockers
+                        or inflight[prev] + nbytes > inflight_cap):
+                    break
+                cursor, covered, steps = prev, covered + time_of[prev], steps + 1
+            if steps:
+                back = ordered[-1].next  # where the group goes back to if the move is refused
                 for n in ordered:
-                    back.prepend(n)
-                target = start
-            else:
-                for i in range(target, start):
-                    inflight[i] += nbytes
-                nodes = list(graph.nodes)
-                pos = {n: i for i, n in enumerate(nodes)}
-                times = [cost.node_time(n) for n in nodes]
-        floor = pos[g] + 1
-        records.append({"params": tag(g).get("params", []), "bytes": nbytes, "moved_up": start - target})
+                    cursor.prepend(n)
+                if memory_cap is not None and simulate(graph, count_inputs=count_inputs).peak > max(
+                        memory_cap, baseline_peak):
+                    for n in ordered:
+                        back.prepend(n)
+                    steps = 0
+                else:
+                    node = cursor
+                    while node is not back:
+                        if node not in members:
+                            inflight[node] += nbytes
+                        node = node.next
+        floor = g.next  # the next gather starts after this one
+        records.append({"params": tag(g).get("params", []), "bytes": nbytes, "moved_up": steps})
     return records
 
 

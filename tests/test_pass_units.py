@@ -321,3 +321,25 @@ def test_cast_before_gather_moves_the_cast_in_front_of_the_gather():
     assert gather.args[3] is torch.bfloat16                     # cast first: half the bytes
     assert _count(gm, param_ops.cast_param) == 0
     assert ctx.results["cast_before_gather"] == {"folded": 1}
+
+
+def _casts_first(s1, s2, s3, x):
+    """The shards are all cast up front, as a partitioner may leave them: the gathers' input
+    nodes then sit above earlier gathers."""
+    c1, c2, c3 = s1.to(torch.float64), s2.to(torch.float64), s3.to(torch.float64)
+    h = torch.tanh(x.double() @ _gather(c1, 12, (3, 4)))
+    h = torch.tanh(torch.tanh(h) @ _gather(c2, 8, (4, 2)))
+    return (torch.tanh(h) @ _gather(c3, 16, (2, 8))).sum()
+
+
+def test_prefetch_keeps_the_gather_order_when_inputs_were_computed_early():
+    inputs = _forward_inputs()
+    gm = _tagged(_casts_first, inputs)
+    before = _run(gm, *inputs)
+    slow = CostModel(flops_per_s=1e9, alpha_s=1.0, bandwidth=1.0, memory_bandwidth=1e9)
+    prefetch_gathers(gm.graph, slow, WORLD, inflight_cap=10**6)
+    gm.graph.lint()
+    gm.recompile()
+    assert [tag(n)["param"] for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default] == [
+        "p0", "p1", "p2"]
+    assert torch.equal(_run(gm, *inputs), before)
