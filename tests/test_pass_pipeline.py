@@ -58,8 +58,9 @@ def test_every_pass_on_or_off_gives_the_same_numbers():
 @pytest.mark.parametrize("stage", [2, 3])
 def test_bucketed_and_prefetched_stage_matches_reference_with_accumulation(stage):
     """Tied weights used by two frames, 3 micro-batches per step: bucketed reduce-scatters
-    accumulate into the same shard gradients."""
-    run = Run(model="tied", stage=stage, opt="adamw", steps=3, accum=3, clip=0.5, options=_options(bucket_mb=0.002))
+    accumulate into the same shard gradients (with the body's layers recomputed too)."""
+    run = Run(model="tied", stage=stage, opt="adamw", steps=3, accum=3, clip=0.5,
+              options=_options(bucket_mb=0.002, recompute="full"))
     assert_matches(run_ranks(zero_train_many, 2, [run])[0][0], reference(run))
 
 

@@ -89,10 +89,13 @@ def reference(name: str):
 
 
 def worker(rank, world, name, stages):
+    """``stages``: ZeRO stages, or ``(stage, extra options)`` pairs."""
     out = {}
-    for stage in stages:
+    for entry in stages:
+        stage, extra = entry if isinstance(entry, tuple) else (entry, {})
         torch._dynamo.reset()
-        model = torch.compile(build(name), backend="zero", options={"stage": stage, "inner_compiler": "eager"})
+        model = torch.compile(build(name), backend="zero", options={"stage": stage, "inner_compiler": "eager",
+                                                                     **extra})
         opt = make_optimizer(name, model.parameters(), _ZeroOptimizers)
         losses = []
         per = BATCH // world
@@ -105,14 +108,18 @@ def worker(rank, world, name, stages):
             total = loss.detach().clone()
             torch.distributed.all_reduce(total)
             losses.append(total.item() / world)
-        out[stage] = (losses, zerocompile.full_state_dict(model))
+        out[repr(entry)] = (losses, zerocompile.full_state_dict(model))
     return out
 
 
 @pytest.mark.parametrize("name,stages", [
     ("llama", (0, 1, 2, 3)), ("gpt2", (0, 1, 2, 3)),
     # activation checkpointing, an encoder with buffers (position ids, token types), encoder-decoder
-    ("llama_checkpointed", (3,)), ("bert", (2, 3)), ("t5", (1, 3))])
+    ("llama_checkpointed", (3,)), ("bert", (2, 3)), ("t5", (1, 3)),
+    # the optional passes pushed hard: tiny buckets, some parameters kept gathered, recompute
+    ("llama", ((3, {"bucket_mb": 0.01, "unshard_budget_mb": 0.05, "recompute": "full"}),)),
+    ("gpt2", ((3, {"recompute": {"memory_budget_mb": 0.05}, "prefetch_mb": 0.01}),
+              (2, {"bucket_mb": 0.02, "recompute": "full"})))])
 def test_hf_model_matches_reference(name, stages):
     ref_losses, ref_state = reference(name)
     results = run_ranks(worker, 2, name, stages)[0]
