@@ -221,3 +221,20 @@ def test_cast_before_gather_halves_the_bf16_gather_bytes(fake_world):
     assert gathered[True]["bytes"] == 2 * gathered[False]["bytes"]
     padded = lambda n: -(-n // 4) * 4  # noqa: E731
     assert gathered[False]["bytes"] == 2 * sum(padded(n) for n in (7 * 13, 13, 13 * 5, 5))
+
+
+@pytest.mark.parametrize("bucket_mb,expected", [(0, 4), (25, 1)])
+def test_bucket_mb_zero_also_unbuckets_the_optimizer_step(fake_world, bucket_mb, expected):
+    import zerocompile
+    from models import make_batch, make_model
+
+    model = make_model("mlp")
+    compiled = torch.compile(model, backend="zero", options={
+        "stage": 1, "inner_compiler": "eager", "bucket_mb": bucket_mb})
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    x, y = make_batch("mlp", 0, 4)
+    compiled(x, y).backward()
+    zerocompile.reset_stats()
+    opt.step()
+    stats = zerocompile.stats()
+    assert (stats.reduce_scatter.count, stats.all_gather.count) == (expected, expected)
