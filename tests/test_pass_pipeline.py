@@ -187,3 +187,19 @@ def test_eval_without_autograd_runs_the_forward_passes_too():
     ref_loss, ref_count, ref_bytes = res["per_parameter"]
     assert loss == ref_loss and nbytes == ref_bytes
     assert count < ref_count / 4, (count, ref_count)
+
+
+def test_cast_before_gather_keeps_bf16_numbers_bitwise():
+    runs = [Run(model="gpt", stage=3, opt="adamw", steps=2, param_dtype="bfloat16",
+                options=_options(passes={"disable": disabled}))
+            for disabled in ([], ["cast_before_gather"])]
+    cast_first, gather_first = run_ranks(zero_train_many, 2, runs)[0]
+    assert cast_first["losses"] == gather_first["losses"]
+    for key, value in gather_first["state"].items():
+        assert torch.equal(cast_first["state"][key], value), key
+    # the same values for half the bytes, in the forward and in the backward re-gathers
+
+    def graph_gather_bytes(res):
+        return sum(r[g]["all_gather"]["bytes"] for r in res["reports"] for g in ("forward", "backward"))
+
+    assert 2 * graph_gather_bytes(cast_first) == graph_gather_bytes(gather_first) > 0
