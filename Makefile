@@ -1,5 +1,7 @@
 # make demo: create .venv, install everything, run the 2-rank ZeRO-3 training demo on CPU.
 # make test: same install, run the test suite.
+# make bench: same install plus the bench extra (DeepSpeed, matplotlib), then benchmarks/run.py
+#             and the micro benchmarks (results in benchmarks/results/latest.{md,json,png}).
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.zerocompile-installed
@@ -9,7 +11,7 @@ PYTHON  ?= python3
 CACHE_HOME ?= $(if $(HOME),$(HOME)/.cache,$(CURDIR)/.cache)
 export TORCHINDUCTOR_CACHE_DIR ?= $(CACHE_HOME)/zerocompile/inductor
 
-.PHONY: install demo test clean
+.PHONY: install demo test bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +27,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# DeepSpeed is optional: if the extra does not install, matplotlib alone is tried and the
+# benchmark reports the DeepSpeed rows as skipped
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]' || $(PY) -m pip install --quiet matplotlib || true
+	$(PY) benchmarks/run.py
+	$(PY) -m pytest benchmarks/micro --benchmark-only -q --benchmark-json benchmarks/results/micro.json
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache *.egg-info

@@ -41,17 +41,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import logging
-import math
 import os
 import platform
 import shlex
-import socket
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -59,13 +55,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-MiB = 2**20
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (MiB, RESULTS, CollectiveBytes, all_ranks_ok, error_line,  # noqa: E402
+                    load_example, optional_pass_names, quantile, spawn_ranks)
+
 SYSTEMS = ("zero3", "zero3-nopass", "fsdp2")
 LABELS = {"zero3": "zerocompile stage 3", "zero3-nopass": "zerocompile stage 3, no optional passes",
           "fsdp2": "FSDP2 eager"}
@@ -80,118 +74,6 @@ def preset(quick: bool) -> dict:
     if quick:
         return dict(vocab=256, seq_len=32, d_model=64, n_layers=2, n_heads=2, batch=2, steps=4, warmup=1)
     return dict(vocab=4096, seq_len=128, d_model=256, n_layers=4, n_heads=4, batch=4, steps=20, warmup=3)
-
-
-def load_example():
-    """Import ``examples/train_gpt.py`` (the model and the data) as a module."""
-    path = REPO / "examples" / "train_gpt.py"
-    spec = importlib.util.spec_from_file_location("zerocompile_example_train_gpt", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def optional_pass_names() -> tuple[list[str], str | None]:
-    """Every optional pass except ``cast_forward_inputs``, from the pass registry, and a note
-    if the fallback (``pass_names()`` plus the ``optional`` flags of ``_registry()``) was used."""
-    from zerocompile.passes import manager
-
-    if hasattr(manager, "registered_passes"):
-        passes, note = manager.registered_passes(), None
-    else:
-        passes = manager._registry()
-        note = "zerocompile.passes.manager.registered_passes() is missing; used _registry()"
-    names = [p.name for p in passes if p.optional and p.name != "cast_forward_inputs"]
-    return names, note
-
-
-# --------------------------------------------------------------------------- collective counting
-def _collective_table() -> dict:
-    """``(namespace, op) -> (kind, where)``: where the full buffer is, an argument name or
-    ``"return"``. Covers the functional collectives and the c10d ops ``torch.distributed`` uses."""
-    return {
-        ("_c10d_functional", "all_gather_into_tensor"): ("all_gather", "return"),
-        ("_c10d_functional", "all_gather_into_tensor_out"): ("all_gather", "out"),
-        ("_c10d_functional", "all_gather_into_tensor_coalesced"): ("all_gather", "return"),
-        ("_c10d_functional", "reduce_scatter_tensor"): ("reduce_scatter", "input"),
-        ("_c10d_functional", "reduce_scatter_tensor_out"): ("reduce_scatter", "input"),
-        ("_c10d_functional", "reduce_scatter_tensor_coalesced"): ("reduce_scatter", "inputs"),
-        ("_c10d_functional", "all_reduce"): ("all_reduce", "input"),
-        ("_c10d_functional", "all_reduce_"): ("all_reduce", "input"),
-        ("_c10d_functional", "all_reduce_coalesced"): ("all_reduce", "inputs"),
-        ("_c10d_functional", "all_reduce_coalesced_"): ("all_reduce", "inputs"),
-        ("c10d", "_allgather_base_"): ("all_gather", "output_tensor"),
-        ("c10d", "allgather_"): ("all_gather", "output_tensors"),
-        ("c10d", "allgather_coalesced_"): ("all_gather", "output_lists"),
-        ("c10d", "allgather_into_tensor_coalesced_"): ("all_gather", "outputs"),
-        ("c10d", "_reduce_scatter_base_"): ("reduce_scatter", "input_tensor"),
-        ("c10d", "reduce_scatter_"): ("reduce_scatter", "input_tensors"),
-        ("c10d", "reduce_scatter_tensor_coalesced_"): ("reduce_scatter", "inputs"),
-        ("c10d", "allreduce_"): ("all_reduce", "tensors"),
-        ("c10d", "allreduce_coalesced_"): ("all_reduce", "tensors"),
-    }
-
-
-_NOT_COLLECTIVES = {"wait_tensor", "barrier", "monitored_barrier_", "check_for_nan"}
-
-
-def _argument(func, args, kwargs, name):
-    """The value of argument ``name`` of an op call, positional or keyword."""
-    if name in kwargs:
-        return kwargs[name]
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.name == name:
-            return args[i] if i < len(args) else arg.default_value
-    raise KeyError(f"{func} has no argument {name!r}")
-
-
-def _nbytes(value) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
-
-
-class CollectiveBytes(TorchDispatchMode):
-    """Count the collectives run under this mode, by kind, with the bytes of their full buffers.
-
-    Functional collectives (``torch.ops._c10d_functional``) and the c10d ops behind
-    ``torch.distributed`` calls (``torch.ops.c10d``) are both counted; a collective is seen
-    once (the mode is not active inside the op it is handling). Other ops of those
-    namespaces are listed in ``unknown`` so that nothing is missed silently.
-    """
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def __init__(self):
-        super().__init__()
-        self.table = _collective_table()
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget everything counted so far."""
-        self.totals = {k: {"count": 0, "bytes": 0} for k in ("all_gather", "reduce_scatter", "all_reduce")}
-        self.ops: dict[str, int] = {}
-        self.unknown: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        namespace = func.namespace
-        if namespace in ("c10d", "_c10d_functional"):
-            op = func._schema.name.split("::")[1]
-            entry = self.table.get((namespace, op))
-            if entry is not None:
-                kind, where = entry
-                buffer = out if where == "return" else _argument(func, args, kwargs, where)
-                self.totals[kind]["count"] += 1
-                self.totals[kind]["bytes"] += _nbytes(buffer)
-                self.ops[str(func)] = self.ops.get(str(func), 0) + 1
-            elif op not in _NOT_COLLECTIVES:
-                self.unknown[str(func)] = self.unknown.get(str(func), 0) + 1
-        return out
-
-    def total_bytes(self) -> int:
-        return sum(v["bytes"] for v in self.totals.values())
 
 
 # --------------------------------------------------------------------------- systems
@@ -251,13 +133,6 @@ def train_step(system: System, x, y) -> torch.Tensor:
     return loss.detach()
 
 
-def _all_ok(ok: bool) -> bool:
-    """Whether every rank says ok (a collective outside any timed region)."""
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
-    dist.all_reduce(flag)
-    return int(flag.item()) == 0
-
-
 def run_round(systems: list[System], round_index: int, phase: str, batch) -> None:
     """One step of every live system, starting system rotated by the round number.
 
@@ -293,7 +168,7 @@ def run_round(systems: list[System], round_index: int, phase: str, batch) -> Non
         except Exception:  # noqa: BLE001 - a system that fails is reported, the others go on
             error = traceback.format_exc()
             log.error("rank %d: %s failed in its %s step:\n%s", dist.get_rank(), system.name, phase, error)
-        if not _all_ok(error is None):
+        if not all_ranks_ok(error is None):
             system.error = error or "failed on another rank"
             continue
         if phase == "first":
@@ -359,38 +234,7 @@ def rank_main(rank: int, world: int, args) -> dict:
     }
 
 
-def _rank_entry(rank: int, world: int, port: int, args, outdir: str) -> None:
-    """Entry point of a spawned rank: set up gloo, run, write the figures to ``outdir``."""
-    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        result = rank_main(rank, world, args)
-        with open(os.path.join(outdir, f"{rank}.json"), "w") as f:
-            json.dump(result, f)
-    finally:
-        try:
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-    # leave without interpreter teardown: gloo's threads sometimes abort the process there
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 # --------------------------------------------------------------------------- report
-def _quantile(values: list, q: float) -> float:
-    """Linear-interpolated quantile of ``values`` (0 <= q <= 1)."""
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def summarise(ranks: list[dict], rtol: float) -> dict:
     """Combine the ranks' figures: per step the slowest rank's time, peaks and comm the max
     over ranks, and each system's largest relative loss difference from FSDP2."""
@@ -411,7 +255,7 @@ def summarise(ranks: list[dict], rtol: float) -> dict:
             step_ms=steps,
             median_ms=statistics.median(steps),
             min_ms=min(steps), max_ms=max(steps),
-            p25_ms=_quantile(steps, 0.25), p75_ms=_quantile(steps, 0.75),
+            p25_ms=quantile(steps, 0.25), p75_ms=quantile(steps, 0.75),
             first_step_s=max(p["first_s"] for p in per_rank),
             peak_bytes_per_rank=[p["peak_bytes"][-1] for p in per_rank],
             peak_bytes=max(p["peak_bytes"][-1] for p in per_rank),
@@ -447,13 +291,6 @@ def summarise(ranks: list[dict], rtol: float) -> dict:
         entry["peak_ratio"] = entry["peak_bytes"] / ref["peak_bytes"]
         entry["comm_ratio"] = entry["comm_bytes"] / ref["comm_bytes"] if ref["comm_bytes"] else None
     return out
-
-
-def error_line(error: str | None) -> str:
-    """The line of a traceback that says what went wrong (the last one, less Dynamo's hints)."""
-    lines = [line.strip() for line in (error or "").splitlines() if line.strip()]
-    lines = [line for line in lines if not line.startswith("Set TORCHDYNAMO_VERBOSE")]
-    return lines[-1] if lines else "unknown error"
 
 
 def format_table(summary: dict, inner_compiler: str) -> str:
@@ -526,12 +363,6 @@ def parse_args(argv=None):
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -539,13 +370,7 @@ def main(argv=None) -> int:
     log.info("spawning %d gloo ranks (%s inner compiler)", args.world_size, args.inner_compiler)
     started = time.time()
     load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_rank_entry, args=(args.world_size, _free_port(), args, outdir),
-                           nprocs=args.world_size, join=True, start_method="spawn")
-        ranks = []
-        for r in range(args.world_size):
-            with open(os.path.join(outdir, f"{r}.json")) as f:
-                ranks.append(json.load(f))
+    ranks = spawn_ranks(args.world_size, rank_main, (args,), timeout_s=args.timeout, threads=args.threads)
     summary = summarise(ranks, args.rtol)
     psi = ranks[0]["psi"]
 

@@ -1,0 +1,222 @@
+"""Machinery shared by the benchmarks in this folder.
+
+- ``load_example()``: the GPT and the data of ``examples/train_gpt.py``;
+- ``optional_pass_names()``: the optional zerocompile passes a "no optional passes" run disables;
+- ``CollectiveBytes``: a dispatch mode that counts every collective of a step (functional and
+  c10d ops alike) with the bytes of its full buffer, the same way for every system;
+- ``spawn_ranks()`` / ``rank_entry()``: start ``world`` local ranks, run a function in each
+  inside an initialised process group and collect what each returns;
+- ``all_ranks_ok()``, ``quantile()``, ``error_line()``: small helpers of the report.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import logging
+import math
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+MiB = 2**20
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+log = logging.getLogger("benchmarks.common")
+
+
+# --------------------------------------------------------------------------- model and passes
+def load_example():
+    """Import ``examples/train_gpt.py`` (the model and the data) as a module."""
+    path = REPO / "examples" / "train_gpt.py"
+    spec = importlib.util.spec_from_file_location("zerocompile_example_train_gpt", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def optional_pass_names() -> tuple[list[str], str | None]:
+    """Every optional pass except ``cast_forward_inputs``, from the pass registry, and a note
+    if the fallback (``pass_names()`` plus the ``optional`` flags of ``_registry()``) was used."""
+    from zerocompile.passes import manager
+
+    if hasattr(manager, "registered_passes"):
+        passes, note = manager.registered_passes(), None
+    else:
+        passes = manager._registry()
+        note = "zerocompile.passes.manager.registered_passes() is missing; used _registry()"
+    names = [p.name for p in passes if p.optional and p.name != "cast_forward_inputs"]
+    return names, note
+
+
+# --------------------------------------------------------------------------- collective counting
+def _collective_table() -> dict:
+    """``(namespace, op) -> (kind, where)``: where the full buffer is, an argument name or
+    ``"return"``. Covers the functional collectives and the c10d ops ``torch.distributed`` uses."""
+    return {
+        ("_c10d_functional", "all_gather_into_tensor"): ("all_gather", "return"),
+        ("_c10d_functional", "all_gather_into_tensor_out"): ("all_gather", "out"),
+        ("_c10d_functional", "all_gather_into_tensor_coalesced"): ("all_gather", "return"),
+        ("_c10d_functional", "reduce_scatter_tensor"): ("reduce_scatter", "input"),
+        ("_c10d_functional", "reduce_scatter_tensor_out"): ("reduce_scatter", "input"),
+        ("_c10d_functional", "reduce_scatter_tensor_coalesced"): ("reduce_scatter", "inputs"),
+        ("_c10d_functional", "all_reduce"): ("all_reduce", "input"),
+        ("_c10d_functional", "all_reduce_"): ("all_reduce", "input"),
+        ("_c10d_functional", "all_reduce_coalesced"): ("all_reduce", "inputs"),
+        ("_c10d_functional", "all_reduce_coalesced_"): ("all_reduce", "inputs"),
+        ("c10d", "_allgather_base_"): ("all_gather", "output_tensor"),
+        ("c10d", "allgather_"): ("all_gather", "output_tensors"),
+        ("c10d", "allgather_coalesced_"): ("all_gather", "output_lists"),
+        ("c10d", "allgather_into_tensor_coalesced_"): ("all_gather", "outputs"),
+        ("c10d", "_reduce_scatter_base_"): ("reduce_scatter", "input_tensor"),
+        ("c10d", "reduce_scatter_"): ("reduce_scatter", "input_tensors"),
+        ("c10d", "reduce_scatter_tensor_coalesced_"): ("reduce_scatter", "inputs"),
+        ("c10d", "allreduce_"): ("all_reduce", "tensors"),
+        ("c10d", "allreduce_coalesced_"): ("all_reduce", "tensors"),
+    }
+
+
+_NOT_COLLECTIVES = {"wait_tensor", "barrier", "monitored_barrier_", "check_for_nan"}
+
+
+def _argument(func, args, kwargs, name):
+    """The value of argument ``name`` of an op call, positional or keyword."""
+    if name in kwargs:
+        return kwargs[name]
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == name:
+            return args[i] if i < len(args) else arg.default_value
+    raise KeyError(f"{func} has no argument {name!r}")
+
+
+def _nbytes(value) -> int:
+    """Bytes of every tensor in ``value`` (a pytree)."""
+    return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Count the collectives run under this mode, by kind, with the bytes of their full buffers.
+
+    Functional collectives (``torch.ops._c10d_functional``) and the c10d ops behind
+    ``torch.distributed`` calls (``torch.ops.c10d``) are both counted; a collective is seen
+    once (the mode is not active inside the op it is handling). Other ops of those
+    namespaces are listed in ``unknown`` so that nothing is missed silently.
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self):
+        super().__init__()
+        self.table = _collective_table()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything counted so far."""
+        self.totals = {k: {"count": 0, "bytes": 0} for k in ("all_gather", "reduce_scatter", "all_reduce")}
+        self.ops: dict[str, int] = {}
+        self.unknown: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        namespace = func.namespace
+        if namespace in ("c10d", "_c10d_functional"):
+            op = func._schema.name.split("::")[1]
+            entry = self.table.get((namespace, op))
+            if entry is not None:
+                kind, where = entry
+                buffer = out if where == "return" else _argument(func, args, kwargs, where)
+                self.totals[kind]["count"] += 1
+                self.totals[kind]["bytes"] += _nbytes(buffer)
+                self.ops[str(func)] = self.ops.get(str(func), 0) + 1
+            elif op not in _NOT_COLLECTIVES:
+                self.unknown[str(func)] = self.unknown.get(str(func), 0) + 1
+        return out
+
+    def total_bytes(self) -> int:
+        return sum(v["bytes"] for v in self.totals.values())
+
+
+
+def all_ranks_ok(ok: bool) -> bool:
+    """Whether every rank says ok (a collective: call it outside any timed region)."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    dist.all_reduce(flag)
+    return int(flag.item()) == 0
+
+
+# --------------------------------------------------------------------------- report helpers
+def quantile(values: list, q: float) -> float:
+    """Linear-interpolated quantile of ``values`` (0 <= q <= 1)."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def error_line(error: str | None) -> str:
+    """The line of a traceback that says what went wrong (the last one, less Dynamo's hints)."""
+    lines = [line.strip() for line in (error or "").splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("Set TORCHDYNAMO_VERBOSE")]
+    return lines[-1] if lines else "unknown error"
+
+
+# --------------------------------------------------------------------------- spawning ranks
+def free_port() -> int:
+    """A TCP port that is free now on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_entry(rank: int, world: int, port: int, backend: str, timeout_s: float, threads: int,
+               fn, fn_args: tuple, outdir: str) -> None:
+    """Entry point of a spawned rank: initialise the process group, run ``fn(rank, world, *fn_args)``
+    and write what it returns (a JSON-able dict) to ``outdir/<rank>.json``."""
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = fn(rank, world, *fn_args)
+        with open(os.path.join(outdir, f"{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+    # leave without interpreter teardown: gloo's threads sometimes abort the process there
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn_ranks(world: int, fn, fn_args: tuple, backend: str = "gloo", timeout_s: float = 300.0,
+                threads: int = 1) -> list[dict]:
+    """Run ``fn(rank, world, *fn_args)`` in ``world`` spawned ranks; return their results in rank order.
+
+    ``fn`` and ``fn_args`` must be picklable (a module-level function of the calling script is)."""
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.start_processes(rank_entry, args=(world, free_port(), backend, timeout_s, threads, fn, fn_args, outdir),
+                           nprocs=world, join=True, start_method="spawn")
+        results = []
+        for r in range(world):
+            with open(os.path.join(outdir, f"{r}.json")) as f:
+                results.append(json.load(f))
+    return results
