@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import socket
 import sys
@@ -21,6 +22,7 @@ def free_port() -> int:
 
 
 def _entry(rank, world, port, fn, args, outdir):
+    faulthandler.enable()  # a rank that dies on a signal prints its Python stack
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
