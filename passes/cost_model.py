@@ -26,7 +26,7 @@ from torch.utils.flop_counter import flop_registry
 
 from zerocompile.passes.graph_utils import COLLECTIVE_OPS, concrete_int, tensor_nbytes
 from zerocompile.passes.liveness import is_view, tensors_of
-from zerocompile.runtime.comm import CommGroup, all_gather_flat
+from zerocompile.runtime.comm import CommGroup, all_gather_flat, is_fake_group
 
 _DEFAULTS = {"flops_per_s": 5e10, "alpha_us": 50.0, "bandwidth_gbps": 2.0, "memory_gbps": 10.0}
 
@@ -119,7 +119,7 @@ def probe(group: CommGroup, device=None, repeats: int = 3) -> CostModel:
     flops_per_s = 2 * n**3 / max(best_mm, 1e-9)
     memory_bandwidth = 2 * big.numel() * 4 / max(best_copy, 1e-9)
     alpha, bandwidth = _DEFAULTS["alpha_us"] * 1e-6, _DEFAULTS["bandwidth_gbps"] * 1e9
-    if group.world > 1 and _is_real_group(group):
+    if group.world > 1 and not is_fake_group(group):
         small_n, large_n = 256, 1 << 18  # elements per rank
         times = []
         for numel in (small_n, large_n):
@@ -141,19 +141,12 @@ def probe(group: CommGroup, device=None, repeats: int = 3) -> CostModel:
     # the slowest rank's figures, on every rank: MAX of the times, i.e. of the inverse rates
     mine = torch.tensor([1 / flops_per_s, alpha, 1 / bandwidth, 1 / memory_bandwidth], dtype=torch.float64,
                         device=device)
-    if group.world > 1 and _is_real_group(group):
+    if group.world > 1 and not is_fake_group(group):
         worst = all_gather_flat(mine, group.world, group.name).view(group.world, -1).amax(0).cpu()
     else:
         worst = mine
     inv_flops, alpha, inv_bw, inv_mem = worst.tolist()
     return CostModel(flops_per_s=1 / inv_flops, alpha_s=alpha, bandwidth=1 / inv_bw, memory_bandwidth=1 / inv_mem)
-
-
-def _is_real_group(group: CommGroup) -> bool:
-    """False for torch's fake process group (collectives do nothing; timings mean nothing)."""
-    import torch.distributed as dist
-
-    return group.group is not None and dist.get_backend(group.group) != "fake"
 
 
 def cost_model_for(config_value, group: CommGroup, device=None) -> CostModel:

@@ -43,6 +43,12 @@ def resolve_group(process_group=None) -> CommGroup:
     return CommGroup(rank=rank, world=world, name=process_group.group_name, group=process_group)
 
 
+def is_fake_group(group: CommGroup) -> bool:
+    """Whether ``group`` is torch's fake process group (``zerocompile dump --world-size N``):
+    its collectives return without communicating, so their results and timings mean nothing."""
+    return group.group is not None and dist.get_backend(group.group) == "fake"
+
+
 def chunk_size(numel: int, world: int) -> int:
     """Elements per rank of a flat tensor padded to a multiple of ``world``."""
     return max(1, math.ceil(numel / world))

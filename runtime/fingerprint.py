@@ -16,7 +16,7 @@ import hashlib
 import torch
 
 from zerocompile.runtime.accounting import ACCOUNTING, COLLECTIVE_KINDS
-from zerocompile.runtime.comm import CommGroup, all_gather_flat
+from zerocompile.runtime.comm import CommGroup, all_gather_flat, is_fake_group
 
 _DTYPES = ("", "float32", "bfloat16", "float16", "float64", "int64", "int32", "int8", "uint8", "bool")
 
@@ -67,7 +67,7 @@ def check_same_on_all_ranks(value: int, group: CommGroup, what: str, sequences=N
     """All-gather ``value`` over ``group``; raise, naming the first differing collective
     of ``sequences`` when given, if any rank holds another one. ``device``: where the
     group's collectives run (the parameters' device; CPU for gloo)."""
-    if group.world == 1 or _is_fake(group):
+    if group.world == 1 or is_fake_group(group):
         return
     mine = torch.tensor([value], dtype=torch.int64, device=device)
     values = all_gather_flat(mine, group.world, group.name).tolist()
@@ -88,9 +88,3 @@ def check_same_on_all_ranks(value: int, group: CommGroup, what: str, sequences=N
         f"zerocompile: ranks compiled different collective sequences for {what}: {detail}. "
         "Every rank must run the same model code with the same options and input shapes "
         "(set ZEROCOMPILE_DUMP=DIR and compare the ranks' graphs with `zerocompile show DIR --rank R`)")
-
-
-def _is_fake(group: CommGroup) -> bool:
-    import torch.distributed as dist
-
-    return group.group is not None and dist.get_backend(group.group) == "fake"
