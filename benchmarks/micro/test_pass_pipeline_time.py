@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import zerocompile
-from micro_gpt import FIXED_COST_MODEL, TinyGPT, make_batch
+from micro_gpt import FIXED_COST_MODEL, gpt, make_batch
 
 LAYER_COUNTS = [2, 4, 8, 16, 32]
 
@@ -34,7 +34,7 @@ def _fresh_model(layers: int):
     """
     torch._dynamo.reset()
     torch.manual_seed(0)
-    return (TinyGPT(layers), make_batch()), {}
+    return (gpt(layers), make_batch()), {}
 
 
 def _compile_and_step(model, batch) -> float:
@@ -78,7 +78,7 @@ def test_compile_one_step(benchmark, fake_world_8, layers):
     bucketing = results.get("bucketing", {})
     benchmark.extra_info.update({
         "layers": layers,
-        "parameters": sum(p.numel() for p in TinyGPT(layers).parameters()),
+        "parameters": sum(p.numel() for p in gpt(layers).parameters()),
         "world_size": fake_world_8,
         "frames": len(zerocompile.frame_reports()),
         "param_gathers_tagged": tagged.get("param_gathers"),
