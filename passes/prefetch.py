@@ -68,10 +68,13 @@ def prefetch_gathers(graph: torch.fx.Graph, cost: CostModel, world: int, infligh
     nodes = list(graph.nodes)
     time_of = {n: cost.node_time(n) for n in nodes}
     gathers = [n for n in nodes if tag(n).get("role") in _GATHER_ROLES and _wait_of(n) is not None]
-    inflight = dict.fromkeys(nodes, 0)  # gathered bytes in flight while each node runs
+    # gathered bytes in flight while each node runs: a gather is in flight from its start
+    # through its wait (until the wait returns), so a gather placed before another's wait
+    # overlaps it
+    inflight = dict.fromkeys(nodes, 0)
     for g in gathers:
-        node, wait, nbytes = g, _wait_of(g), tensor_nbytes(g.meta["val"])
-        while node is not wait:
+        node, end, nbytes = g, _wait_of(g).next, tensor_nbytes(g.meta["val"])
+        while node is not end:
             inflight[node] += nbytes
             node = node.next
     floor = None  # the node after the previous gather: nothing moves above it

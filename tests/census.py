@@ -62,13 +62,22 @@ class CollectiveCounter(_RuntimeMode):
 
 
 class GatheredBytes(_RuntimeMode):
-    """Peak bytes of all-gather outputs (gathered parameters) alive at the same time."""
+    """Peak bytes of all-gather outputs (gathered parameters) alive at the same time, and
+    peak bytes of all-gathers in flight (started, their ``wait_tensor`` not yet run).
+
+    ``peak`` follows storages, so it depends on when gloo's worker thread lets go of a
+    finished collective's buffers (a moment after ``wait()``, later on a loaded machine);
+    ``inflight_peak`` follows the program's own order of ops, so it is exact."""
 
     def __init__(self):
         super().__init__()
         self.alive = 0
         self.peak = 0
+        self.inflight = 0
+        self.inflight_peak = 0
+        self.started_behind_another = 0  # all-gathers started while another was in flight
         self._refs: dict[int, weakref.ref] = {}
+        self._pending: dict[int, int] = {}  # storage key of a started all-gather -> bytes
 
     def _freed(self, key: int, nbytes: int) -> None:
         self.alive -= nbytes
@@ -83,4 +92,10 @@ class GatheredBytes(_RuntimeMode):
                 self._refs[key] = weakref.ref(st, lambda _, key=key, n=nbytes: self._freed(key, n))
                 self.alive += nbytes
                 self.peak = max(self.peak, self.alive)
+            self._pending[key] = nbytes
+            self.started_behind_another += self.inflight > 0
+            self.inflight += nbytes
+            self.inflight_peak = max(self.inflight_peak, self.inflight)
+        elif func is _c10d.wait_tensor.default:
+            self.inflight -= self._pending.pop(args[0].untyped_storage()._cdata, 0)
         return out

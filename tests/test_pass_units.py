@@ -196,6 +196,39 @@ def test_prefetch_respects_bytes_in_flight_and_stops_when_compute_covers_comm():
     assert all(r["moved_up"] == 1 for r in records)                      # one node of compute covers it
 
 
+def _inflight_peak(graph):
+    """Most all-gather bytes started and not yet waited for, in the graph's order (a gather
+    is in flight until its wait returns, so one started before another's wait overlaps it)."""
+    pending, inflight, peak = {}, 0, 0
+    for node in graph.nodes:
+        if node.target is c10d.all_gather_into_tensor.default:
+            pending[node] = node.meta["val"].numel() * node.meta["val"].element_size()
+            inflight += pending[node]
+            peak = max(peak, inflight)
+        elif node.target is c10d.wait_tensor.default and node.args[0] in pending:
+            inflight -= pending.pop(node.args[0])
+    return peak
+
+
+def test_prefetch_never_starts_a_gather_while_one_it_cannot_join_is_in_flight():
+    """Gathers of 48, 32 and 64 B under a 70 B cap: no two fit in flight together, so none
+    may start before the previous one's wait, though the network wants them all early."""
+    inputs = _forward_inputs()
+    gm = _tagged(_with_compute_between, inputs)
+    before = _run(gm, *inputs)
+    assert _inflight_peak(gm.graph) == 64
+    slow = CostModel(flops_per_s=1e9, alpha_s=1.0, bandwidth=1.0, memory_bandwidth=1e9)
+    records = prefetch_gathers(gm.graph, slow, WORLD, inflight_cap=70)
+    gm.graph.lint()
+    gm.recompile()
+    assert records[0]["moved_up"] > 0                                    # the first one still moves
+    assert _inflight_peak(gm.graph) == 64
+    assert torch.equal(_run(gm, *inputs), before)
+    gm = _tagged(_with_compute_between, inputs)
+    prefetch_gathers(gm.graph, slow, WORLD, inflight_cap=10**6)          # without the cap they overlap
+    assert _inflight_peak(gm.graph) > 70
+
+
 def test_prefetch_never_raises_the_peak_over_the_memory_cap():
     inputs = _forward_inputs()
     gm = _tagged(_with_compute_between, inputs)
