@@ -231,7 +231,7 @@ def train_step(system: System, x, y, measure: bool) -> torch.Tensor:
         loss.backward()
         system.opt.step()
     if measure:
-        system.state_bytes.append(system.tracker.live_bytes())
+        system.state_bytes.append(system.tracker.settled_live_bytes())
     if system.opt is not None:
         system.opt.zero_grad()
     return loss.detach()

@@ -39,6 +39,7 @@ and the tracker sees what the compiled code runs, not the fake tensors of tracin
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -130,6 +131,25 @@ class LiveStorageTracker(TorchDispatchMode):
             if storage is not None:
                 total += storage.nbytes()
         return total
+
+    def settled_live_bytes(self, quiet_s: float = 0.1, timeout_s: float = 2.0, poll_s: float = 0.01) -> int:
+        """``live_bytes()`` once it has stopped changing for ``quiet_s`` (at most ``timeout_s``).
+
+        Call it with nothing else running. A collective's buffers can outlive its ``wait()``
+        for a moment: gloo's worker thread drops its reference to the finished work (which
+        holds the input and output tensors) after it has woken the waiting thread, and later
+        still on a loaded machine. Reading right after a step can therefore count a buffer
+        the program has already let go of; waiting for the figure to settle does not."""
+        last, quiet_since = self.live_bytes(), time.monotonic()
+        deadline = quiet_since + timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(poll_s)
+            now = self.live_bytes()
+            if now != last:
+                last, quiet_since = now, time.monotonic()
+            elif time.monotonic() - quiet_since >= quiet_s:
+                break
+        return last
 
     def reset_peak(self) -> None:
         """Start a new peak from the bytes live now (this also resynchronises ``current``
