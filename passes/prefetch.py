@@ -9,7 +9,7 @@ views and ``cat`` that build its input, which read only graph inputs) earlier:
   time, but no further, so it holds memory no longer than useful;
 - never before the previous all-gather's start (the order of collectives is kept);
 - never so far that more than ``prefetch_mb`` of gathered bytes are in flight (started,
-  not yet waited for) at any point (so an all-gather larger than ``prefetch_mb`` is not
+  their wait not yet returned) at any point (so an all-gather larger than ``prefetch_mb`` is not
   moved at all); with ``memory_limit_mb`` set, never so far that the liveness
   simulation's peak exceeds that limit (or, where the graph already peaks above it
   without prefetching, exceeds that peak).
