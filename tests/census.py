@@ -73,7 +73,6 @@ class GatheredBytes(_RuntimeMode):
         super().__init__()
         self.alive = 0
         self.peak = 0
-        self.inflight = 0
         self.inflight_peak = 0
         self.started_behind_another = 0  # all-gathers started while another was in flight
         self._refs: dict[int, weakref.ref] = {}
@@ -92,10 +91,9 @@ class GatheredBytes(_RuntimeMode):
                 self._refs[key] = weakref.ref(st, lambda _, key=key, n=nbytes: self._freed(key, n))
                 self.alive += nbytes
                 self.peak = max(self.peak, self.alive)
+            self.started_behind_another += bool(self._pending)
             self._pending[key] = nbytes
-            self.started_behind_another += self.inflight > 0
-            self.inflight += nbytes
-            self.inflight_peak = max(self.inflight_peak, self.inflight)
+            self.inflight_peak = max(self.inflight_peak, sum(self._pending.values()))
         elif func is _c10d.wait_tensor.default:
-            self.inflight -= self._pending.pop(args[0].untyped_storage()._cdata, 0)
+            self._pending.pop(args[0].untyped_storage()._cdata, None)
         return out

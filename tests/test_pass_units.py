@@ -199,14 +199,13 @@ def test_prefetch_respects_bytes_in_flight_and_stops_when_compute_covers_comm():
 def _inflight_peak(graph):
     """Most all-gather bytes started and not yet waited for, in the graph's order (a gather
     is in flight until its wait returns, so one started before another's wait overlaps it)."""
-    pending, inflight, peak = {}, 0, 0
+    pending, peak = {}, 0
     for node in graph.nodes:
         if node.target is c10d.all_gather_into_tensor.default:
             pending[node] = node.meta["val"].numel() * node.meta["val"].element_size()
-            inflight += pending[node]
-            peak = max(peak, inflight)
-        elif node.target is c10d.wait_tensor.default and node.args[0] in pending:
-            inflight -= pending.pop(node.args[0])
+            peak = max(peak, sum(pending.values()))
+        elif node.target is c10d.wait_tensor.default:
+            pending.pop(node.args[0], None)
     return peak
 
 
