@@ -27,6 +27,7 @@ from collections import defaultdict
 import torch
 from torch.optim import Optimizer
 
+from zerocompile.optimizer_rules import check_elementwise
 from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup, all_reduce_sum, resolve_group
 from zerocompile.runtime.sharded_param import get_state
@@ -36,13 +37,20 @@ _DEFAULT_BUCKET_MB = 25.0
 
 
 class ZeroOptimizer(Optimizer):
-    """``ZeroOptimizer(params, optimizer_class=torch.optim.AdamW, lr=..., ...)``."""
+    """``ZeroOptimizer(params, optimizer_class=torch.optim.AdamW, lr=..., ...)``.
 
-    def __init__(self, params, optimizer_class=torch.optim.AdamW, process_group=None, **defaults):
+    ``optimizer_class`` must be element-wise (see ``zerocompile.optimizer_rules``): one of the
+    allow-listed torch classes, or any class with ``assume_elementwise=True``, your promise that
+    it updates every element from that element's value, gradient and state alone and never
+    depends on a parameter's shape."""
+
+    def __init__(self, params, optimizer_class=torch.optim.AdamW, process_group=None, *,
+                 assume_elementwise: bool = False, **defaults):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
             raise TypeError(
                 f"ZeroOptimizer: optimizer_class must be a torch.optim.Optimizer subclass "
                 f"(e.g. torch.optim.AdamW), got {optimizer_class!r}")
+        check_elementwise(optimizer_class, assume_elementwise)
         self.optimizer_class = optimizer_class
         self._inner: Optimizer | None = None
         self._bound: list[list] = []          # per group: the tensor the inner optimizer updates
@@ -77,7 +85,9 @@ class ZeroOptimizer(Optimizer):
                 targets = [self._target(p) for p in group["params"]]
                 self._bound.append(targets)
                 groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": targets})
-            self._inner = self.optimizer_class(groups)
+            # the defaults too: a few classes read a constructor argument rather than the group
+            # (Adagrad's initial_accumulator_value)
+            self._inner = self.optimizer_class(groups, **self.defaults)
             if self._pending_state is not None:
                 self._load_inner(self._pending_state)
                 self._pending_state = None
