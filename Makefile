@@ -1,6 +1,6 @@
 # make demo: create .venv, install everything, run the 2-rank ZeRO-3 training demo on CPU.
 # make test: same install, run the test suite.
-# make bench: same install plus the bench extra (DeepSpeed, matplotlib), then benchmarks/run.py
+# make bench: same install plus the bench extra (DeepSpeed, matplotlib, pytest-benchmark), then benchmarks/run.py
 #             and the micro benchmarks (results in benchmarks/results/latest.{md,json,png}).
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
@@ -28,10 +28,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# DeepSpeed is optional: if the extra does not install, matplotlib alone is tried and the
+# DeepSpeed is optional: if the extra does not install, the rest of it is tried alone and the
 # benchmark reports the DeepSpeed rows as skipped
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[bench]' || $(PY) -m pip install --quiet matplotlib || true
+	$(PY) -m pip install --quiet -e '.[bench]' || $(PY) -m pip install --quiet matplotlib pytest-benchmark || true
 	$(PY) benchmarks/run.py
 	$(PY) -m pytest benchmarks/micro --benchmark-only -q --benchmark-json benchmarks/results/micro.json
 

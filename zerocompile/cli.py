@@ -477,7 +477,7 @@ def write_memory_plot(nodes: list, title: str, out: Path) -> None:
         from matplotlib.figure import Figure
     except ImportError:
         raise CliError("zerocompile show: error: --memory needs matplotlib, which is not installed "
-                       "(pip install matplotlib)", code=1) from None
+                       "(pip install 'zerocompile[plot]', or pip install matplotlib)", code=1) from None
     live = [n.get("live") or 0 for n in nodes]
     peak = max(live, default=0)
     scale, unit = next(((s, u) for s, u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")) if peak >= s),
