@@ -189,7 +189,7 @@ def _run_plain(hidden: list, cwd: Path) -> subprocess.CompletedProcess:
 def test_plain_install_runs_zerocompile_help(tmp_path):
     base, _ = _declared()
     hidden = _hidden_modules(_closure(base))
-    assert {"matplotlib", "pytest"} <= set(hidden)           # installed here, but not by a plain install
+    assert "pytest" in hidden                   # installed here, but not by a plain install
     proc = _run_plain(hidden, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.startswith("usage: zerocompile") and "dump" in proc.stdout and "show" in proc.stdout
