@@ -14,13 +14,16 @@ placeholder ``p`` with shard state ``sp`` it creates one placeholder per tensor 
 The inserted op goes right before the parameter's first use, so that a gathered
 parameter is alive only from its first use to its last.
 
-Every inserted node is tagged ``node.meta["zerocompile"] = {"role": ..., "param": name}``.
+Every inserted node is tagged ``node.meta["zerocompile"] = {"role": ..., "param": name}`` and
+carries the parameter's identity (``passes/param_identity.py``), which reaches every node
+AOTAutograd traces from it, forward and backward.
 """
 
 from __future__ import annotations
 
 import torch.fx
 
+from zerocompile.passes import param_identity
 from zerocompile.passes.context import PassContext
 from zerocompile.runtime import param_ops
 
@@ -37,9 +40,11 @@ def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=N
         raise ValueError("insert_param_collectives needs one plan entry per placeholder")
     order = {n: i for i, n in enumerate(graph.nodes)}
     group = ctx.group
+    index = -1
     for node, sp in zip(placeholders, plans):
         if sp is None:
             continue
+        index += 1
         users = sorted(node.users, key=order.__getitem__)
         new_inputs = []
         with graph.inserting_before(node):
@@ -70,6 +75,9 @@ def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=N
                     out.meta["zerocompile"] = {"role": "gather_cast", "param": sp.name}
         if out is not new_inputs[0]:
             out.meta.setdefault("zerocompile", {"role": _ROLES[sp.stage], "param": sp.name})
+            for inserted in (out, *out.all_input_nodes):
+                if inserted not in new_inputs:
+                    param_identity.mark(inserted, index, sp.name)
             if "example_value" in node.meta:
                 out.meta["example_value"] = node.meta["example_value"]
         node.replace_all_uses_with(out)

@@ -45,6 +45,9 @@ class GraphPass:
     """One line for docs and ``zerocompile show``."""
     required_because: str = ""
     """For a pass that is not optional: why it cannot be disabled (for the error)."""
+    ensures: Callable | None = None
+    """``ensures(gm, ctx)``: a check of the graph after the pass ran, which raises when the
+    graph breaks what the pass promises (``torch.fx.passes.infra``'s ``ensures``)."""
 
 
 def _registry() -> list[GraphPass]:
@@ -56,7 +59,7 @@ def _registry() -> list[GraphPass]:
     from zerocompile.passes.recompute import recompute
     from zerocompile.passes.reshard_after_forward import reshard_after_forward
     from zerocompile.passes.selective_unshard import selective_unshard
-    from zerocompile.passes.tag_collectives import tag_collectives
+    from zerocompile.passes.tag_collectives import ensure_tagged, tag_collectives
 
     return [
         GraphPass("insert_param_collectives", insert_param_collectives, ("dynamo",),
@@ -70,7 +73,7 @@ def _registry() -> list[GraphPass]:
                   requires=("param_collectives",),
                   summary="cast shards to param_dtype before the all-gather, not after"),
         GraphPass("tag_collectives", tag_collectives, ("joint", "inference"), requires=("param_collectives",),
-                  provides=("tags",), optional=False,
+                  provides=("tags",), optional=False, ensures=ensure_tagged,
                   summary="tag each parameter all-gather / gradient reduce-scatter with its role and parameter",
                   required_because="it only labels nodes, and the other passes find their collectives by its "
                                    "labels (disable those passes instead)"),
@@ -162,6 +165,8 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, graph_kind: str, **in
         start = time.perf_counter()
         gm = p.fn(gm, ctx, **inputs) or gm
         gm.graph.lint()
+        if p.ensures is not None:
+            p.ensures(gm, ctx)
         gm.recompile()
         elapsed = time.perf_counter() - start
         ctx.provided.update(p.provides)

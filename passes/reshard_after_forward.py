@@ -1,7 +1,7 @@
 """Pass (joint graph, stage 3): gather parameters again in backward instead of saving them.
 
-Finds every all-gather whose input comes from a graph input through casts and views
-only (a parameter gather), and tags the whole chain (the cast before it, the
+Finds every parameter all-gather (by the identity ``insert_param_collectives`` gave it,
+``passes/param_identity.py``), and tags the whole chain (the cast before it, the
 all-gather, its wait, and every view or cast of the gathered tensor downstream)
 ``CheckpointPolicy.MUST_RECOMPUTE``. The min-cut partitioner then saves only the
 shard for backward and re-gathers there. Without the tags the partitioner saves the
@@ -16,6 +16,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from zerocompile.passes import param_identity
 from zerocompile.passes.context import PassContext
 
 _c10d = torch.ops._c10d_functional
@@ -46,15 +47,10 @@ def is_op(node, ops) -> bool:
 
 
 def parameter_gathers(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    """All-gather nodes fed by a graph input through casts/views only."""
-    out = []
-    for node in graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default):
-        src = node.args[0]
-        while src.op == "call_function" and is_op(src, PASS_THROUGH_OPS):
-            src = src.args[0]
-        if src.op == "placeholder":
-            out.append(node)
-    return out
+    """The all-gathers of parameters (by their identity, ``passes/param_identity.py``), in
+    graph order."""
+    return [node for node in graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default)
+            if param_identity.identity(node) is not None]
 
 
 def gather_chain(gather: torch.fx.Node) -> list[torch.fx.Node]:

@@ -27,11 +27,25 @@ different compute dtype), ``materialize()`` gathers it back on demand.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from zerocompile import _torch_compat
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, chunk_size
+from zerocompile.runtime.zero_parameter import raw_grad, set_raw_grad
 
 _ATTR = "_zerocompile"
+
+
+def _on_plain_tensors(method):
+    """Run ``method`` with ``ZeroParameter``'s eager checks off: it is zerocompile's own work on
+    the parameter (gathering it back, writing updated values)."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with _torch_compat.plain_tensor_ops():
+            return method(*args, **kwargs)
+    return wrapper
 
 
 class ShardedParam:
@@ -64,7 +78,11 @@ class ShardedParam:
         """Keep the parameter's own full storage (owned by a module Dynamo never compiles)."""
         self.storage_freed = False
         self.materialized = False
-        self._build(param.detach())
+        self.grad_synced = False
+        """The parameter's own ``.grad`` holds the gradient averaged over ranks (set by
+        ``ZeroOptimizer`` once it reduced it; cleared by the next forward and by zero_grad)."""
+        with _torch_compat.plain_tensor_ops():
+            self._build(param.detach())
 
     # -- construction -----------------------------------------------------------------
     def _own_chunk(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -115,6 +133,7 @@ class ShardedParam:
         """The parameter keeps a full copy apart from the shard/replica, refreshed after each step."""
         return self.keep_full and not self.param_is_master
 
+    @_on_plain_tensors
     def refresh_param(self, gathered_flat: torch.Tensor) -> None:
         """Write all-gathered master values (padded flat, parameter dtype) into the parameter."""
         with torch.no_grad():
@@ -132,6 +151,7 @@ class ShardedParam:
         return (self.shard,)
 
     # -- after the optimizer updated the shard ----------------------------------------
+    @_on_plain_tensors
     def full_from_shards(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full current value as a new tensor: a copy of the parameter where it holds the
         full master value (stage 0; stages 1/2 without a separate compute dtype), otherwise an
@@ -142,6 +162,7 @@ class ShardedParam:
                                    self.group.name)
         return gathered[: self.numel].view(self.shape).clone()
 
+    @_on_plain_tensors
     def refresh_replica(self, gathered_flat: torch.Tensor) -> None:
         """Write all-gathered updated values (padded flat, compute dtype) into the replica."""
         self._flat_replica.copy_(gathered_flat)
@@ -149,6 +170,7 @@ class ShardedParam:
             self.param.data.copy_(gathered_flat[: self.numel].view(self.shape).to(self.dtype))
 
     # -- eager access to a parameter whose storage was freed ----------------------------
+    @_on_plain_tensors
     def materialize(self) -> None:
         """Gather the full parameter back into its own storage (collective)."""
         if not self.storage_freed or self.materialized:
@@ -159,12 +181,14 @@ class ShardedParam:
             self.param.copy_(full)
         self.materialized = True
 
+    @_on_plain_tensors
     def release(self) -> None:
         """Free the storage ``materialize()`` filled (after the optimizer changed the shard)."""
         if self.materialized:
             self.param.untyped_storage().resize_(0)
             self.materialized = False
 
+    @_on_plain_tensors
     def write_full(self, full: torch.Tensor) -> None:
         """Scatter new full values of the parameter into the shard and replica (local, no comm)."""
         flat = full.detach().reshape(-1)
@@ -178,6 +202,38 @@ class ShardedParam:
             if self.materialized:
                 self.param.copy_(full)
 
+    # -- what eager code may do with the parameter (runtime/zero_parameter.py) ------------
+    def values_freed(self) -> bool:
+        """The parameter's own storage holds no values now."""
+        return self.storage_freed and not self.materialized
+
+    def grad_is_exact(self) -> bool:
+        """``p.grad`` is the gradient a single process would have: stage 0 (and stage 1, where
+        the parameter is the replica autograd accumulates into) on one rank, or averaged
+        over ranks by ``ZeroOptimizer``."""
+        if self.stage == 0 or (self.stage == 1 and self.replica is self.param):
+            return self.group.world == 1 or self.grad_synced
+        return False
+
+    def pending_gradients(self) -> list[torch.Tensor]:
+        """The gradients zerocompile holds for this parameter (its own, the replica's, the shard's)."""
+        holders = {id(t): t for t in (self.param, self.replica, self.shard) if t is not None}
+        return [g for t in holders.values() if (g := raw_grad(t)) is not None]
+
+    def where_gradient_lives(self) -> str:
+        if self.stage >= 2:
+            return (f"at stage {self.stage} its gradient is reduce-scattered into flat shards, "
+                    f"1/{self.group.world} of it on each rank")
+        return ("it holds this rank's local, not yet averaged gradient until ZeroOptimizer.step() "
+                "reduces it")
+
+    def clear_gradients(self) -> None:
+        """Drop every gradient zerocompile keeps for this parameter (``p.grad = None``)."""
+        for t in (self.replica, self.shard):
+            if t is not None and t is not self.param:
+                set_raw_grad(t, None)
+        self.grad_synced = False
+
     # -- accounting -------------------------------------------------------------------
     def storages(self) -> tuple[dict[int, int], dict[int, int]]:
         """``({storage ptr: bytes})`` of parameter data and of gradients this state keeps alive."""
@@ -187,8 +243,9 @@ class ShardedParam:
                 st = t.untyped_storage()
                 if st.nbytes() > 0:
                     params[st.data_ptr()] = st.nbytes()
-                if t.grad is not None:
-                    grads[t.grad.untyped_storage().data_ptr()] = t.grad.untyped_storage().nbytes()
+                grad = raw_grad(t)
+                if grad is not None:
+                    grads[grad.untyped_storage().data_ptr()] = grad.untyped_storage().nbytes()
         return params, grads
 
 
@@ -198,4 +255,7 @@ def get_state(param: torch.Tensor) -> ShardedParam | None:
 
 
 def attach_state(param: torch.nn.Parameter, state: ShardedParam) -> None:
+    """Hang ``state`` off ``param``. ``FrameRunner`` makes it a ``ZeroParameter`` at the frame's
+    first run (``adopt``), not while Dynamo may still restart its analysis of the frame: a
+    class that changed mid-trace would send the restarted analysis down another path."""
     setattr(param, _ATTR, state)

@@ -249,6 +249,7 @@ def test_changing_batch_size_does_not_recompile_every_step(stage):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_no_full_gradient_is_kept_at_stages_2_and_3(stage):
     from zerocompile.runtime.sharded_param import get_state
+    from zerocompile.runtime.zero_parameter import GradientNotGatheredError, raw_grad
 
     torch._dynamo.reset()
     model = make_model("tied")
@@ -258,7 +259,9 @@ def test_no_full_gradient_is_kept_at_stages_2_and_3(stage):
         compiled(x, y).backward()
     for name, p in model.named_parameters():
         state = get_state(p)
-        assert p.grad is None, name
+        assert raw_grad(p) is None, name
+        with pytest.raises(GradientNotGatheredError, match="reduce-scattered into flat shards"):
+            p.grad  # noqa: B018 - reading it must not silently give None (issue 8, problem 8)
         assert state.replica is None or state.replica.grad is None, name
         assert state.shard.grad is not None and state.shard.grad.shape == state.shard.shape, name
 

@@ -16,6 +16,7 @@ from zerocompile.passes.collective_summary import summarize_collectives
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.insert_param_collectives import insert_param_collectives
 from zerocompile.passes.manager import pipeline, run_passes
+from zerocompile.passes import param_identity
 from zerocompile.passes.reshard_after_forward import gather_chain, parameter_gathers, tag_parameter_gathers
 from zerocompile.runtime import param_ops
 from zerocompile.runtime.comm import CommGroup
@@ -98,7 +99,10 @@ def _traced_gather(dtype=torch.bfloat16):
         w = full[:15].view(5, 3)
         return torch.mm(x.to(dtype), w.t())
 
-    return make_fx(fn, tracing_mode="fake")(torch.randn(8), torch.randn(4, 3))
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(8), torch.randn(4, 3))
+    for node in gm.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default):
+        param_identity.mark(node, 0, "w")   # as AOTAutograd carries it from insert_param_collectives
+    return gm
 
 
 def test_reshard_after_forward_tags_the_whole_gather_chain_only():

@@ -185,3 +185,23 @@ def init_fake_process_group(world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def plain_tensor_ops():
+    """A context in which tensor subclasses' ``__torch_function__`` is skipped (ops see plain
+    tensors), for zerocompile's own work on ``ZeroParameter`` objects.
+
+    Why private: ``torch._C.DisableTorchFunctionSubclass`` is what ``torch.Tensor.__torch_function__``
+    itself uses; Dynamo traces it, so ``ZeroParameter.__torch_function__`` compiles to nothing.
+    """
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def inside_dynamo_trace() -> bool:
+    """Whether Dynamo is compiling a frame right now (its builder reads ``p.grad`` of every
+    parameter it wraps, which must not raise).
+
+    Why private: ``torch._guards.TracingContext`` is set for the duration of a Dynamo compile;
+    ``torch.compiler.is_compiling()`` is True only in the traced user code, not in Dynamo's own.
+    """
+    return torch._guards.TracingContext.try_get() is not None

@@ -36,6 +36,7 @@ from zerocompile.runtime.comm import CommGroup, resolve_group
 from zerocompile.runtime.eager_fallback import eager_only_parameters, install_eager_fallback
 from zerocompile.runtime.fingerprint import check_same_on_all_ranks, fingerprint
 from zerocompile.runtime.sharded_param import ShardedParam, attach_state, get_state
+from zerocompile.runtime.zero_parameter import adopt
 
 log = logging.getLogger("zerocompile")
 
@@ -100,9 +101,13 @@ class FrameRunner:
     """The callable Dynamo runs for a compiled frame."""
 
     def __init__(self, compiled, plans: list, partitioner: ZeroPartitioner, frame: str,
-                 roots: list):
+                 roots: list, new_state):
         self.compiled = compiled
         self.plans = plans
+        # Dynamo runs this compiled code for every module its guards accept, not only the one
+        # it was traced with (a loop of identical blocks with a graph break in it compiles each
+        # block's frame once): the parameters are resolved from the arguments of every call
+        self._new_state = new_state
         self.partitioner = partitioner
         self.frame = frame
         # The eager-fallback hooks are installed at the first run, not while Dynamo is still
@@ -129,6 +134,9 @@ class FrameRunner:
                              for k, t in self.partitioner.backward_summary.totals.items()}}
 
     def _first_run(self) -> None:
+        for sp in self.plans:
+            if sp is not None:
+                adopt(sp.param)
         for root in self._roots_without_hooks:
             install_eager_fallback(root)
         self._roots_without_hooks = []
@@ -139,15 +147,42 @@ class FrameRunner:
                                 device=_frame_device(self.plans))
         self._checked = True
 
+    def _state_of(self, arg, plan: ShardedParam) -> ShardedParam:
+        """The shard state of the parameter Dynamo passed for the input traced as ``plan``'s."""
+        if arg is plan.param:
+            return plan
+        if not isinstance(arg, torch.nn.Parameter):
+            raise TypeError(
+                f"zerocompile [{self.frame}]: this compiled frame was traced with parameter '{plan.name}' "
+                f"{plan.shape} at this input, but was called with a {type(arg).__name__}; zerocompile maps "
+                "inputs to parameters by object and cannot shard a plain tensor. Keep the input an "
+                "nn.Parameter, or run torch._dynamo.reset() after changing the model's structure")
+        state = get_state(arg)
+        if state is None:
+            state = self._new_state(arg, plan)
+            adopt(arg)
+        elif (state.shape, state.dtype, state.compute_dtype, state.stage, state.group.name) != (
+                plan.shape, plan.dtype, plan.compute_dtype, plan.stage, plan.group.name):
+            raise ValueError(
+                f"zerocompile [{self.frame}]: parameter '{state.name}' {state.shape} ({state.dtype}, stage "
+                f"{state.stage}) was passed where this compiled frame expects one like '{plan.name}' "
+                f"{plan.shape} ({plan.dtype}, stage {plan.stage}); compile every model that shares "
+                "parameters with the same options")
+        return state
+
     def __call__(self, *args):
         if not self._checked:
             self._first_run()
         new_args = []
-        for arg, sp in zip(args, self.plans):
-            if sp is None:
+        grad_mode = torch.is_grad_enabled()
+        for arg, plan in zip(args, self.plans):
+            if plan is None:
                 new_args.append(arg)
-            else:
-                new_args.extend(sp.graph_inputs())
+                continue
+            sp = self._state_of(arg, plan)
+            if grad_mode:
+                sp.grad_synced = False   # this run's backward adds local gradients
+            new_args.extend(sp.graph_inputs())
         out = self.compiled(*new_args)
         ACCOUNTING.record_summary(self._forward_summary())
         bw = self.partitioner.backward_summary
@@ -186,8 +221,9 @@ def _frame_name(gm: torch.fx.GraphModule) -> str:
 
 
 def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group: CommGroup):
-    """The shard state of each placeholder (None for non-parameters), and the root modules
-    the frame's parameters were reached from."""
+    """The shard state of each placeholder (None for non-parameters), the root modules the
+    frame's parameters were reached from, and the ids of the parameters under those roots
+    that eager-only modules own (kept full: see runtime/eager_fallback.py)."""
     roots = {}
     for source in sources:
         root = _torch_compat.root_module(source) if source is not None else None
@@ -204,16 +240,22 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
         name = (source is not None and _torch_compat.param_fqn(source)) or node.name
         state = get_state(ex)
         if state is None:
-            compute = cfg.param_dtype if cfg.param_dtype is not None and ex.is_floating_point() else ex.dtype
-            state = ShardedParam(ex, name, cfg.stage, group, compute, cfg.reduce_dtype, cfg.bucket_mb,
-                                 keep_full=id(ex) in eager_owned)
-            attach_state(ex, state)
-            ACCOUNTING.states.add(state)
-            ACCOUNTING.world_size = group.world
+            state = _shard_parameter(ex, name, cfg, group, keep_full=id(ex) in eager_owned)
         else:
             _check_compatible(state, cfg, group, name)
         plans.append(state)
-    return plans, list(roots.values())
+    return plans, list(roots.values()), eager_owned
+
+
+def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_full: bool) -> ShardedParam:
+    """Create ``param``'s shard state (once per parameter, by the first frame that uses it)."""
+    compute = cfg.param_dtype if cfg.param_dtype is not None and param.is_floating_point() else param.dtype
+    state = ShardedParam(param, name, cfg.stage, group, compute, cfg.reduce_dtype, cfg.bucket_mb,
+                         keep_full=keep_full)
+    attach_state(param, state)
+    ACCOUNTING.states.add(state)
+    ACCOUNTING.world_size = group.world
+    return state
 
 
 def _check_compatible(state: ShardedParam, cfg: ZeroConfig, group: CommGroup, name: str) -> None:
@@ -235,7 +277,7 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     gm = _copy_graph_module(gm)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     sources = [_torch_compat.placeholder_source(node) for node in placeholders]
-    plans, roots = _param_states(placeholders, sources, example_inputs, cfg, group)
+    plans, roots, eager_owned = _param_states(placeholders, sources, example_inputs, cfg, group)
     ctx = PassContext(config=cfg, group=group, frame=frame, recorder=recorder_for(cfg, group))
     if _needs_cost_model(ctx):
         ctx.cost_model = cost_model_for(cfg.cost_model, group, _frame_device(plans))
@@ -261,7 +303,13 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
         compiled = _torch_compat.compile_with_aot_eager(gm, new_inputs, partitioner, partitioner.inference)
     else:
         compiled = _torch_compat.compile_with_inductor(gm, new_inputs, partitioner, partitioner.inference)
-    return FrameRunner(compiled, plans, partitioner, frame, roots)
+
+    def new_state(param, plan: ShardedParam) -> ShardedParam:
+        # a parameter first seen at run time, in the place of one traced like it (same shape,
+        # dtype and requires_grad: Dynamo's guards checked them); named after that one
+        return _shard_parameter(param, plan.name, cfg, group, keep_full=id(param) in eager_owned)
+
+    return FrameRunner(compiled, plans, partitioner, frame, roots, new_state)
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

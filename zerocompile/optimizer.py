@@ -32,6 +32,7 @@ from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup, all_reduce_sum, resolve_group
 from zerocompile.runtime.sharded_param import get_state
 from zerocompile.runtime.step_collectives import all_gather_concat, all_reduce_mean_, reduce_scatter_mean
+from zerocompile.runtime.zero_parameter import raw_grad, set_raw_grad
 
 _DEFAULT_BUCKET_MB = 25.0
 
@@ -147,24 +148,28 @@ class ZeroOptimizer(Optimizer):
         to_scatter = defaultdict(list)  # (group, reduce dtype) -> (state, full grad, accumulate?)
         for p in self._params():
             sp = get_state(p)
+            own = raw_grad(p)
             if sp is None or sp.stage == 0:
-                if p.grad is not None:
+                if own is not None:
                     group = self._group_of(sp)
                     rd = sp.reduce_dtype if sp is not None else torch.float32
-                    full[(group, rd)].append((sp, p.grad))
+                    full[(group, rd)].append((sp, own))
                 continue
             if sp.stage == 1:
-                grad = sp.replica.grad
-                if p is not sp.replica and p.grad is not None:   # eager use of a freed parameter
-                    grad = p.grad.to(sp.compute_dtype) if grad is None else grad.add_(p.grad)
-                    p.grad = None
+                grad = raw_grad(sp.replica)
+                if p is not sp.replica and own is not None:   # eager use of a freed parameter
+                    grad = own.to(sp.compute_dtype) if grad is None else grad.add_(own)
+                    set_raw_grad(p, None)
                 if grad is not None:
                     to_scatter[(sp.group, sp.reduce_dtype)].append((sp, grad, False))
-            elif p.grad is not None:      # stages 2/3: a gradient from eager use of the parameter
-                to_scatter[(sp.group, sp.reduce_dtype)].append((sp, p.grad, True))
-                p.grad = None
+            elif own is not None:      # stages 2/3: a gradient from eager use of the parameter
+                to_scatter[(sp.group, sp.reduce_dtype)].append((sp, own, True))
+                set_raw_grad(p, None)
         for (group, rd), items in full.items():
             all_reduce_mean_([g for _, g in items], group, self._bucket_bytes([s for s, _ in items]), rd)
+            for sp, _ in items:
+                if sp is not None:
+                    sp.grad_synced = True    # p.grad is now the averaged gradient: readable
         for (group, rd), items in to_scatter.items():
             shards = reduce_scatter_mean([(g, sp.padded_numel) for sp, g, _ in items], group,
                                          self._bucket_bytes([sp for sp, _, _ in items]), rd)
@@ -217,14 +222,17 @@ class ZeroOptimizer(Optimizer):
         for p in self._params():
             sp = get_state(p)
             holders = [p] if sp is None else {id(t): t for t in (p, sp.replica, sp.shard) if t is not None}.values()
+            if sp is not None:
+                sp.grad_synced = False
             for t in holders:
-                if t.grad is None:
+                grad = raw_grad(t)
+                if grad is None:
                     continue
                 if set_to_none:
-                    t.grad = None
+                    set_raw_grad(t, None)
                 else:
-                    t.grad.detach_()
-                    t.grad.zero_()
+                    grad.detach_()
+                    grad.zero_()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -240,10 +248,11 @@ class ZeroOptimizer(Optimizer):
         for p in self._params():
             sp = get_state(p)
             target = self._target(p)
-            if target.grad is None:
+            grad = raw_grad(target)
+            if grad is None:
                 continue
             group = group or self._group_of(sp)
-            (replicated if target is p else owned).append(target.grad)
+            (replicated if target is p else owned).append(grad)
         group = group or resolve_group(self._default_group)
         dev = owned[0].device if owned else (replicated[0].device if replicated else torch.device("cpu"))
         if math.isinf(norm_type):

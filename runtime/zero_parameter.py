@@ -1,0 +1,200 @@
+"""What a parameter zerocompile has sharded does when eager code touches it.
+
+Once a compiled frame shards a parameter, the parameter object stays the user's (same
+identity, shape, stride, ``isinstance(p, nn.Parameter)``), but its class becomes
+``ZeroParameter``, a subclass of ``nn.Parameter`` with two guards:
+
+- **Values.** At stage 3 (and stages 1/2 with a 16-bit ``param_dtype``) the parameter's own
+  storage is freed: its values live in flat shards across ranks. Reading it would read freed
+  memory (a segmentation fault). Every torch operation on a ``ZeroParameter`` outside
+  compiled code first checks the storage: metadata (shape, dtype, device, ...) is always
+  readable; any other operation on a freed parameter raises ``ParameterNotGatheredError``,
+  which names ``zerocompile.gathered_parameters`` and ``zerocompile.full_state_dict``.
+  One write is exact without communication, because every rank holds the whole source:
+  ``p.copy_(full_value)`` (what ``load_state_dict`` does) scatters the new value into this
+  rank's shard.
+- **Gradients.** ``p.grad`` returns the gradient only where it is the gradient one process
+  would have: stages 0 and 1 on one rank, and stage 0 after ``ZeroOptimizer`` averaged it
+  over ranks. Elsewhere the gradient lives in flat shards (stages 2/3) or is this rank's
+  un-reduced part (stages 0/1 on several ranks), so ``p.grad`` raises
+  ``GradientNotGatheredError`` pointing to ``ZeroOptimizer.clip_grad_norm_`` instead of
+  returning None or a local value (``torch.nn.utils.clip_grad_norm_`` would silently clip
+  nothing, or clip by a rank-local norm). ``p.grad = None`` clears the gradient wherever
+  zerocompile keeps it. ``zero_grad`` of modules and optimizers keeps working (see
+  ``_called_from_zero_grad``).
+
+Inside compiled code (Dynamo tracing) both guards step aside, so graphs are unchanged.
+zerocompile's own code reaches the plain tensor through ``raw_grad`` / ``set_raw_grad`` and
+``_torch_compat.plain_tensor_ops()``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from zerocompile import _torch_compat
+
+_METADATA_METHODS = frozenset({
+    "size", "stride", "dim", "numel", "nelement", "element_size", "is_contiguous", "storage_offset",
+    "untyped_storage", "data_ptr", "is_floating_point", "is_complex", "get_device", "__hash__",
+    "__reduce_ex__", "__deepcopy__", "_is_view", "is_shared", "is_pinned", "type",
+})
+_METADATA_ATTRIBUTES = frozenset({
+    "shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim", "layout", "is_cuda",
+    "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested", "is_mkldnn", "itemsize", "nbytes",
+    "names", "_base", "_version", "output_nr", "_cdata", "is_mps", "is_xpu", "retains_grad",
+})
+_HOW_TO_READ = (
+    "Read parameters inside `with zerocompile.gathered_parameters(model): ...` (a collective: every "
+    "rank must enter it), take `zerocompile.full_state_dict(model)` for a copy, or save with "
+    "`zerocompile.save_checkpoint(...)`.")
+
+
+class ParameterNotGatheredError(RuntimeError):
+    """Eager code used the values of a parameter whose storage zerocompile freed."""
+
+
+class GradientNotGatheredError(RuntimeError):
+    """Eager code read ``p.grad`` where it is not the gradient a single process would have."""
+
+
+def _func_name(func) -> tuple[str, str]:
+    """``("get", "shape")`` for an attribute read, ``("set", "data")`` for a write,
+    ``("call", "sum")`` for a method or function."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        owner = getattr(func, "__self__", None)
+        return ("get" if name == "__get__" else "set"), getattr(owner, "__name__", "")
+    return "call", name
+
+
+def _sharded_params(args, kwargs):
+    found = []
+    for value in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(value, ZeroParameter) and value.zero_state is not None:
+            found.append(value)
+    return found
+
+
+class ZeroParameter(torch.nn.Parameter):
+    """An ``nn.Parameter`` that zerocompile has sharded (see the module docstring)."""
+
+    @property
+    def zero_state(self):
+        """The parameter's ``ShardedParam``."""
+        from zerocompile.runtime.sharded_param import get_state
+
+        return get_state(self)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not torch.compiler.is_compiling():
+            for param in _sharded_params(args, kwargs):
+                special = _check_eager_use(param, func, args, kwargs)
+                if special is not None:
+                    return special()
+        with _torch_compat.plain_tensor_ops():
+            return func(*args, **kwargs)
+
+    @property
+    def grad(self):
+        state = self.zero_state
+        grad = raw_grad(self)
+        if state is None or _torch_compat.inside_dynamo_trace() or state.grad_is_exact():
+            return grad
+        pending = state.pending_gradients()
+        if not pending:
+            return None     # no gradient anywhere: None is the truth
+        if _called_from_zero_grad():
+            return pending[0]
+        raise GradientNotGatheredError(
+            f"zerocompile: `.grad` of parameter '{state.name}' (stage {state.stage}, {state.group.world} "
+            f"ranks) is not the gradient a single process would have: {state.where_gradient_lives()}. "
+            "Clip with `opt.clip_grad_norm_(max_norm)` of your zerocompile.ZeroOptimizer (it returns the "
+            "global norm, as torch.nn.utils.clip_grad_norm_ would on one process), and read the global "
+            "gradient norm from its return value.")
+
+    @grad.setter
+    def grad(self, value):
+        state = self.zero_state
+        if value is None and state is not None:
+            state.clear_gradients()
+        set_raw_grad(self, value)
+
+
+def _called_from_zero_grad() -> bool:
+    """Whether ``p.grad`` is being read by a ``zero_grad`` (``nn.Module.zero_grad``,
+    ``torch.optim.Optimizer.zero_grad`` or a wrapper's method of that name).
+
+    Those only test ``p.grad is not None`` and then set it to None (which clears zerocompile's
+    gradients through the setter) or zero it in place, so they get the tensor that holds the
+    gradient. Every other reader gets the error: its values are not what one process would
+    have.
+    """
+    frame = sys._getframe(2)
+    return frame is not None and frame.f_code.co_name == "zero_grad"
+
+
+def _check_eager_use(param: ZeroParameter, func, args, kwargs):
+    """Raise for a use of ``param`` that cannot be right; return a callable that performs a
+    use zerocompile handles itself (``copy_`` into a freed parameter); None to run ``func``."""
+    state = param.zero_state
+    kind, name = _func_name(func)
+    if name == "grad" and kind in ("get", "set"):
+        return None     # the property above decides; the parameter's storage is not read
+    if kind == "set":
+        raise ParameterNotGatheredError(
+            f"zerocompile: cannot set `.{name}` of parameter '{state.name}': zerocompile has sharded it "
+            f"(stage {state.stage}), and the compiled graphs and the optimizer use its shards. Change "
+            "parameters before the first compiled forward, or write values with `p.copy_(new_value)` / "
+            "`model.load_state_dict(...)`.")
+    if kind == "call" and name == "requires_grad_":
+        raise ParameterNotGatheredError(
+            f"zerocompile: cannot change requires_grad of parameter '{state.name}' after zerocompile "
+            "sharded it; freeze parameters before the first compiled forward.")
+    if not state.values_freed():
+        return None
+    if (kind == "get" and name in _METADATA_ATTRIBUTES) or (kind == "call" and name in _METADATA_METHODS):
+        return None
+    if kind == "call" and name == "copy_" and args and args[0] is param and len(args) >= 2:
+        return lambda: _copy_into_shards(param, args[1])
+    what = f"`.{name}`" if kind == "get" else f"`{name}`"
+    raise ParameterNotGatheredError(
+        f"zerocompile: {what} on parameter '{state.name}' {tuple(param.shape)}, whose storage is freed "
+        f"(stage {state.stage}: its values live in shards across {state.group.world} rank(s)). "
+        + _HOW_TO_READ)
+
+
+def _copy_into_shards(param: ZeroParameter, source) -> ZeroParameter:
+    """``param.copy_(source)`` for a freed parameter: write this rank's chunk of the new value."""
+    state = param.zero_state
+    if torch.is_grad_enabled() and param.requires_grad:
+        raise RuntimeError(
+            "a leaf Variable that requires grad is being used in an in-place operation "
+            f"(parameter '{state.name}'); wrap the write in `with torch.no_grad():`")
+    source = torch.as_tensor(source, device=state.device)
+    with _torch_compat.plain_tensor_ops():
+        state.write_full(source.expand(state.shape))
+    return param
+
+
+def adopt(param: torch.nn.Parameter) -> None:
+    """Make ``param`` a ``ZeroParameter`` in place (same object, same data)."""
+    if type(param) is torch.nn.Parameter:
+        param.__class__ = ZeroParameter
+    elif not isinstance(param, ZeroParameter):
+        raise TypeError(
+            f"zerocompile: parameters of class {type(param).__name__} (a subclass of nn.Parameter) "
+            "cannot be sharded; use plain nn.Parameter")
+
+
+def raw_grad(param: torch.Tensor):
+    """The ``.grad`` autograd keeps on ``param`` itself, without ``ZeroParameter``'s check."""
+    return torch.Tensor.grad.__get__(param)
+
+
+def set_raw_grad(param: torch.Tensor, value) -> None:
+    torch.Tensor.grad.__set__(param, value)
