@@ -86,3 +86,26 @@ def test_fake_process_group_of_n_ranks():
     finally:
         dist.destroy_process_group()
     assert not dist.is_initialized()
+
+
+def test_dcp_saves_and_loads_through_the_checkpointable_protocol(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from zerocompile.dcp_shards import ShardView
+
+    full = torch.arange(35.0).view(5, 7)
+    view = _torch_compat.storageless_tensor(ShardView, (5, 7), torch.float32, torch.device("cpu"))
+    assert (view.shape, view.dtype, type(view)) == ((5, 7), torch.float32, ShardView)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # "assuming the intent is to save in a single process"
+        dcp.save({"w": ShardView(full.reshape(-1).clone(), (5, 7), 0)}, checkpoint_id=str(tmp_path), no_dist=True)
+        # elements [3, 30): three boxes (the end of row 0, rows 1-3, the start of row 4)
+        flat = torch.zeros(27)
+        dcp.load({"w": ShardView(flat, (5, 7), 3)}, checkpoint_id=str(tmp_path), no_dist=True)
+        whole = torch.zeros(5, 7)
+        dcp.load({"w": whole}, checkpoint_id=str(tmp_path), no_dist=True)
+    assert torch.equal(flat, full.reshape(-1)[3:30]), \
+        "DCP no longer loads through __create_chunk_list__ / __get_tensor_shard__"
+    assert torch.equal(whole, full), "DCP no longer saves through __create_write_items__"

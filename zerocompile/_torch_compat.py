@@ -205,3 +205,16 @@ def inside_dynamo_trace() -> bool:
     ``torch.compiler.is_compiling()`` is True only in the traced user code, not in Dynamo's own.
     """
     return torch._guards.TracingContext.try_get() is not None
+
+
+def storageless_tensor(cls, shape, dtype, device):
+    """A tensor of subclass ``cls`` with ``shape``, ``dtype`` and ``device`` but no storage
+    (``zerocompile.dcp_shards.ShardView``: a shard as torch.distributed.checkpoint sees it).
+
+    Why private: ``torch.Tensor._make_wrapper_subclass`` is how tensor subclasses without their
+    own data are built (DTensor, LocalShardsWrapper). DCP asks such an object for its chunks
+    through the ``_Checkpointable`` dunder protocol (``torch/distributed/_checkpointable.py``:
+    ``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``), which
+    ``ShardView`` implements; ``tests/test_torch_compat.py`` checks DCP still calls it.
+    """
+    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)

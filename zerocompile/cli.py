@@ -12,6 +12,11 @@
     simulated peak memory, pass time), a step's code, a diff across one pass, a graphviz
     drawing or a plot of simulated live memory.
 
+``zerocompile consolidate CKPT_DIR OUT``
+    reads a checkpoint written by ``zerocompile.save_checkpoint`` (no process group needed) and
+    writes the full model state dict to one file: ``torch.save`` format, or safetensors when
+    OUT ends in ``.safetensors``.
+
 Bad arguments and paths are one-line errors on stderr with exit code 2; a missing optional
 tool (graphviz, matplotlib) is a one-line error with exit code 1. See docs/cli.md.
 """
@@ -583,14 +588,35 @@ def cmd_show(args) -> int:
     return 0
 
 
+# ============================================================================ consolidate
+def cmd_consolidate(args) -> int:
+    """``zerocompile consolidate CKPT_DIR OUT``."""
+    from zerocompile.checkpoint import write_consolidated
+
+    if os.path.isdir(args.out):
+        raise CliError(f"zerocompile consolidate: error: {args.out} is a directory; OUT is the file to write")
+    try:
+        state = write_consolidated(args.checkpoint, args.out)
+    except ImportError as err:
+        raise CliError(f"zerocompile consolidate: error: {err}", code=1) from None
+    except (FileNotFoundError, ValueError) as err:
+        message = str(err).removeprefix("zerocompile: ")
+        raise CliError(f"zerocompile consolidate: error: {message}") from None
+    tensors = {id(t): t for t in state.values()}.values()
+    numel = sum(t.numel() for t in tensors)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    print(f"wrote {args.out}: {len(state)} entries, {numel:,} elements, {nbytes / 2**20:.1f} MiB")
+    return 0
+
+
 # ============================================================================ entry point
 def build_parser() -> argparse.ArgumentParser:
-    """The ``zerocompile`` argument parser (subcommands ``dump`` and ``show``)."""
+    """The ``zerocompile`` argument parser (subcommands ``dump``, ``show`` and ``consolidate``)."""
     from zerocompile import __version__
 
     parser = _Parser(prog="zerocompile", description="Debugging tools for the zerocompile torch.compile backend.")
     parser.add_argument("--version", action="version", version=f"zerocompile {__version__}")
-    sub = parser.add_subparsers(dest="subcommand", metavar="{dump,show}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="subcommand", metavar="{dump,show,consolidate}", parser_class=_Parser)
 
     dump = sub.add_parser("dump", help="run a training script and dump every compiled graph",
                           description="Run SCRIPT with graph dumping on (ZEROCOMPILE_DUMP=DIR). Put the script "
@@ -626,6 +652,16 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--memory", default=None, metavar="OUT.png",
                       help="plot simulated live bytes per node of the selected step (default: none)")
     show.set_defaults(func=cmd_show)
+
+    consolidate = sub.add_parser(
+        "consolidate", help="write a checkpoint's full model state dict to one file",
+        description="Read a checkpoint directory written by zerocompile.save_checkpoint (any world size, "
+                    "any stage) and write the full model state dict, keys and shapes of the uncompiled "
+                    "model.state_dict(), to OUT: torch.save format, or safetensors when OUT ends in "
+                    ".safetensors.")
+    consolidate.add_argument("checkpoint", metavar="CKPT_DIR", help="a checkpoint directory")
+    consolidate.add_argument("out", metavar="OUT", help="output file (.pt, .bin, ... or .safetensors)")
+    consolidate.set_defaults(func=cmd_consolidate)
     return parser
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch.optim import Optimizer
@@ -300,6 +301,9 @@ class ZeroOptimizer(Optimizer):
             self._load_inner(state_dict)
 
     def _load_inner(self, state_dict: dict) -> None:
+        if _PARAM_STATES in state_dict:         # from load_checkpoint_state()
+            self._apply_param_states(state_dict[_PARAM_STATES])
+            return
         shapes = [[tuple(t.shape) for t in ts] for ts in self._bound]
         saved = [[tuple(s) for s in ss] for ss in state_dict["zerocompile"]["shapes"]]
         if shapes != saved:
@@ -353,6 +357,96 @@ class ZeroOptimizer(Optimizer):
         """The wrapped optimizer (None until the first step binds it)."""
         return self._inner
 
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_state(self) -> dict:
+        """``{param: ParamState}`` for each of your parameters that has optimizer state, for
+        ``zerocompile.save_checkpoint``. State loaded by ``load_checkpoint_state`` and not bound
+        yet comes back as it was loaded. No communication."""
+        if self._inner is None:
+            if self._pending_state is None:
+                return {}
+            if _PARAM_STATES not in self._pending_state:
+                raise RuntimeError(
+                    "ZeroOptimizer: it holds a state from load_state_dict() that is applied at the first "
+                    "step; run a step before saving a checkpoint")
+            return dict(self._pending_state[_PARAM_STATES])
+        self._bind()
+        out = {}
+        for group, targets in zip(self.param_groups, self._bound):
+            for p, target in zip(group["params"], targets):
+                values = self._inner.state.get(target)
+                if values:
+                    out[p] = ParamState(dict(values), sharded=target is not p)
+        return out
+
+    def load_checkpoint_state(self, states: dict, hyperparameters: list) -> None:
+        """Replace all optimizer state with ``states`` (``{param: ParamState}``) and update each
+        param group with its dict in ``hyperparameters`` (``zerocompile.load_checkpoint``).
+
+        Applied at once if the optimizer is bound, else when it binds; whole element-wise
+        tensors are then cut into this rank's shards. No communication."""
+        if len(hyperparameters) != len(self.param_groups):
+            raise ValueError(f"ZeroOptimizer: {len(hyperparameters)} param groups of hyperparameters for "
+                             f"{len(self.param_groups)} groups")
+        for group, values in zip(self.param_groups, hyperparameters):
+            group.update({k: v for k, v in values.items() if k != "params"})
+        if self._inner is None:
+            self._pending_state = {_PARAM_STATES: dict(states)}
+            return
+        self._bind()
+        self._apply_param_states(states)
+        self._sync_hyperparameters()
+
+    def _apply_param_states(self, states: dict) -> None:
+        """Load ``{param: ParamState}`` into the bound inner optimizer (its ``load_state_dict``
+        casts and places the tensors as it does for any state dict)."""
+        inner_state, inner_groups, index = {}, [], 0
+        for gi, (group, targets) in enumerate(zip(self.param_groups, self._bound)):
+            ids = []
+            for p, target in zip(group["params"], targets):
+                entry = states.get(p)
+                if entry is not None:
+                    inner_state[index] = self._state_for_target(p, target, entry, gi)
+                ids.append(index)
+                index += 1
+            hyper = {k: v for k, v in self._inner.param_groups[gi].items() if k != "params"}
+            inner_groups.append({**hyper, "params": ids})
+        self._inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+
+    def _state_for_target(self, p, target, entry: ParamState, group_index: int) -> dict:
+        sharded_target = target is not p
+        if entry.sharded == sharded_target:
+            return dict(entry.values)
+        if entry.sharded:
+            raise RuntimeError(f"ZeroOptimizer: shard state for parameter {tuple(p.shape)}, which is not sharded")
+        sp = get_state(p)
+        start = min(sp.group.rank * sp.chunk, sp.numel)
+        stop = min(start + sp.chunk, sp.numel)
+        elementwise = self._elementwise_keys(p, group_index, entry.values)
+        out = {}
+        for key, value in entry.values.items():
+            if key in elementwise:
+                chunk = torch.zeros(sp.chunk, dtype=value.dtype, device=value.device)
+                chunk[: stop - start].copy_(value.reshape(-1)[start:stop])
+                value = chunk
+            out[key] = value
+        return out
+
+    def _elementwise_keys(self, p, group_index: int, values: dict) -> set:
+        """The keys of ``values`` (whole state of ``p``) that hold one value per element of ``p``."""
+        same_shape = {k for k, v in values.items() if isinstance(v, torch.Tensor) and v.shape == p.shape}
+        if p.dim() > 0:
+            return same_shape
+        # a 0-dim parameter's element-wise state is 0-dim, like its scalars (the step count): ask
+        # the optimizer class which keys it keeps per element, on a throwaway 2-element tensor
+        probe = torch.zeros(2, dtype=p.dtype, device=p.device, requires_grad=True)
+        hyper = {k: v for k, v in self.param_groups[group_index].items() if k != "params"}
+        opt = self.optimizer_class([{**hyper, "params": [probe]}], **self.defaults)
+        probe.grad = torch.zeros_like(probe)
+        opt.step()
+        return {k for k in same_shape
+                if isinstance(opt.state[probe].get(k), torch.Tensor) and opt.state[probe][k].shape == probe.shape}
+
 
 def _all_reduce_scalar(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     if group.world == 1:
@@ -367,3 +461,19 @@ def _all_reduce_max(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     ACCOUNTING.record("all_reduce", x.numel() * x.element_size())
     out = torch.ops._c10d_functional.all_reduce(x.reshape(1).contiguous(), "max", group.name)
     return torch.ops._c10d_functional.wait_tensor(out).reshape(())
+
+
+_PARAM_STATES = "zerocompile_param_states"
+"""Key of ``ZeroOptimizer._pending_state`` that holds ``{param: ParamState}`` from a checkpoint."""
+
+
+@dataclass
+class ParamState:
+    """One parameter's optimizer state as checkpoints carry it."""
+
+    values: dict
+    """State name -> value, as the inner optimizer keeps it (``exp_avg``, ``step``, ...)."""
+    sharded: bool
+    """Element-wise tensors are this rank's flat shard (``chunk`` elements, zero-padded), as the
+    inner optimizer holds them for a sharded parameter; otherwise every tensor is whole (the
+    element-wise ones in the parameter's shape)."""
