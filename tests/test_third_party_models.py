@@ -1,5 +1,5 @@
-"""Models we did not write: HF transformers Llama and GPT-2 (random init from small configs),
-every stage on 2 ranks against a single-process reference."""
+"""Models we did not write: HF transformers Llama, GPT-2, BERT, T5, Mistral and Qwen2 (random
+init from small configs), every stage on 2 ranks against a single-process reference."""
 
 from __future__ import annotations
 
@@ -33,6 +33,21 @@ def build(name: str):
         return transformers.T5ForConditionalGeneration(transformers.T5Config(
             vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
             decoder_start_token_id=0, pad_token_id=0))
+    if name in ("mistral", "qwen2"):
+        cls, model_cls = ((transformers.MistralConfig, transformers.MistralForCausalLM) if name == "mistral"
+                          else (transformers.Qwen2Config, transformers.Qwen2ForCausalLM))
+        return model_cls(cls(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False))
+    if name == "llama_hook_breaks":
+        # a forward hook on every decoder layer breaks the graph: Dynamo compiles one layer
+        # frame and runs it for the other layers with their own parameters
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False))
+        for layer in model.model.layers:
+            layer.register_forward_hook(_break_graph)
+        return model
     if name == "llama":
         cfg = transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -44,10 +59,15 @@ def build(name: str):
     return transformers.GPT2LMHeadModel(cfg)
 
 
+def _break_graph(module, args, output):
+    torch._dynamo.graph_break()
+    return output
+
+
 def make_optimizer(name, params, cls=torch.optim):
     # GPT-2's and BERT's key biases have an exactly-zero gradient (softmax is shift-invariant):
     # Adam would scale their rounding noise up to lr-sized updates, so those train with SGD here
-    if name != "llama":
+    if not name.startswith("llama"):
         return cls.SGD(params, lr=0.1, momentum=0.9)
     return cls.AdamW(params, lr=1e-2, weight_decay=0.1)
 
@@ -116,6 +136,8 @@ def worker(rank, world, name, stages):
     ("llama", (0, 1, 2, 3)), ("gpt2", (0, 1, 2, 3)),
     # activation checkpointing, an encoder with buffers (position ids, token types), encoder-decoder
     ("llama_checkpointed", (3,)), ("bert", (2, 3)), ("t5", (1, 3)),
+    # grouped-query attention configs of other families; graph breaks inside the layer loop
+    ("mistral", (3,)), ("qwen2", (2,)), ("llama_hook_breaks", (0, 3)),
     # the optional passes pushed hard: tiny buckets, some parameters kept gathered, recompute
     ("llama", ((3, {"bucket_mb": 0.01, "unshard_budget_mb": 0.05, "recompute": "full"}),)),
     ("gpt2", ((3, {"recompute": {"memory_budget_mb": 0.05}, "prefetch_mb": 0.01}),
