@@ -4,6 +4,7 @@ changes them, these tests fail first and say which one."""
 from __future__ import annotations
 
 import torch
+import torch.fx
 
 from zerocompile import _torch_compat
 
@@ -109,3 +110,62 @@ def test_dcp_saves_and_loads_through_the_checkpointable_protocol(tmp_path):
     assert torch.equal(flat, full.reshape(-1)[3:30]), \
         "DCP no longer loads through __create_chunk_list__ / __get_tensor_shard__"
     assert torch.equal(whole, full), "DCP no longer saves through __create_write_items__"
+
+
+def test_plain_tensor_ops_skips_subclass_torch_function():
+    calls = []
+
+    class Spy(torch.nn.Parameter):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            calls.append(func)
+            with _torch_compat.plain_tensor_ops():
+                return func(*args, **(kwargs or {}))
+
+    p = Spy(torch.ones(3))
+    assert p.sum().item() == 3 and calls
+    calls.clear()
+    with _torch_compat.plain_tensor_ops():
+        assert p.sum().item() == 3
+    assert calls == [], "DisableTorchFunctionSubclass no longer bypasses __torch_function__"
+
+
+def test_inside_dynamo_trace_is_true_only_while_dynamo_compiles():
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(_torch_compat.inside_dynamo_trace())
+        return gm
+
+    assert not _torch_compat.inside_dynamo_trace()
+    torch._dynamo.reset()
+    torch.compile(lambda x: x + 1, backend=backend)(torch.ones(2))
+    assert seen == [True], "torch._guards.TracingContext is no longer set during a Dynamo compile"
+
+
+def test_custom_node_meta_reaches_the_joint_graph_forward_and_backward():
+    """``passes/param_identity.py`` relies on AOTAutograd copying ``node.meta["custom"]`` of a
+    Dynamo-graph node to the nodes traced from it, and to their backward (by ``seq_nr``)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import default_partition
+
+    joint = {}
+
+    def partition(graph, inputs, **kwargs):
+        joint["gm"] = graph
+        return default_partition(graph, inputs, **kwargs)
+
+    def backend(gm, example_inputs):
+        node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.tanh)
+        node.meta["custom"] = {"zerocompile_param": {"index": 0, "name": "w"}}
+        boxed = lambda g, _: make_boxed_func(g.forward)  # noqa: E731
+        return aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition)(gm, example_inputs)
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w: (x * torch.tanh(w)).sum(), backend=backend)
+    fn(torch.randn(3), torch.randn(3, requires_grad=True)).backward()
+    marked = {n.target for n in joint["gm"].graph.nodes if "zerocompile_param" in (n.meta.get("custom") or {})}
+    aten = torch.ops.aten
+    assert aten.tanh.default in marked, "node.meta['custom'] no longer reaches the traced forward nodes"
+    assert aten.tanh_backward.default in marked, "node.meta['custom'] no longer reaches the backward nodes"

@@ -10,44 +10,10 @@ import torch
 import zerocompile
 from dist_utils import run_ranks
 from models import make_batch, make_model
-from zerocompile import _torch_compat
 from zerocompile.runtime.zero_parameter import (GradientNotGatheredError, ParameterNotGatheredError,
                                                 ZeroParameter)
 
 OPT = dict(optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
-
-
-# -- the private torch APIs ZeroParameter relies on -----------------------------------------------
-
-def test_plain_tensor_ops_skips_subclass_torch_function():
-    calls = []
-
-    class Spy(torch.nn.Parameter):
-        @classmethod
-        def __torch_function__(cls, func, types, args=(), kwargs=None):
-            calls.append(func)
-            with _torch_compat.plain_tensor_ops():
-                return func(*args, **(kwargs or {}))
-
-    p = Spy(torch.ones(3))
-    assert p.sum().item() == 3 and calls
-    calls.clear()
-    with _torch_compat.plain_tensor_ops():
-        assert p.sum().item() == 3
-    assert calls == [], "DisableTorchFunctionSubclass no longer bypasses __torch_function__"
-
-
-def test_inside_dynamo_trace_is_true_only_while_dynamo_compiles():
-    seen = []
-
-    def backend(gm, example_inputs):
-        seen.append(_torch_compat.inside_dynamo_trace())
-        return gm
-
-    assert not _torch_compat.inside_dynamo_trace()
-    torch._dynamo.reset()
-    torch.compile(lambda x: x + 1, backend=backend)(torch.ones(2))
-    assert seen == [True], "torch._guards.TracingContext is no longer set during a Dynamo compile"
 
 
 # -- one process ---------------------------------------------------------------------------------
