@@ -91,7 +91,7 @@ def check_gathered_where_read(graph: torch.fx.Graph, expected: dict[int, str], w
     """Every parameter in ``expected`` (index -> name: the stage-3 parameters the graph reads)
     has exactly one all-gather in ``graph``."""
     found = parameter_collectives(graph)
-    missing = [name for index, name in expected.items() if not found.get(index, ParamNodes(None)).gathers]
+    missing = [name for index, name in expected.items() if index not in found or not found[index].gathers]
     if missing:
         raise ParamIdentityError(
             f"zerocompile: the {where} graph reads sharded parameter(s) {missing} without an all-gather "
