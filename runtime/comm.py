@@ -5,6 +5,19 @@ Every collective goes through the functional collectives of ``torch.distributed`
 optimizer step, so graphs and runtime share one code path and one accounting.
 With no process group (plain single-process run) the world size is 1 and every
 collective is the identity.
+
+All-gathers on gloo run as ``all_gather_into_tensor_out`` (into a buffer we allocate), never
+as ``all_gather_into_tensor``. In torch 2.13 the latter becomes an ``ALLGATHER_COALESCED``
+work on gloo, and ``ProcessGroupGloo::runLoop`` writes each finished work's op-type name into
+one shared ``std::string`` (``pgStatus_->lastCompletedWorkName``) from its two worker threads
+without a lock. A name longer than 15 characters lives on the heap, so two works finishing at
+about the same time (gathers and reduce-scatters in flight together, prefetching, or a gather
+started right after another one's wait) free the same buffer twice: heap corruption, seen as
+SIGSEGV or ``malloc(): unaligned tcache chunk detected`` anywhere later. The ``_out`` variant
+goes through ``ProcessGroupGloo::_allgather_base`` (an ``ALLGATHER`` work, a name short
+enough to stay inside the string), gives the same values and is waited for the same way.
+Graph passes keep writing ``all_gather_into_tensor``; ``lower_collectives_for_backend``
+rewrites the final graphs right before an inner compiler gets them.
 """
 
 from __future__ import annotations
@@ -12,8 +25,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import operator
+
 import torch
 import torch.distributed as dist
+import torch.fx
+
+from zerocompile import _torch_compat
 
 _c10d = torch.ops._c10d_functional
 
@@ -58,8 +76,69 @@ def all_gather_flat(x: torch.Tensor, world: int, group_name: str) -> torch.Tenso
     """Concatenate the equal-size 1-D ``x`` of every rank (rank order)."""
     if world == 1:
         return x
-    out = _c10d.all_gather_into_tensor(x.contiguous(), world, group_name)
+    x = x.contiguous()
+    if not _torch_compat.is_traced_tensor(x) and gathers_need_out_variant(group_name, x.device):
+        out = _c10d.all_gather_into_tensor_out(x, world, group_name, out=x.new_empty((world * x.shape[0],)))
+    else:  # traced into a graph: passes see the functional op; lowered before it runs
+        out = _c10d.all_gather_into_tensor(x, world, group_name)
     return _c10d.wait_tensor(out)
+
+
+def gathers_need_out_variant(group_name: str, device) -> bool:
+    """Whether all-gathers of ``device`` tensors on this group must run as
+    ``all_gather_into_tensor_out`` (gloo; see the module docstring)."""
+    return _torch_compat.collective_backend(group_name, device) == "gloo"
+
+
+def lower_collectives_for_backend(graph: torch.fx.Graph) -> int:
+    """Rewrite each ``all_gather_into_tensor`` of ``graph`` whose group runs it on gloo into
+    ``all_gather_into_tensor_out`` into a buffer allocated right before it (same values, same
+    ``wait_tensor``, the node's metadata kept). Returns how many were rewritten."""
+    done = 0
+    for node in list(graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default)):
+        inp, world, group_name = node.args
+        val = node.meta.get("val")
+        device = val.device if val is not None else inp.meta["val"].device
+        if not gathers_need_out_variant(group_name, device):
+            continue
+        with graph.inserting_before(node):
+            shape = _output_shape(graph, inp, world)
+            buf = graph.call_function(torch.ops.aten.empty.memory_format, (shape,),
+                                      {"dtype": inp.meta["val"].dtype, "device": device})
+            out = graph.call_function(_c10d.all_gather_into_tensor_out.default, (inp, world, group_name),
+                                      {"out": buf})
+        if val is not None:
+            buf.meta["val"] = val
+        out.meta.update(node.meta)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        done += 1
+    return done
+
+
+def _output_shape(graph: torch.fx.Graph, inp: torch.fx.Node, world: int) -> list:
+    """``[world * inp.shape[0], *inp.shape[1:]]`` with graph nodes for symbolic sizes."""
+    shape = []
+    for dim, size in enumerate(inp.meta["val"].shape):
+        if not isinstance(size, int):
+            size = graph.call_function(torch.ops.aten.sym_size.int, (inp, dim))
+        if dim == 0:
+            size = size * world if isinstance(size, int) else graph.call_function(operator.mul, (size, world))
+        shape.append(size)
+    return shape
+
+
+def check_collectives_runnable(graph: torch.fx.Graph) -> None:
+    """Raise if ``graph`` still holds an all-gather that is unsafe on its backend (a graph
+    that did not go through ``lower_collectives_for_backend``)."""
+    for node in graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default):
+        val = node.meta.get("val")
+        device = val.device if val is not None else node.args[0].meta["val"].device
+        if gathers_need_out_variant(node.args[2], device):
+            raise RuntimeError(
+                f"zerocompile: node '{node.name}' runs all_gather_into_tensor on a gloo group, which "
+                "corrupts the heap when collectives finish concurrently (torch 2.13, see "
+                "runtime/comm.py); lower the graph with lower_collectives_for_backend first")
 
 
 def reduce_scatter_flat(x: torch.Tensor, world: int, group_name: str) -> torch.Tensor:

@@ -38,8 +38,12 @@ class StorageCensus(LiveStorageTracker):
     these tests use: storages of op outputs, incremental peak."""
 
 
+_GATHERS = (_c10d.all_gather_into_tensor.default,
+            _c10d.all_gather_into_tensor_out.default)  # the form all-gathers run in on gloo
+
 _KINDS = {
     _c10d.all_gather_into_tensor.default: ("all_gather", "out"),
+    _c10d.all_gather_into_tensor_out.default: ("all_gather", "out"),
     _c10d.reduce_scatter_tensor.default: ("reduce_scatter", "in"),
     _c10d.all_reduce.default: ("all_reduce", "in"),
 }
@@ -84,7 +88,7 @@ class GatheredBytes(_RuntimeMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is _c10d.all_gather_into_tensor.default:
+        if func in _GATHERS:
             st = out.untyped_storage()
             key, nbytes = st._cdata, st.nbytes()
             if key not in self._refs:

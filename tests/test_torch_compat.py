@@ -169,3 +169,36 @@ def test_custom_node_meta_reaches_the_joint_graph_forward_and_backward():
     aten = torch.ops.aten
     assert aten.tanh.default in marked, "node.meta['custom'] no longer reaches the traced forward nodes"
     assert aten.tanh_backward.default in marked, "node.meta['custom'] no longer reaches the backward nodes"
+
+
+def test_collective_backend_pending_collectives_and_traced_tensors():
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        name = dist.group.WORLD.group_name
+        assert _torch_compat.collective_backend(name, torch.device("cpu")) == "gloo"
+        assert _torch_compat.collective_backend("no such group", "cpu") is None
+        c10d = torch.ops._c10d_functional
+        before = _torch_compat.pending_collectives()
+        out = c10d.all_reduce(torch.ones(2), "sum", name)
+        assert _torch_compat.pending_collectives() == before + 1, "the work registry no longer counts a started collective"
+        c10d.wait_tensor(out)
+        assert _torch_compat.pending_collectives() == before
+    finally:
+        dist.destroy_process_group()
+    assert not _torch_compat.is_traced_tensor(torch.ones(1))
+    with FakeTensorMode() as mode:
+        assert _torch_compat.is_traced_tensor(mode.from_tensor(torch.ones(1)))
+    seen = []
+    make_fx(lambda x: seen.append(_torch_compat.is_traced_tensor(x)) or x + 1)(torch.ones(1))
+    assert seen == [True], "make_fx tracing of plain tensors is no longer detected"

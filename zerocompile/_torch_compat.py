@@ -50,25 +50,28 @@ def compile_with_inductor(gm, example_inputs, partitioner, on_inference=None):
     def inner_compile(graph, inputs, **kwargs):
         if kwargs.get("is_inference") and on_inference is not None:
             graph = on_inference(graph)
-        return compile_fx_inner(graph, inputs, **kwargs)
+        return compile_fx_inner(_runnable(graph), inputs, **kwargs)
 
     with _without_autograd_cache():
         return compile_fx(gm, example_inputs, inner_compile=inner_compile,
                           config_patches={"custom_partitioner_fn": partitioner})
 
 
-def compile_with_aot_eager(gm, example_inputs, partitioner, on_inference=None):
+def compile_with_aot_eager(gm, example_inputs, partitioner, on_inference=None, debug_checks=False):
     """AOTAutograd with our partitioner; the forward and backward graphs run op by op.
 
     ``on_inference(graph_module)`` rewrites an inference graph (no autograd) before it runs.
     Graphs run through ``torch.fx.Interpreter``, which drops each value after its last use
     (generated FX code keeps every intermediate alive until the graph returns), so a
     gathered stage-3 parameter is freed right after its last use, as with inductor.
+    ``debug_checks``: run them through ``CheckedInterpreter`` instead (slower; see there).
     """
     from torch._dynamo.backends.common import aot_autograd
 
     def boxed(graph, _inputs):
-        interpreter = torch.fx.Interpreter(graph, garbage_collect_values=True)
+        graph = _runnable(graph)
+        interpreter = (CheckedInterpreter if debug_checks else torch.fx.Interpreter)(
+            graph, garbage_collect_values=True)
 
         def run(args):
             try:
@@ -87,6 +90,107 @@ def compile_with_aot_eager(gm, example_inputs, partitioner, on_inference=None):
     with _without_autograd_cache():
         return aot_autograd(fw_compiler=boxed, bw_compiler=boxed, inference_compiler=inference,
                             partition_fn=partitioner, keep_inference_input_mutations=True)(gm, example_inputs)
+
+
+def _runnable(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with its collectives in the form that is safe to run on their process group's
+    backend (``runtime/comm.py``: all-gathers on gloo), checked; what both inner compilers get."""
+    from zerocompile.runtime.comm import check_collectives_runnable, lower_collectives_for_backend
+
+    if lower_collectives_for_backend(gm.graph):
+        gm.graph.lint()
+        gm.recompile()
+    check_collectives_runnable(gm.graph)
+    return gm
+
+
+def collective_backend(group_name: str, device: torch.device) -> str | None:
+    """The name of the backend (``"gloo"``, ``"nccl"``, ``"fake"``...) that runs collectives on
+    ``device`` tensors for the process group named ``group_name`` (what functional collectives
+    take), or None if no such group exists in this process.
+
+    Why private: functional collectives name their group by string; only
+    ``torch.distributed.distributed_c10d._resolve_process_group`` maps it back to the group, and
+    ``ProcessGroup._get_backend(device)`` gives the backend that serves a device.
+    """
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        group = _resolve_process_group(group_name)
+        return group._get_backend(torch.device(device)).name()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def is_traced_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tracing stand-in (a fake or functional tensor of Dynamo or
+    AOTAutograd, or a tensor under make_fx's proxy mode) rather than real data.
+
+    Why private: ``torch._subclasses.fake_tensor.is_fake`` sees through functional wrappers, and
+    ``torch.fx.experimental.proxy_tensor.get_proxy_mode`` is the only way to know make_fx is
+    recording ops on plain tensors.
+    """
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return is_fake(t) or get_proxy_mode() is not None or torch.compiler.is_compiling()
+
+
+def pending_collectives() -> int:
+    """How many functional collectives of this process were started and not yet waited for.
+
+    Why private: c10d keeps started functional collectives in a registry until their
+    ``wait_tensor``; ``torch._C._distributed_c10d._get_work_registry_size`` is its only reader.
+    """
+    return torch._C._distributed_c10d._get_work_registry_size()
+
+
+class CheckedInterpreter(torch.fx.Interpreter):
+    """``torch.fx.Interpreter`` with the checks of the ``debug_checks`` option, each raising a
+    Python error that names the graph node instead of crashing in native code:
+
+    - before every op, no tensor argument has a storage smaller than its size, stride and
+      offset require (a storage freed with ``untyped_storage().resize_(0)``, e.g. a stage-3
+      parameter, read by an op would be a use-after-free);
+    - every functional collective the graph starts is waited for before the graph returns.
+    """
+
+    def run(self, *args, **kwargs):
+        pending = pending_collectives()
+        out = super().run(*args, **kwargs)
+        left = pending_collectives() - pending
+        if left > 0:
+            raise RuntimeError(
+                f"zerocompile debug_checks: graph returned with {left} collective(s) started and not "
+                "waited for (every all_gather/reduce_scatter/all_reduce needs its wait_tensor in the "
+                "same graph); a pass moved or dropped a wait")
+        return out
+
+    def run_node(self, n: torch.fx.Node):
+        if n.op == "call_function":
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            sources = {id(self.env[i]): i.name for i in n.all_input_nodes if i in self.env}
+            for value in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(value, torch.Tensor):
+                    _check_storage_covers(value, n, sources.get(id(value), "an argument"))
+        return super().run_node(n)
+
+
+def _check_storage_covers(t: torch.Tensor, node: torch.fx.Node, name: str) -> None:
+    if t.layout is not torch.strided or t.is_meta or t.numel() == 0:
+        return
+    try:
+        have = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # no storage (wrapper subclass)
+        return
+    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    need = (last + 1) * t.element_size()
+    if have < need:
+        raise RuntimeError(
+            f"zerocompile debug_checks: node '{node.name}' ({node.format_node()}) reads '{name}' "
+            f"(shape {tuple(t.shape)}, stride {t.stride()}, offset {t.storage_offset()}, {t.dtype}), "
+            f"which needs {need} bytes of storage, but its storage holds {have}: it was freed or "
+            "shrunk (untyped_storage().resize_) while the graph still uses it")
 
 
 def placeholder_source(node: torch.fx.Node):

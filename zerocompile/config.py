@@ -105,6 +105,13 @@ class ZeroConfig:
     and per-pass summaries to; read them with ``zerocompile show DIR``. The environment
     variable ``ZEROCOMPILE_DUMP`` sets it when this option is not given."""
 
+    debug_checks: bool = False
+    """Check memory safety while the eager inner compiler runs the graphs (slower): before every
+    op, that no tensor argument's storage is smaller than its size, stride and offset need (a
+    storage freed with ``resize_(0)`` still in use), and that every collective a graph starts
+    is waited for in it. A failed check raises an error naming the graph node, where the run
+    would otherwise crash in native code or read freed memory. Only ``inner_compiler="eager"``."""
+
     disabled_passes: tuple = field(default_factory=tuple)
     """Names of optional graph passes to skip (see docs/passes.md). Also given as
     ``options={"passes": {"disable": [...]}}``."""
@@ -164,6 +171,8 @@ class ZeroConfig:
                 "allowed: True, False")
         if not isinstance(self.prefetch, bool):
             raise ZeroConfigError(f"option 'prefetch' = {self.prefetch!r} is invalid; allowed: True, False")
+        if not isinstance(self.debug_checks, bool):
+            raise ZeroConfigError(f"option 'debug_checks' = {self.debug_checks!r} is invalid; allowed: True, False")
         _check_mb("prefetch_mb", self.prefetch_mb)
         if self.unshard_budget_mb != "auto":
             _check_mb("unshard_budget_mb", self.unshard_budget_mb, extra=", or 'auto'", allow_inf=True)
