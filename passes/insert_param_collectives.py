@@ -6,7 +6,11 @@ placeholder ``p`` with shard state ``sp`` it creates one placeholder per tensor 
 
 - stage 0: the parameter, cast to the compute dtype if that differs (``cast_param``);
 - stage 1: the compute-dtype replica itself (autograd accumulates full gradients);
-- stage 2: ``replica_with_sharded_grad(shard, replica)``: backward reduce-scatters into the shard;
+- stage 2: ``replica_with_sharded_grad(shard, replica)``: backward reduce-scatters into the shard.
+  A graph output that is a view of a stage-2 parameter (``w = self.l.weight.t()`` before a
+  graph break, used after it) is cloned: AOTAutograd rebuilds an output that aliases an input
+  outside the compiled function, from the input, and the replica input has no gradient, so
+  the gradient that reaches the view would be dropped without a word;
 - stage 3: ``gather_param(shard)``: all-gather, view as the parameter, then
   ``cast_param`` to the compute dtype if that differs (``cast_before_gather`` moves
   the cast in front of the all-gather).
@@ -21,7 +25,9 @@ AOTAutograd traces from it, forward and backward.
 
 from __future__ import annotations
 
+import torch
 import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from zerocompile.passes import param_identity
 from zerocompile.passes.context import PassContext
@@ -41,6 +47,7 @@ def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=N
     order = {n: i for i, n in enumerate(graph.nodes)}
     group = ctx.group
     index = -1
+    stage2_storages = {}     # storage of a stage-2 parameter's example value -> its plan
     for node, sp in zip(placeholders, plans):
         if sp is None:
             continue
@@ -80,6 +87,39 @@ def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=N
                     param_identity.mark(inserted, index, sp.name)
             if "example_value" in node.meta:
                 out.meta["example_value"] = node.meta["example_value"]
+        if sp.stage == 2 and "example_value" in node.meta:
+            stage2_storages[_storage(node.meta["example_value"])] = sp
         node.replace_all_uses_with(out)
         graph.erase_node(node)
+    _clone_outputs_aliasing(graph, stage2_storages)
     return gm
+
+
+def _storage(t) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _clone_outputs_aliasing(graph: torch.fx.Graph, storages: dict) -> None:
+    """Replace each graph output that shares storage with a stage-2 parameter (a view of it,
+    or the parameter itself) by a clone of it (see the module docstring)."""
+    if not storages:
+        return
+    output = graph.find_nodes(op="output")[0]
+    cloned = {}
+
+    def fix(arg):
+        if not isinstance(arg, torch.fx.Node):
+            return arg
+        value = arg.meta.get("example_value")
+        if not isinstance(value, torch.Tensor) or _storage(value) not in storages:
+            return arg
+        if arg not in cloned:
+            with graph.inserting_before(output):
+                clone = graph.call_function(torch.clone, (arg,))
+            clone.meta["example_value"] = value.clone()
+            clone.meta["zerocompile"] = {"role": "param_view_output",
+                                         "param": storages[_storage(value)].name}
+            cloned[arg] = clone
+        return cloned[arg]
+
+    output.args = torch.fx.node.map_arg(output.args, fix)

@@ -255,7 +255,6 @@ def get_state(param: torch.Tensor) -> ShardedParam | None:
 
 
 def attach_state(param: torch.nn.Parameter, state: ShardedParam) -> None:
-    """Hang ``state`` off ``param``. ``FrameRunner`` makes it a ``ZeroParameter`` at the frame's
-    first run (``adopt``), not while Dynamo may still restart its analysis of the frame: a
-    class that changed mid-trace would send the restarted analysis down another path."""
+    """Hang ``state`` off ``param``. ``compile_frame`` makes it a ``ZeroParameter`` once the
+    frame has compiled (``capture._adopt_parameters``), before Dynamo builds the guards."""
     setattr(param, _ATTR, state)

@@ -89,6 +89,7 @@ class ZeroParameter(torch.nn.Parameter):
         return get_state(self)
 
     @classmethod
+    @_torch_compat.never_a_frame
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not torch.compiler.is_compiling():

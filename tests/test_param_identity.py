@@ -113,7 +113,7 @@ def test_original_report_graph_break_between_blocks_world_one():
 @pytest.mark.parametrize("stage,names", [
     (0, list(zoo.ZOO)), (3, list(zoo.ZOO)),
     (1, ["loop_break_between", "shared_across_blocks", "eager_block", "called_twice"]),
-    (2, ["loop_break_every", "hook_breaks", "shared_across_blocks", "nested_lists"])])
+    (2, ["loop_break_every", "hook_breaks", "shared_across_blocks", "nested_lists", "param_view_across_break"])])
 def test_zoo_matches_single_process(stage, names):
     refs = {name: reference(name) for name in names}
     results = run_ranks(train_all, 2, names, [stage], "eager")[0]

@@ -202,3 +202,42 @@ def test_collective_backend_pending_collectives_and_traced_tensors():
     seen = []
     make_fx(lambda x: seen.append(_torch_compat.is_traced_tensor(x)) or x + 1)(torch.ones(1))
     assert seen == [True], "make_fx tracing of plain tensors is no longer detected"
+
+
+def test_never_a_frame_skips_the_frame_and_keeps_the_inlining():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @_torch_compat.never_a_frame
+    def marked(x):
+        return torch.sin(x) * 2
+
+    def unmarked(x):
+        return torch.sin(x) * 2
+
+    def looping(fn):
+        def outer(x):
+            for _ in range(2):       # a graph break in a loop: Dynamo skips outer, runs it eagerly
+                x = fn(x)
+                torch._dynamo.graph_break()
+            return x
+        return outer
+
+    x = torch.randn(3)
+    torch._dynamo.reset()
+    torch.compile(looping(unmarked), backend=backend)(x)
+    assert len(graphs) == 1          # the control: called from eager code, a function is a frame
+    graphs.clear()
+    torch._dynamo.reset()
+    out = torch.compile(looping(marked), backend=backend)(x)
+    assert graphs == [] and torch.allclose(out, torch.sin(torch.sin(x) * 2) * 2)
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    out = torch.compile(lambda t: marked(t) + 1, backend=backend)(x)
+    assert len(graphs) == 1 and not counters["graph_break"]     # inlined into the traced frame
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.sin in targets and torch.allclose(out, torch.sin(x) * 2 + 1)

@@ -77,6 +77,33 @@ def test_changing_a_sharded_parameter_is_refused():
         model.l1.weight.copy_(torch.zeros(13, 7))     # as torch: a leaf that requires grad, grad mode on
 
 
+@pytest.mark.parametrize("model_name", ["gpt", "loop_break_every", "hook_breaks"])
+def test_the_class_change_compiles_no_frame_twice(model_name):
+    """A parameter becomes a ZeroParameter before Dynamo builds the frame's guards (which
+    record each parameter's class): the second step recompiles nothing, also when a graph
+    break makes every layer's forward its own frame that later layers reuse."""
+    from torch._dynamo.utils import counters
+
+    import zoo
+
+    torch._dynamo.reset()
+    counters.clear()
+    if model_name == "gpt":
+        model = make_model("gpt")
+        batches = [make_batch("gpt", s, 4) for s in range(3)]
+    else:
+        model = zoo.make(model_name)
+        batches = [zoo.batch(s) for s in range(3)]
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    graphs = []
+    for x, y in batches:
+        compiled(x, y).backward()
+        model.zero_grad()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, graphs
+    assert all(type(p) is ZeroParameter for p in model.parameters())
+
+
 @pytest.mark.parametrize("stage", [0, 1])
 def test_torch_clip_grad_norm_matches_one_process_on_one_rank(stage):
     model, compiled = _compiled(stage)

@@ -137,6 +137,22 @@ class SharedAcrossBlocks(nn.Module):
         return F.mse_loss(F.linear(x, self.inp.weight.t()) + self.head(x), y)
 
 
+class ParamViewAcrossBreak(nn.Module):
+    """A view of a parameter made before a graph break and used after it: the first frame
+    returns a view of its parameter input (``weight.t()``), which the second frame consumes."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(D, D)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x, y):
+        w = self.l.weight.t()
+        h = torch.tanh(self.l(x))
+        torch._dynamo.graph_break()
+        return F.mse_loss(self.head(h @ w), y)
+
+
 class WithEagerBlock(nn.Module):
     """A ``torch.compiler.disable``d block in the middle of a loop of compiled ones."""
 
@@ -161,6 +177,7 @@ ZOO = {
     "called_twice": CalledTwice,
     "shared_across_blocks": SharedAcrossBlocks,
     "eager_block": WithEagerBlock,
+    "param_view_across_break": ParamViewAcrossBreak,
 }
 
 

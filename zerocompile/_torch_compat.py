@@ -322,3 +322,25 @@ def storageless_tensor(cls, shape, dtype, device):
     ``ShardView`` implements; ``tests/test_torch_compat.py`` checks DCP still calls it.
     """
     return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+
+
+def never_a_frame(fn):
+    """Mark ``fn`` so that Dynamo never compiles it as a frame of its own: called from eager
+    code (a frame Dynamo skipped, e.g. for a graph break inside a loop), it and everything it
+    calls run eagerly. Dynamo still inlines it into a frame it is tracing.
+
+    For ``ZeroParameter.__torch_function__``: an eager op on a sharded parameter inside a
+    compiled model's call would otherwise become a compiled frame whose input is the parameter
+    (sharding it, and at stage 2 returning a view of the replica, whose gradient went nowhere).
+
+    Why private: ``torch.compiler.disable`` and ``torch._dynamo.skip`` mark the function
+    itself, and Dynamo then refuses to inline it (a graph break at every parameter op). The
+    per-code frame strategy that ``skip`` is built on (``set_code_exec_strategy``, read only
+    when a frame starts) is the one switch that skips the frame and keeps the inlining;
+    ``tests/test_torch_compat.py`` checks both halves.
+    """
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    return fn

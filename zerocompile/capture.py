@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -134,9 +135,6 @@ class FrameRunner:
                              for k, t in self.partitioner.backward_summary.totals.items()}}
 
     def _first_run(self) -> None:
-        for sp in self.plans:
-            if sp is not None:
-                adopt(sp.param)
         for root in self._roots_without_hooks:
             install_eager_fallback(root)
         self._roots_without_hooks = []
@@ -309,7 +307,45 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
         # dtype and requires_grad: Dynamo's guards checked them); named after that one
         return _shard_parameter(param, plan.name, cfg, group, keep_full=id(param) in eager_owned)
 
+    _adopt_parameters(plans, roots, eager_owned)
     return FrameRunner(compiled, plans, partitioner, frame, roots, new_state)
+
+
+def _adopt_parameters(plans, roots, eager_owned: set) -> None:
+    """Make the frame's parameters ``ZeroParameter``s now, once the frame has compiled and
+    before Dynamo builds its guards: the guards record each parameter's class, so a class
+    changed at the first run would fail them at the next call and compile every frame twice.
+
+    The other plain parameters of the model change too (they carry no shard state until a
+    frame uses them, and behave as plain parameters till then). Dynamo reuses a frame's code
+    for every module its guards accept: when a graph break in a layer loop makes each layer's
+    forward its own frame, layer 2 must arrive with the class layer 1 was compiled with, or
+    each layer would compile anew (up to Dynamo's recompile limit, then run eagerly). "The
+    model" is every module under the frame's roots and under the modules whose ``forward``
+    calls it (found on the Python stack: Dynamo does not tell a backend who called the frame).
+    """
+    for sp in plans:
+        if sp is not None:
+            adopt(sp.param)
+    for module in [*roots, *_calling_modules(roots)]:
+        for param in module.parameters():
+            if type(param) is torch.nn.Parameter and id(param) not in eager_owned:
+                adopt(param)
+
+
+def _calling_modules(roots) -> list:
+    """The modules on the Python stack (a frame's ``self``) that contain one of ``roots``."""
+    wanted = {id(r) for r in roots}
+    found, seen = [], set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if isinstance(owner, torch.nn.Module) and id(owner) not in seen:
+            seen.add(id(owner))
+            if any(id(m) in wanted for m in owner.modules()):
+                found.append(owner)
+        frame = frame.f_back
+    return found
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
