@@ -241,3 +241,46 @@ def test_never_a_frame_skips_the_frame_and_keeps_the_inlining():
     assert len(graphs) == 1 and not counters["graph_break"]     # inlined into the traced frame
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert torch.sin in targets and torch.allclose(out, torch.sin(x) * 2 + 1)
+
+
+def test_grad_scaler_hands_unscaling_to_an_optimizer_that_takes_grad_scaler():
+    """ZeroOptimizer relies on GradScaler's contract with ``_step_supports_amp_scaling``
+    optimizers: step(grad_scaler=scaler) is called, the optimizer records what it found in the
+    scaler's per-optimizer state, and update() reads it from there."""
+    ready, unscaled, stepped = _torch_compat.grad_scaler_stages()
+    seen = {}
+
+    class Opt(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None, grad_scaler=None):
+            state = _torch_compat.grad_scaler_state(grad_scaler, self)
+            seen["stage"] = state["stage"]
+            seen["scale"] = _torch_compat.grad_scaler_scale(grad_scaler).item()
+            state["found_inf_per_device"] = {torch.device("cpu"): torch.ones(())}
+            state["stage"] = unscaled
+
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = Opt([p], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    scaler.scale(p.sum()).backward()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        scaler.step(opt)
+    assert seen == {"stage": ready, "scale": 8.0}, "GradScaler no longer passes grad_scaler= to step"
+    assert _torch_compat.grad_scaler_state(scaler, opt)["stage"] is stepped
+    scaler.update()
+    assert scaler.get_scale() == 4.0, "GradScaler.update() no longer reads found_inf_per_device"
+
+
+def test_unscale_and_check_and_compiled_backward_node():
+    grads = [torch.tensor([2.0, 4.0]), torch.tensor([float("inf")])]
+    found = torch.zeros(())
+    _torch_compat.unscale_and_check_(grads, found, torch.full((), 0.5))
+    assert grads[0].tolist() == [1.0, 2.0] and found.item() == 1.0
+    from functorch.compile import aot_function, nop
+
+    out = aot_function(lambda x: (x * 2).sum(), fw_compiler=nop)(torch.ones(2, requires_grad=True))
+    assert _torch_compat.is_compiled_backward_node(out.grad_fn), out.grad_fn.name()
+    assert not _torch_compat.is_compiled_backward_node((torch.ones(1, requires_grad=True) * 2).grad_fn)

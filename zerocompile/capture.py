@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.fx
 
-from zerocompile import _torch_compat
+from zerocompile import _torch_compat, loss_scale
 from zerocompile.config import ZeroConfig
 from zerocompile.dump import recorder_for
 from zerocompile.passes.collective_summary import summarize_collectives
@@ -115,6 +115,7 @@ class FrameRunner:
         # tracing: a hook appearing mid-trace changes the path of Dynamo's restarted analysis
         self._roots_without_hooks = roots
         self._checked = False
+        self._loss_scale = partitioner.ctx.config.loss_scale
         self.order = time.monotonic_ns()  # compile order, for frame_reports()
         ACCOUNTING.frames.add(self)
 
@@ -171,7 +172,7 @@ class FrameRunner:
     def __call__(self, *args):
         if not self._checked:
             self._first_run()
-        new_args = []
+        new_args, states = [], []
         grad_mode = torch.is_grad_enabled()
         for arg, plan in zip(args, self.plans):
             if plan is None:
@@ -180,8 +181,11 @@ class FrameRunner:
             sp = self._state_of(arg, plan)
             if grad_mode:
                 sp.grad_synced = False   # this run's backward adds local gradients
+            states.append(sp)
             new_args.extend(sp.graph_inputs())
         out = self.compiled(*new_args)
+        if grad_mode and self._loss_scale is not None:
+            loss_scale.install_frame_scaling(out, args, states, self._loss_scale, self.frame)
         ACCOUNTING.record_summary(self._forward_summary())
         bw = self.partitioner.backward_summary
         if any(t.count for t in bw.totals.values()):
@@ -241,6 +245,7 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
             state = _shard_parameter(ex, name, cfg, group, keep_full=id(ex) in eager_owned)
         else:
             _check_compatible(state, cfg, group, name)
+        loss_scale.register(ex, cfg.loss_scale, name)
         plans.append(state)
     return plans, list(roots.values()), eager_owned
 
@@ -305,6 +310,7 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     def new_state(param, plan: ShardedParam) -> ShardedParam:
         # a parameter first seen at run time, in the place of one traced like it (same shape,
         # dtype and requires_grad: Dynamo's guards checked them); named after that one
+        loss_scale.register(param, cfg.loss_scale, plan.name)
         return _shard_parameter(param, plan.name, cfg, group, keep_full=id(param) in eager_owned)
 
     _adopt_parameters(plans, roots, eager_owned)

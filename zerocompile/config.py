@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from zerocompile.loss_scale import parse_loss_scale
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -44,6 +46,16 @@ class ZeroConfig:
 
     reduce_dtype: torch.dtype = torch.float32
     """Dtype gradients are reduced (reduce-scattered / all-reduced) in."""
+
+    loss_scale: object = None
+    """Loss scaling for float16 training, applied inside the compiled backward (the training
+    loop does not change): ``"dynamic"`` (DeepSpeed's rules: initial scale 2**16, doubled
+    after 1000 clean steps, halved after 2 overflows in a row (hysteresis), minimum 1), a
+    number (a static scale), or a dict with any of ``initial_scale``, ``window``,
+    ``hysteresis``, ``min_scale``, ``consecutive_hysteresis`` (dynamic). ``ZeroOptimizer``
+    unscales the gradients, skips the step on every rank when any rank's gradients are not
+    finite, and exposes the scale as ``opt.loss_scale``. None = off (``torch.amp.GradScaler``
+    works with ``ZeroOptimizer`` too). Parsed into a ``LossScaleSettings``."""
 
     bucket_mb: float = 25.0
     """Size cap, in MiB, of one fused collective. The ``bucketing`` pass coalesces consecutive
@@ -152,6 +164,10 @@ class ZeroConfig:
             raise ZeroConfigError(f"option 'stage' = {stage!r} is invalid; allowed: 0, 1, 2, 3")
         object.__setattr__(self, "param_dtype", _parse_dtype("param_dtype", self.param_dtype, True))
         object.__setattr__(self, "reduce_dtype", _parse_dtype("reduce_dtype", self.reduce_dtype, False))
+        try:
+            object.__setattr__(self, "loss_scale", parse_loss_scale(self.loss_scale))
+        except (TypeError, ValueError) as err:
+            raise ZeroConfigError(str(err)) from None
         bucket = self.bucket_mb
         if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not 0 <= bucket < math.inf:
             raise ZeroConfigError(
@@ -194,10 +210,11 @@ class ZeroConfig:
         check_disabled_passes(tuple(passes))
         object.__setattr__(self, "disabled_passes", tuple(passes))
         check_pipeline(self)
-        if self.param_dtype is torch.float16:
+        if self.param_dtype is torch.float16 and self.loss_scale is None:
             logging.getLogger("zerocompile").warning(
-                "param_dtype float16: zerocompile does no loss scaling; scale the loss yourself "
-                "(torch.amp.GradScaler does not apply to ZeroOptimizer) or use bfloat16")
+                "param_dtype float16 with no loss scaling: small gradients underflow to zero in "
+                "float16. Set options loss_scale='dynamic', use torch.amp.GradScaler with "
+                "ZeroOptimizer, or compute in bfloat16")
 
 
 def _check_mb(name: str, value, extra: str = "", allow_inf: bool = False) -> None:
@@ -276,12 +293,48 @@ _DEEPSPEED_TOP_LEVEL = ("zero_optimization", "bf16", "fp16", "communication_data
 _DEEPSPEED_ZERO_KEYS = ("stage", "reduce_bucket_size", "allgather_bucket_size")
 
 
+_DEEPSPEED_FP16_SCALING = {
+    "loss_scale": None, "initial_scale_power": "initial_scale", "loss_scale_window": "window",
+    "hysteresis": "hysteresis", "min_loss_scale": "min_scale", "consecutive_hysteresis": "consecutive_hysteresis",
+}
+
+
+def _translate_fp16_scaling(fp16: dict):
+    """DeepSpeed's ``fp16`` loss-scaling keys -> the ``loss_scale`` option. ``loss_scale`` 0
+    (DeepSpeed's default) is dynamic scaling, a positive value a static scale."""
+    static = fp16.get("loss_scale", 0)
+    if isinstance(static, bool) or not isinstance(static, (int, float)) or static < 0:
+        raise ZeroConfigError(f"DeepSpeed key 'fp16.loss_scale' = {static!r} is invalid; allowed: 0 "
+                              "(dynamic) or a static scale > 0")
+    if static > 0:
+        dynamic_keys = sorted(set(fp16) - {"enabled", "loss_scale"})
+        if dynamic_keys:
+            raise ZeroConfigError(f"DeepSpeed key 'fp16.{dynamic_keys[0]}' applies to dynamic loss scaling, "
+                                  f"but 'fp16.loss_scale' = {static} asks for a static scale")
+        return float(static)
+    out = {}
+    for ds_key, ours in _DEEPSPEED_FP16_SCALING.items():
+        if ours is None or ds_key not in fp16:
+            continue
+        value = fp16[ds_key]
+        if ds_key == "initial_scale_power":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ZeroConfigError(f"DeepSpeed key 'fp16.initial_scale_power' = {value!r} is invalid; "
+                                      "allowed: an integer")
+            value = 2.0**value
+        out[ours] = value
+    return out or "dynamic"
+
+
 def translate_deepspeed(ds: dict) -> dict:
     """Translate a DeepSpeed config dict into zerocompile options.
 
     Translated: ``zero_optimization.stage``, ``zero_optimization.reduce_bucket_size`` /
     ``allgather_bucket_size`` (elements; bucket_mb = elements x 4 bytes), ``bf16.enabled``,
-    ``fp16.enabled``, ``communication_data_type``. Every other key is rejected by name.
+    ``fp16.enabled`` (param_dtype float16 and dynamic loss scaling) with ``fp16.loss_scale``,
+    ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``, ``min_loss_scale``,
+    ``consecutive_hysteresis`` (the ``loss_scale`` option), ``communication_data_type``. Every
+    other key is rejected by name.
     """
     out: dict = {}
     for key, value in ds.items():
@@ -310,16 +363,19 @@ def translate_deepspeed(ds: dict) -> dict:
                         "Remove it (see docs/config.md, 'DeepSpeed configs')")
         elif key in ("bf16", "fp16"):
             enabled = value.get("enabled", False) if isinstance(value, dict) else value
-            extra = set(value) - {"enabled"} if isinstance(value, dict) else set()
+            allowed = {"enabled"} | (set(_DEEPSPEED_FP16_SCALING) if key == "fp16" else set())
+            extra = set(value) - allowed if isinstance(value, dict) else set()
             if extra:
                 raise ZeroConfigError(
                     f"DeepSpeed key '{key}.{sorted(extra)[0]}' is not supported by zerocompile; "
-                    f"only '{key}.enabled' is translated")
+                    f"translated: {', '.join(key + '.' + k for k in sorted(allowed))}")
             if enabled is True or enabled == "auto":
                 dtype = "bfloat16" if key == "bf16" else "float16"
                 if out.get("param_dtype", dtype) != dtype:
                     raise ZeroConfigError("DeepSpeed config enables both 'bf16' and 'fp16'; choose one")
                 out["param_dtype"] = dtype
+                if key == "fp16":
+                    out["loss_scale"] = _translate_fp16_scaling(value if isinstance(value, dict) else {})
             elif enabled is not False:
                 raise ZeroConfigError(
                     f"DeepSpeed key '{key}.enabled' = {enabled!r} is invalid; allowed: true, false")

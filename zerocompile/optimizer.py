@@ -17,17 +17,35 @@ Per optimizer step, by stage:
   are updated and all-gathered into the replicas.
 - stage 3: shard gradients come from the backward graph; the shards are updated; the
   next forward gathers them.
+
+Loss scaling (float16), two ways, both with one rule: the step is skipped on every rank when
+any rank has a non-finite gradient (the flag is all-reduced with MAX), and the scale moves
+the same way everywhere.
+
+- ``torch.amp.GradScaler`` / FSDP's ``ShardedGradScaler``, unchanged: ``ZeroOptimizer`` has
+  ``_step_supports_amp_scaling``, so ``scaler.step(opt)`` calls ``opt.step(grad_scaler=scaler)``
+  and leaves the unscaling to it. The step reduces the gradients, divides them by the scale
+  where the inner optimizer reads them (the shard gradients at stages 1-3, the averaged full
+  gradients at stage 0), checks them, and records the all-reduced flag in the scaler's
+  per-optimizer state, which is what ``scaler.update()`` reads.
+- The ``loss_scale`` backend option (``zerocompile/loss_scale.py``): the compiled backward
+  scales; the optimizer owns the scaler (``opt.loss_scale``), divides the gradients that
+  stay scaled (those in shards and 16-bit replicas) after reducing them, checks, skips and
+  updates the scale.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 from torch.optim import Optimizer
 
+from zerocompile import _torch_compat, loss_scale
 from zerocompile.optimizer_rules import check_elementwise
 from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup, all_reduce_sum, resolve_group
@@ -36,6 +54,12 @@ from zerocompile.runtime.step_collectives import all_gather_concat, all_reduce_m
 from zerocompile.runtime.zero_parameter import raw_grad, set_raw_grad
 
 _DEFAULT_BUCKET_MB = 25.0
+log = logging.getLogger("zerocompile")
+
+# torch.amp.GradScaler.step warns, each time it passes itself to an optimizer's step, that it
+# will stop doing so. The warning is addressed to the optimizer's authors (tests/test_torch_compat.py
+# fails when the contract changes), not to the person training, who could do nothing about it.
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
 
 class ZeroOptimizer(Optimizer):
@@ -45,6 +69,10 @@ class ZeroOptimizer(Optimizer):
     allow-listed torch classes, or any class with ``assume_elementwise=True``, your promise that
     it updates every element from that element's value, gradient and state alone and never
     depends on a parameter's shape."""
+
+    _step_supports_amp_scaling = True
+    """``torch.amp.GradScaler.step`` passes itself to ``step(grad_scaler=...)``, which unscales
+    the gradients where they live (see the module docstring)."""
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, process_group=None, *,
                  assume_elementwise: bool = False, **defaults):
@@ -59,6 +87,11 @@ class ZeroOptimizer(Optimizer):
         self._pending_state: dict | None = None
         self._grads_reduced = False
         self._default_group = process_group
+        self._scaler = loss_scale.LossScaler()   # the loss_scale option's, configured by the first frame
+        self._clipped_scaled = False     # clip_grad_norm_ ran without knowing of a GradScaler
+        self._scaler_flag: torch.Tensor | None = None   # overflow flag recorded for a GradScaler
+        self.skipped_steps = 0
+        """Optimizer steps skipped because some rank's gradients were not finite."""
         super().__init__(params, defaults)
         try:  # fail now, not at the first step, on a bad hyperparameter
             optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
@@ -118,6 +151,9 @@ class ZeroOptimizer(Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
+        if getattr(self, "_scaler", None) is not None:    # the frames using them read its scale
+            for p in self.param_groups[-1]["params"]:
+                loss_scale.claim(p, self._scaler)
         if getattr(self, "_inner", None) is not None:
             group = self.param_groups[-1]
             targets = [self._target(p) for p in group["params"]]
@@ -142,11 +178,15 @@ class ZeroOptimizer(Optimizer):
         return sp.group if sp is not None else resolve_group(self._default_group)
 
     def _reduce_gradients(self) -> None:
-        """Bring every gradient to where the inner optimizer reads it, averaged over ranks."""
+        """Bring every gradient to where the inner optimizer reads it, averaged over ranks and,
+        with the ``loss_scale`` option, divided by the scale where the backward left it scaled."""
         if self._grads_reduced:
             return
+        scaler = self._loss_scaler()
+        scale = scaler.scale if scaler is not None else None
         full = defaultdict(list)        # (group, reduce dtype) -> replicated grads to all-reduce
-        to_scatter = defaultdict(list)  # (group, reduce dtype) -> (state, full grad, accumulate?)
+        # (group, reduce dtype) -> (state, full grad, accumulate?, scale it carries or None)
+        to_scatter = defaultdict(list)
         for p in self._params():
             sp = get_state(p)
             own = raw_grad(p)
@@ -156,15 +196,26 @@ class ZeroOptimizer(Optimizer):
                     rd = sp.reduce_dtype if sp is not None else torch.float32
                     full[(group, rd)].append((sp, own))
                 continue
+            key = (sp.group, sp.reduce_dtype)
+            scaled = scale if scale is not None and loss_scale.holds_scaled_gradient(sp) else None
             if sp.stage == 1:
                 grad = raw_grad(sp.replica)
+                eager = None
                 if p is not sp.replica and own is not None:   # eager use of a freed parameter
-                    grad = own.to(sp.compute_dtype) if grad is None else grad.add_(own)
                     set_raw_grad(p, None)
+                    if scaled is None:
+                        grad = own.to(sp.compute_dtype) if grad is None else grad.add_(own)
+                    else:   # not scaled, unlike the replica's: reduced apart, added once that is unscaled
+                        eager = own
                 if grad is not None:
-                    to_scatter[(sp.group, sp.reduce_dtype)].append((sp, grad, False))
-            elif own is not None:      # stages 2/3: a gradient from eager use of the parameter
-                to_scatter[(sp.group, sp.reduce_dtype)].append((sp, own, True))
+                    to_scatter[key].append((sp, grad, False, scaled))
+                if eager is not None:
+                    to_scatter[key].append((sp, eager, grad is not None, None))
+                continue
+            if scaled is not None and sp.shard.grad is not None:
+                sp.shard.grad.div_(scaled)
+            if own is not None:      # stages 2/3: a gradient from eager use of the parameter
+                to_scatter[key].append((sp, own, True, None))
                 set_raw_grad(p, None)
         for (group, rd), items in full.items():
             all_reduce_mean_([g for _, g in items], group, self._bucket_bytes([s for s, _ in items]), rd)
@@ -172,30 +223,158 @@ class ZeroOptimizer(Optimizer):
                 if sp is not None:
                     sp.grad_synced = True    # p.grad is now the averaged gradient: readable
         for (group, rd), items in to_scatter.items():
-            shards = reduce_scatter_mean([(g, sp.padded_numel) for sp, g, _ in items], group,
-                                         self._bucket_bytes([sp for sp, _, _ in items]), rd)
-            for (sp, _, accumulate), shard_grad in zip(items, shards):
+            shards = reduce_scatter_mean([(item[1], item[0].padded_numel) for item in items], group,
+                                         self._bucket_bytes([item[0] for item in items]), rd)
+            for (sp, _, accumulate, scaled), shard_grad in zip(items, shards):
                 shard_grad = shard_grad.to(sp.dtype)
+                if scaled is not None:
+                    shard_grad = shard_grad / scaled        # in the master dtype
                 if accumulate and sp.shard.grad is not None:
                     sp.shard.grad.add_(shard_grad)
                 else:
-                    sp.shard.grad = shard_grad.clone()
+                    sp.shard.grad = shard_grad if scaled is not None else shard_grad.clone()
         self._grads_reduced = True
+
+    # ------------------------------------------------------------------ loss scaling
+    def _loss_scaler(self) -> loss_scale.LossScaler | None:
+        """The scaler of the ``loss_scale`` option, once a compiled frame that scales uses one
+        of this optimizer's parameters (None before, and without the option)."""
+        found = {s for p in self._params() if (s := loss_scale.settings_of(p)) is not None}
+        if self._scaler.settings is not None:
+            found.add(self._scaler.settings)
+        if not found:
+            return None
+        if len(found) > 1:
+            raise ValueError(f"ZeroOptimizer: its parameters come from frames compiled with different "
+                             f"loss_scale options ({'; '.join(sorted(map(repr, found)))}); compile them with one")
+        if self._scaler.settings is None:
+            self._check_master_dtypes("the loss_scale option")
+            self._scaler.configure(found.pop())
+        return self._scaler
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current scale of the ``loss_scale`` backend option: what the compiled backward
+        multiplies gradients by. None while no frame compiled with the option uses this
+        optimizer's parameters."""
+        settings = self._scaler.settings or next(
+            (s for p in self._params() if (s := loss_scale.settings_of(p)) is not None), None)
+        if settings is None:
+            return None
+        return float(settings.initial_scale) if self._scaler.scale is None else self._scaler.scale
+
+    def _check_master_dtypes(self, what: str) -> None:
+        for p in self._params():
+            if p.requires_grad and p.dtype == torch.float16:
+                sp = get_state(p)
+                name = sp.name if sp is not None else f"of shape {tuple(p.shape)}"
+                raise ValueError(
+                    f"ZeroOptimizer: parameter '{name}' is float16, so its gradient, master value and "
+                    f"optimizer state are float16; {what} does not unscale float16 gradients "
+                    "(torch.amp.GradScaler refuses them too: 'Attempting to unscale FP16 gradients'). "
+                    "Keep the model's parameters float32 and compute in float16 with the backend option "
+                    "param_dtype='float16': master shards stay float32.")
+
+    def _device(self) -> torch.device:
+        return next((self._target(p).device for p in self._params()), torch.device("cpu"))
+
+    def _overflow(self, inv_scale: torch.Tensor | None, earlier=()) -> torch.Tensor:
+        """Multiply the gradients the inner optimizer reads by ``inv_scale`` (None: leave them)
+        and return 1.0 if any rank has a non-finite one (or a flag in ``earlier`` is set), else
+        0.0: a float32 scalar, the same on every rank (all-reduced with MAX)."""
+        by_kind = defaultdict(list)
+        for p in self._params():
+            grad = raw_grad(self._target(p))
+            if grad is not None:
+                by_kind[(grad.device, grad.dtype)].append(grad)
+        device = self._device()
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        for (dev, _), grads in by_kind.items():
+            found = torch.zeros((), dtype=torch.float32, device=dev)
+            inv = inv_scale.to(dev) if inv_scale is not None else torch.ones((), device=dev)
+            _torch_compat.unscale_and_check_(grads, found, inv)
+            flag = torch.maximum(flag, found.to(device))
+        for f in earlier:
+            flag = torch.maximum(flag, (f.to(device) > 0).float())
+        return _all_reduce_max(flag, self._layout_group())
+
+    def _unscale_with(self, grad_scaler) -> torch.Tensor:
+        """For a ``torch.amp.GradScaler``, once per iteration: reduce the gradients, divide them
+        by its scale, and record the all-reduced overflow flag in its state for this optimizer
+        (which ``scaler.update()`` reads); return the flag."""
+        ready, unscaled, _ = _torch_compat.grad_scaler_stages()
+        state = _torch_compat.grad_scaler_state(grad_scaler, self)
+        if state["stage"] is unscaled and self._scaler_flag is not None:
+            return self._scaler_flag
+        self._check_master_dtypes("torch.amp.GradScaler")
+        scale = _torch_compat.grad_scaler_scale(grad_scaler)
+        earlier = ()
+        if state["stage"] is ready:
+            if self._clipped_scaled:
+                raise RuntimeError(
+                    "ZeroOptimizer: clip_grad_norm_ clipped gradients that a torch.amp.GradScaler had "
+                    "scaled, without knowing the scale; pass the scaler to it: "
+                    "opt.clip_grad_norm_(max_norm, grad_scaler=scaler) (it unscales first, as "
+                    "scaler.unscale_(opt) would)")
+            inv_scale = scale.double().reciprocal().float()
+        else:
+            # scaler.unscale_(opt) already divided what p.grad showed (it can only where p.grad is
+            # the whole gradient: one rank, or parameters no compiled frame uses)
+            inv_scale = None
+            earlier = tuple(state["found_inf_per_device"].values())
+        self._reduce_gradients()
+        flag = self._overflow(inv_scale, earlier)
+        state["found_inf_per_device"] = {scale.device: flag.to(scale.device)}
+        state["stage"] = unscaled
+        self._scaler_flag = flag
+        return flag
+
+    def _skip_step(self) -> None:
+        """The update is skipped: shards, replicas and optimizer state stay as they are."""
+        self.skipped_steps += 1
+        log.info("ZeroOptimizer: step skipped, non-finite gradients on some rank")
+        for p in self._params():
+            sp = get_state(p)
+            if sp is not None and sp.stage == 1:
+                sp.shard.grad = None     # as after a step: the full gradients stay until zero_grad()
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
-    def step(self, closure=None):
-        """Reduce gradients, update this rank's shards, refresh replicas (stages 1/2)."""
+    def step(self, closure=None, grad_scaler=None):
+        """Reduce gradients, update this rank's shards, refresh replicas (stages 1/2).
+
+        With loss scaling (``grad_scaler``, which ``torch.amp.GradScaler.step(opt)`` passes, or
+        the ``loss_scale`` backend option) the gradients are unscaled first, and the update is
+        skipped on every rank when any rank's gradients are not finite."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._bind()
         self._sync_hyperparameters()
-        self._reduce_gradients()
-        self._inner.step()
-        self._after_step()
+        scaler = self._loss_scaler()
+        if grad_scaler is not None and scaler is not None:
+            raise RuntimeError(
+                "ZeroOptimizer: the model was compiled with the loss_scale option, which scales inside "
+                "the backward, and a torch.amp.GradScaler scales the loss as well; use one of them")
+        if grad_scaler is not None:
+            overflow = bool(self._unscale_with(grad_scaler).item())
+        elif scaler is not None:
+            self._reduce_gradients()
+            overflow = bool(self._overflow(None).item())
+        else:
+            self._reduce_gradients()
+            overflow = False
+        if overflow:
+            self._skip_step()
+        else:
+            self._inner.step()
+            self._after_step()
+        if scaler is not None:
+            scaler.update(overflow)
         self._grads_reduced = False
+        self._clipped_scaled = False
+        self._scaler_flag = None
         return loss
 
     def _after_step(self) -> None:
@@ -220,6 +399,8 @@ class ZeroOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients wherever zerocompile keeps them (parameters, replicas, shards)."""
         self._grads_reduced = False
+        self._clipped_scaled = False
+        self._scaler_flag = None
         for p in self._params():
             sp = get_state(p)
             holders = [p] if sp is None else {id(t): t for t in (p, sp.replica, sp.shard) if t is not None}.values()
@@ -236,9 +417,23 @@ class ZeroOptimizer(Optimizer):
                     grad.zero_()
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip gradients by their global norm over all ranks; return that norm (before clipping)."""
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, grad_scaler=None) -> torch.Tensor:
+        """Clip gradients by their global norm over all ranks; return that norm (before clipping).
+
+        With a ``torch.amp.GradScaler``, pass it as ``grad_scaler``: the gradients are unscaled
+        first, as ``scaler.unscale_(opt)`` would (which cannot reach gradients kept in shards),
+        and ``scaler.step(opt)`` then does not unscale again. With the ``loss_scale`` option the
+        gradients are unscaled here by themselves."""
         self._bind()
+        if grad_scaler is not None and grad_scaler.is_enabled():
+            self._sync_hyperparameters()
+            if self._loss_scaler() is not None:
+                raise RuntimeError(
+                    "ZeroOptimizer: the model was compiled with the loss_scale option, which scales "
+                    "inside the backward, and a torch.amp.GradScaler scales the loss as well; use one of them")
+            self._unscale_with(grad_scaler)
+        else:
+            self._clipped_scaled = True
         self._reduce_gradients()
         norm_type = float(norm_type)
         owned, replicated = [], []
@@ -278,6 +473,8 @@ class ZeroOptimizer(Optimizer):
         sd["zerocompile"] = {"rank": group.rank, "world_size": group.world,
                              "optimizer_class": self.optimizer_class.__name__,
                              "shapes": [[tuple(t.shape) for t in ts] for ts in self._bound]}
+        if self._loss_scaler() is not None or self._scaler.scale is not None:
+            sd["zerocompile"]["loss_scaler"] = self._scaler.state_dict()
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -295,6 +492,8 @@ class ZeroOptimizer(Optimizer):
         if meta["optimizer_class"] != self.optimizer_class.__name__:
             raise ValueError(f"ZeroOptimizer.load_state_dict: state of {meta['optimizer_class']}, "
                              f"but this optimizer wraps {self.optimizer_class.__name__}")
+        if "loss_scaler" in meta:       # at once: the next backward already uses this scale
+            self._scaler.load_state_dict(meta["loss_scaler"])
         if self._inner is None:
             self._pending_state = state_dict
         else:
