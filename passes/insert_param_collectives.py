@@ -46,12 +46,11 @@ def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=N
         raise ValueError("insert_param_collectives needs one plan entry per placeholder")
     order = {n: i for i, n in enumerate(graph.nodes)}
     group = ctx.group
-    index = -1
+    indices = param_identity.number_parameters(plans)
     stage2_storages = {}     # storage of a stage-2 parameter's example value -> its plan
-    for node, sp in zip(placeholders, plans):
+    for node, sp, index in zip(placeholders, plans, indices):
         if sp is None:
             continue
-        index += 1
         users = sorted(node.users, key=order.__getitem__)
         new_inputs = []
         with graph.inserting_before(node):

@@ -45,6 +45,16 @@ def mark(node: torch.fx.Node, index: int, name: str) -> None:
     node.meta["custom"] = custom
 
 
+def number_parameters(states) -> list:
+    """The identity index of each entry of ``states`` (a frame's parameter states in input
+    order; None for inputs that are not parameters): the k-th distinct state is parameter k.
+    The pass that marks nodes and the checks that read the marks both count with this."""
+    out, seen = [], {}
+    for sp in states:
+        out.append(None if sp is None else seen.setdefault(id(sp), len(seen)))
+    return out
+
+
 def identity(node: torch.fx.Node) -> ParamId | None:
     """The parameter ``node`` was traced from, or None."""
     value = (node.meta.get("custom") or {}).get(KEY)

@@ -66,14 +66,9 @@ def ensure_tagged(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         return
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     read = {}
-    index = -1
-    seen = set()
-    for ph, sp in zip(placeholders, ctx.primal_params):
-        if sp is None or id(sp) in seen:
-            continue
-        seen.add(id(sp))
-        index += 1
-        if ph.users:
+    indices = param_identity.number_parameters(ctx.primal_params)
+    for ph, sp, index in zip(placeholders, ctx.primal_params, indices):
+        if sp is not None and ph.users:
             read[index] = sp.name
     param_identity.check_gathered_where_read(gm.graph, read, where)
 

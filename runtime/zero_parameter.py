@@ -116,7 +116,9 @@ class ZeroParameter(torch.nn.Parameter):
             f"ranks) is not the gradient a single process would have: {state.where_gradient_lives()}. "
             "Clip with `opt.clip_grad_norm_(max_norm)` of your zerocompile.ZeroOptimizer (it returns the "
             "global norm, as torch.nn.utils.clip_grad_norm_ would on one process), and read the global "
-            "gradient norm from its return value.")
+            "gradient norm from its return value. With a torch.amp.GradScaler, call "
+            "`opt.clip_grad_norm_(max_norm, grad_scaler=scaler)` instead of `scaler.unscale_(opt)` "
+            "followed by clipping: it unscales the gradients where they live first.")
 
     @grad.setter
     def grad(self, value):

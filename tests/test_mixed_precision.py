@@ -427,6 +427,24 @@ def test_loss_scale_state_round_trips_through_the_state_dict():
     assert opt2.loss_scale == 4.0 and opt2.skipped_steps == 0
 
 
+def test_loss_scale_state_is_saved_in_checkpoints(tmp_path):
+    options = {"loss_scale": {"initial_scale": 8.0, "hysteresis": 1}}
+    model, opt = _one_process(3, options)
+    (model(*_batch()) * math.inf).backward()
+    opt.step()                                   # skipped: the scale halves
+    model(*_batch(1)).backward()
+    opt.step()
+    assert opt.loss_scale == 4.0 and opt.loss_scaler_state()["iteration"] == 2
+    zerocompile.save_checkpoint(tmp_path / "ckpt", model, opt)
+    model2, opt2 = _one_process(3, options)
+    assert opt2.loss_scale is None and opt2.loss_scaler_state() is None    # no frame has compiled yet
+    zerocompile.load_checkpoint(tmp_path / "ckpt", model2, opt2)
+    assert opt2.loss_scaler_state() == opt.loss_scaler_state()
+    model2(*_batch(2)).backward()
+    opt2.step()
+    assert opt2.loss_scale == 4.0 and opt2.loss_scaler_state()["iteration"] == 3
+
+
 def test_loss_scale_option_scales_gradients_kept_in_shards():
     """White box: after backward, the stage-3 shard gradient holds S times the true gradient,
     and after the step's reduction the true one."""

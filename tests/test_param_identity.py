@@ -182,3 +182,10 @@ def test_tag_collectives_ensures_runs_in_the_pipeline():
     assert ctx.results["tag_collectives"] == {"param_gathers": 2, "grad_reduce_scatters": 0}
     with pytest.raises(param_identity.ParamIdentityError):
         run_passes(_two_gathers_graph(True), ctx, "inference")
+
+
+def test_parameters_are_numbered_by_distinct_state_in_input_order():
+    a, b = object(), object()      # stand-ins for two ShardedParams
+    # stage 2 hands a parameter as two inputs (shard, replica): one parameter, one number
+    assert param_identity.number_parameters([None, a, a, b, None, b]) == [None, 0, 0, 1, None, 1]
+    assert param_identity.number_parameters([]) == []

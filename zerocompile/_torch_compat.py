@@ -356,6 +356,25 @@ def is_compiled_backward_node(node) -> bool:
     return "CompiledFunction" in node.name()
 
 
+def compiled_backward_node(tensors, stop=frozenset()):
+    """The compiled backward node of one run of a compiled frame, reached from the run's
+    output ``tensors`` (breadth first: outputs are the compiled function's own or views
+    AOTAutograd rebuilt on top of them) without entering the nodes whose ids are in ``stop``
+    (the ``grad_fn``s of the run's inputs: an output that aliases an input would otherwise
+    lead to an earlier frame's node). None if there is none."""
+    seen = set()
+    frontier = [t.grad_fn for t in tensors]
+    while frontier:
+        node = frontier.pop(0)
+        if node is None or id(node) in seen or id(node) in stop:
+            continue
+        seen.add(id(node))
+        if is_compiled_backward_node(node):
+            return node
+        frontier.extend(fn for fn, _ in node.next_functions)
+    return None
+
+
 # torch.amp.GradScaler. Why private: GradScaler passes itself as ``grad_scaler=`` to an
 # optimizer with ``_step_supports_amp_scaling`` (the contract torch's own fused optimizers
 # were built on) and leaves the unscaling to it; the optimizer then has to record in the

@@ -191,30 +191,14 @@ class FrameRunner:
         if any(t.count for t in bw.totals.values()):
             tensors = [t for t in (out if isinstance(out, (list, tuple)) else [out])
                        if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-            node = _compiled_backward_node(tensors)
+            stop = {id(a.grad_fn) for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+            node = _torch_compat.compiled_backward_node(tensors, stop)
             if node is not None:
                 node.register_prehook(lambda grads: ACCOUNTING.record_summary(bw))
             elif tensors:
                 log.warning("[%s] backward node not found: its collectives are missing from "
                             "zerocompile.stats()", self.frame)
         return out
-
-
-def _compiled_backward_node(tensors):
-    """The autograd node of the compiled frame's backward, reached from its output tensors."""
-    # outputs are the compiled function's own outputs or views AOTAutograd regenerated on
-    # top of them: the node is a few steps away at most; the visit cap only bounds a miss
-    seen = set()
-    frontier = [t.grad_fn for t in tensors]
-    while frontier and len(seen) < 256:
-        node = frontier.pop(0)
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if "CompiledFunction" in node.name():
-            return node
-        frontier.extend(fn for fn, _ in node.next_functions)
-    return None
 
 
 def _frame_name(gm: torch.fx.GraphModule) -> str:

@@ -11,7 +11,8 @@ at any world size and any stage. Entries (flat keys):
   ``optim.param_groups.<fqn>.<name>``: the hyperparameters of its param group. This is the
   layout of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(...,
   options=StateDictOptions(flatten_optimizer_state_dict=True))`` under the key ``optim``.
-- ``zerocompile``: JSON metadata (format, keys, tied names, world size, optimizer class).
+- ``zerocompile``: JSON metadata (format, keys, tied names, world size, optimizer class, and
+  the ``loss_scale`` option's scaler state: scale, iteration, last overflow, hysteresis left).
 - ``extra``: the caller's ``extra`` dict (pickled).
 
 A sharded tensor (a parameter at stages 1-3 and its element-wise optimizer state) is written
@@ -130,6 +131,8 @@ def load_checkpoint(path, model: torch.nn.Module, optimizer: ZeroOptimizer | Non
             finish()
     if optimizer is not None:
         plan.apply(state)
+        if meta.get("loss_scaler") is not None:     # the loss_scale option's scale and history
+            optimizer.load_loss_scaler_state(meta["loss_scaler"])
     logger.info("zerocompile: loaded checkpoint %s (saved on %s ranks, loaded on %d)",
                 path, meta.get("world_size"), group.world)
     extra = _unpickle(saved[EXTRA_KEY])
@@ -222,6 +225,7 @@ def _metadata(entries: dict, fqns: dict, optimizer, group: CommGroup) -> dict:
     return {"format": FORMAT, "model_keys": list(entries), "tied": tied, "world_size": group.world,
             "stages": stages,
             "optimizer": None if optimizer is None else optimizer.optimizer_class.__name__,
+            "loss_scaler": None if optimizer is None else optimizer.loss_scaler_state(),
             "torch": torch.__version__}
 
 

@@ -40,7 +40,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from zerocompile import _torch_compat
 
@@ -183,8 +182,9 @@ class LossScaler:
 
 # ---------------------------------------------------------------------- who scales what
 _OFF = "off"
-_settings_of_param = WeakIdKeyDictionary()  # parameter -> LossScaleSettings | _OFF, set by compiled frames
-_scaler_of_param = WeakIdKeyDictionary()    # parameter -> LossScaler of the ZeroOptimizer that steps it
+# kept on the parameter objects themselves, as their shard state is (sharded_param.attach_state)
+_SETTINGS_ATTR = "_zerocompile_loss_scale"   # LossScaleSettings | _OFF, set by the compiled frames using it
+_SCALER_ATTR = "_zerocompile_loss_scaler"    # LossScaler of the ZeroOptimizer that steps it
 
 
 def register(param: torch.nn.Parameter, settings: LossScaleSettings | None, name: str) -> None:
@@ -192,7 +192,7 @@ def register(param: torch.nn.Parameter, settings: LossScaleSettings | None, name
     parameter must scale its gradients the same way: a scaled and an unscaled gradient
     summed into one tensor could not be told apart."""
     value = _OFF if settings is None else settings
-    previous = _settings_of_param.get(param)
+    previous = getattr(param, _SETTINGS_ATTR, None)
     if previous is not None and previous != value:
         def show(v):
             return "None" if v == _OFF else repr(v)
@@ -200,25 +200,25 @@ def register(param: torch.nn.Parameter, settings: LossScaleSettings | None, name
             f"zerocompile: parameter '{name}' is used by frames compiled with different loss_scale "
             f"options ({show(previous)} and {show(value)}); compile every model that shares "
             "parameters with the same options")
-    _settings_of_param[param] = value
+    setattr(param, _SETTINGS_ATTR, value)
 
 
 def settings_of(param: torch.Tensor) -> LossScaleSettings | None:
     """The loss scaling of the frames that use ``param`` (None: unscaled)."""
-    value = _settings_of_param.get(param)
+    value = getattr(param, _SETTINGS_ATTR, None)
     return None if value is None or value == _OFF else value
 
 
 def claim(param: torch.Tensor, scaler: LossScaler) -> None:
     """``scaler`` (a ``ZeroOptimizer``'s) is the one that unscales ``param``'s gradients: the
     frames that use ``param`` read its scale. The optimizer built last for a parameter wins."""
-    _scaler_of_param[param] = scaler
+    setattr(param, _SCALER_ATTR, scaler)
 
 
 def current_scale(params: list, settings: LossScaleSettings, frame: str) -> float:
     """The scale a frame's backward applies now: the one of the optimizer that steps its
     parameters, or the initial scale while that optimizer has none yet."""
-    owners = {id(s): s for p in params if (s := _scaler_of_param.get(p)) is not None}
+    owners = {id(s): s for p in params if (s := getattr(p, _SCALER_ATTR, None)) is not None}
     if len(owners) > 1:
         raise RuntimeError(
             f"zerocompile [{frame}]: this compiled frame uses parameters of several ZeroOptimizers "
@@ -247,7 +247,7 @@ def install_frame_scaling(outputs, args, states: list, settings: LossScaleSettin
     tensors = [t for t in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     stop = {id(a.grad_fn) for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
-    node = _frame_backward_node(tensors, stop)
+    node = _torch_compat.compiled_backward_node(tensors, stop)
     if node is None:
         return      # every output aliases an input: the frame's backward computes nothing
     internal = {id(t) for sp in trainable for t in (sp.shard, sp.replica)
@@ -268,20 +268,3 @@ def install_frame_scaling(outputs, args, states: list, settings: LossScaleSettin
 
     node.register_prehook(scale_outputs)
     node.register_hook(unscale_inputs)
-
-
-def _frame_backward_node(tensors, stop: set):
-    """The compiled backward node of this run: reached from its outputs without passing
-    through an input's history (an output that aliases an input would otherwise lead to an
-    earlier frame's node)."""
-    seen = set()
-    frontier = [t.grad_fn for t in tensors]
-    while frontier:
-        node = frontier.pop(0)
-        if node is None or id(node) in seen or id(node) in stop:
-            continue
-        seen.add(id(node))
-        if _torch_compat.is_compiled_backward_node(node):
-            return node
-        frontier.extend(fn for fn, _ in node.next_functions)
-    return None

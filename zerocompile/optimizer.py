@@ -263,6 +263,18 @@ class ZeroOptimizer(Optimizer):
             return None
         return float(settings.initial_scale) if self._scaler.scale is None else self._scaler.scale
 
+    def loss_scaler_state(self) -> dict | None:
+        """The ``loss_scale`` option's scaler state (scale, iteration, last overflow, hysteresis
+        left; JSON-serialisable), or None where no frame compiled with the option uses this
+        optimizer's parameters. ``state_dict`` and ``zerocompile.save_checkpoint`` include it."""
+        if self._loss_scaler() is None and self._scaler.scale is None:
+            return None
+        return self._scaler.state_dict()
+
+    def load_loss_scaler_state(self, state: dict) -> None:
+        """Restore what ``loss_scaler_state`` returned (at once: the next backward uses it)."""
+        self._scaler.load_state_dict(state)
+
     def _check_master_dtypes(self, what: str) -> None:
         for p in self._params():
             if p.requires_grad and p.dtype == torch.float16:
@@ -473,8 +485,9 @@ class ZeroOptimizer(Optimizer):
         sd["zerocompile"] = {"rank": group.rank, "world_size": group.world,
                              "optimizer_class": self.optimizer_class.__name__,
                              "shapes": [[tuple(t.shape) for t in ts] for ts in self._bound]}
-        if self._loss_scaler() is not None or self._scaler.scale is not None:
-            sd["zerocompile"]["loss_scaler"] = self._scaler.state_dict()
+        scaler_state = self.loss_scaler_state()
+        if scaler_state is not None:
+            sd["zerocompile"]["loss_scaler"] = scaler_state
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -493,7 +506,7 @@ class ZeroOptimizer(Optimizer):
             raise ValueError(f"ZeroOptimizer.load_state_dict: state of {meta['optimizer_class']}, "
                              f"but this optimizer wraps {self.optimizer_class.__name__}")
         if "loss_scaler" in meta:       # at once: the next backward already uses this scale
-            self._scaler.load_state_dict(meta["loss_scaler"])
+            self.load_loss_scaler_state(meta["loss_scaler"])
         if self._inner is None:
             self._pending_state = state_dict
         else:
