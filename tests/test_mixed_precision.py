@@ -432,8 +432,10 @@ def test_loss_scale_state_is_saved_in_checkpoints(tmp_path):
     model, opt = _one_process(3, options)
     (model(*_batch()) * math.inf).backward()
     opt.step()                                   # skipped: the scale halves
+    opt.zero_grad()
     model(*_batch(1)).backward()
     opt.step()
+    opt.zero_grad()
     assert opt.loss_scale == 4.0 and opt.loss_scaler_state()["iteration"] == 2
     zerocompile.save_checkpoint(tmp_path / "ckpt", model, opt)
     model2, opt2 = _one_process(3, options)
