@@ -15,7 +15,8 @@ placeholder ``p`` with shard state ``sp`` it creates one placeholder per tensor 
   ``cast_param`` to the compute dtype if that differs (``cast_before_gather`` moves
   the cast in front of the all-gather).
 
-The inserted op goes right before the parameter's first use, so that a gathered
+What each stage inserts is its ``Stage.insert_param_op`` (``runtime/stages.py``); this pass
+places it and marks it. The inserted op goes right before the parameter's first use, so that a gathered
 parameter is alive only from its first use to its last.
 
 Every inserted node is tagged ``node.meta["zerocompile"] = {"role": ..., "param": name}`` and
@@ -31,11 +32,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from zerocompile.passes import param_identity
 from zerocompile.passes.context import PassContext
-from zerocompile.runtime import param_ops
 
-_INPUT_SUFFIXES = {0: ("",), 1: ("_replica",), 2: ("_shard", "_replica"), 3: ("_shard",)}
 _INPUT_ROLES = {"": "param", "_replica": "param_replica", "_shard": "param_shard"}
-_ROLES = {0: "param_cast", 2: "grad_reduce_scatter", 3: "param_gather"}
 
 
 def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=None, **_) -> torch.fx.GraphModule:
@@ -47,14 +45,14 @@ def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=N
     order = {n: i for i, n in enumerate(graph.nodes)}
     group = ctx.group
     indices = param_identity.number_parameters(plans)
-    stage2_storages = {}     # storage of a stage-2 parameter's example value -> its plan
+    alias_storages = {}     # storage of a stage-2 parameter's example value -> its plan
     for node, sp, index in zip(placeholders, plans, indices):
         if sp is None:
             continue
         users = sorted(node.users, key=order.__getitem__)
         new_inputs = []
         with graph.inserting_before(node):
-            for suffix in _INPUT_SUFFIXES[sp.stage]:
+            for suffix in sp.rules.input_suffixes:
                 ph = graph.placeholder(f"{node.name}{suffix}" if suffix else f"{node.name}_param")
                 ph._dynamo_source = None  # read by AOTAutograd's Dynamo-metadata check
                 ph.meta["zerocompile"] = {"role": _INPUT_ROLES[suffix], "param": sp.name}
@@ -62,35 +60,19 @@ def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=N
         # just before the first use, so a gathered parameter lives from its first use to its
         # last, not from the start of the graph (placeholders come before every user)
         with graph.inserting_before(users[0]) if users else graph.inserting_after(new_inputs[-1]):
-            if sp.stage == 0 and sp.compute_dtype != sp.dtype:
-                out = graph.call_function(param_ops.cast_param, (new_inputs[0], sp.compute_dtype))
-            elif sp.stage in (0, 1):
-                out = new_inputs[0]
-            elif sp.stage == 2:
-                out = graph.call_function(param_ops.replica_with_sharded_grad, (
-                    new_inputs[0], new_inputs[1], sp.numel, sp.reduce_dtype, group.world, group.name))
-            else:
-                # gathered in the shard's dtype, then cast: the cast_before_gather pass moves
-                # the cast in front of the all-gather
-                out = graph.call_function(param_ops.gather_param, (
-                    new_inputs[0], sp.numel, sp.shape, sp.dtype, sp.reduce_dtype,
-                    group.world, group.name))
-                if sp.compute_dtype != sp.dtype:
-                    out.meta["zerocompile"] = {"role": _ROLES[sp.stage], "param": sp.name}
-                    out = graph.call_function(param_ops.cast_param, (out, sp.compute_dtype))
-                    out.meta["zerocompile"] = {"role": "gather_cast", "param": sp.name}
+            out = sp.rules.insert_param_op(graph, new_inputs, sp, group)
         if out is not new_inputs[0]:
-            out.meta.setdefault("zerocompile", {"role": _ROLES[sp.stage], "param": sp.name})
+            out.meta.setdefault("zerocompile", {"role": sp.rules.op_role, "param": sp.name})
             for inserted in (out, *out.all_input_nodes):
                 if inserted not in new_inputs:
                     param_identity.mark(inserted, index, sp.name)
             if "example_value" in node.meta:
                 out.meta["example_value"] = node.meta["example_value"]
-        if sp.stage == 2 and "example_value" in node.meta:
-            stage2_storages[_storage(node.meta["example_value"])] = sp
+        if sp.rules.output_alias_drops_grad and "example_value" in node.meta:
+            alias_storages[_storage(node.meta["example_value"])] = sp
         node.replace_all_uses_with(out)
         graph.erase_node(node)
-    _clone_outputs_aliasing(graph, stage2_storages)
+    _clone_outputs_aliasing(graph, alias_storages)
     return gm
 
 

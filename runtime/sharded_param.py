@@ -23,6 +23,9 @@ What each stage holds per rank (compute dtype = ``param_dtype``):
 
 Where the parameter's own storage is freed (stage 3, and stages 1/2 with a
 different compute dtype), ``materialize()`` gathers it back on demand.
+
+Everything that depends on the stage is asked of ``self.rules``, the stage's ``Stage``
+(``runtime/stages.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 
 from zerocompile import _torch_compat
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, chunk_size
+from zerocompile.runtime.stages import Stage, stage_rules
 from zerocompile.runtime.zero_parameter import raw_grad, set_raw_grad
 
 _ATTR = "_zerocompile"
@@ -61,6 +65,7 @@ class ShardedParam:
         self.param = param
         self.name = name
         self.stage = stage
+        self.rules: Stage = stage_rules(stage)
         self.group = group
         self.shape = tuple(param.shape)
         self.numel = param.numel()
@@ -94,27 +99,9 @@ class ShardedParam:
         return out
 
     def _build(self, data: torch.Tensor) -> None:
-        flat = data.reshape(-1)
-        if self.stage == 0:
-            return
-        if self.stage in (1, 2):
-            buf = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=self.device)
-            buf[: self.numel].copy_(flat)
-            full = buf[: self.numel].view(self.shape)
-            start = self.group.rank * self.chunk
-            if self.compute_dtype == self.dtype:
-                self.param.data = full                   # same storage: no second copy
-                self.shard = buf[start : start + self.chunk].detach()
-                self.replica = self.param if self.stage == 1 else full.detach()
-            else:
-                self.shard = self._own_chunk(flat, self.dtype)
-                self.replica = full.detach().requires_grad_(self.stage == 1 and self.requires_grad)
-                self._free_param_storage()
-            self._flat_replica = buf
-        else:
-            self.shard = self._own_chunk(flat, self.dtype)
-            self._free_param_storage()
-        self.shard.requires_grad_(self.requires_grad)
+        self.rules.build(self, data.reshape(-1))
+        if self.shard is not None:
+            self.shard.requires_grad_(self.requires_grad)
 
     def _free_param_storage(self) -> None:
         if self.keep_full:
@@ -126,7 +113,7 @@ class ShardedParam:
     def param_is_master(self) -> bool:
         """The parameter's own storage is the full master value (stage 0, or stages 1/2 with
         no separate compute dtype, where the parameter lives in the flat replica)."""
-        return self.stage == 0 or (self.stage in (1, 2) and self.compute_dtype == self.dtype)
+        return self.rules.param_is_master(self)
 
     @property
     def separate_full_param(self) -> bool:
@@ -142,13 +129,7 @@ class ShardedParam:
     # -- what the compiled graph receives ---------------------------------------------
     def graph_inputs(self) -> tuple[torch.Tensor, ...]:
         """The runtime tensors that replace the parameter argument of a compiled frame."""
-        if self.stage == 0:
-            return (self.param,)
-        if self.stage == 1:
-            return (self.replica,)
-        if self.stage == 2:
-            return (self.shard, self.replica)
-        return (self.shard,)
+        return self.rules.graph_inputs(self)
 
     # -- after the optimizer updated the shard ----------------------------------------
     @_on_plain_tensors
@@ -193,11 +174,11 @@ class ShardedParam:
         """Scatter new full values of the parameter into the shard and replica (local, no comm)."""
         flat = full.detach().reshape(-1)
         with torch.no_grad():
-            if self.stage == 0:
+            if not self.rules.shards_master:
                 self.param.copy_(full)
                 return
             self.shard.copy_(self._own_chunk(flat.to(self.dtype), self.dtype))
-            if self.stage in (1, 2):
+            if self.rules.keeps_replica:
                 self._flat_replica[: self.numel].copy_(flat)
             if self.materialized:
                 self.param.copy_(full)
@@ -211,7 +192,7 @@ class ShardedParam:
         """``p.grad`` is the gradient a single process would have: stage 0 (and stage 1, where
         the parameter is the replica autograd accumulates into) on one rank, or averaged
         over ranks by ``ZeroOptimizer``."""
-        if self.stage == 0 or (self.stage == 1 and self.replica is self.param):
+        if self.rules.grad_on_param(self):
             return self.group.world == 1 or self.grad_synced
         return False
 
@@ -221,7 +202,7 @@ class ShardedParam:
         return [g for t in holders.values() if (g := raw_grad(t)) is not None]
 
     def where_gradient_lives(self) -> str:
-        if self.stage >= 2:
+        if self.rules.reduces_in_backward:
             return (f"at stage {self.stage} its gradient is reduce-scattered into flat shards, "
                     f"1/{self.group.world} of it on each rank")
         return ("it holds this rank's local, not yet averaged gradient until ZeroOptimizer.step() "

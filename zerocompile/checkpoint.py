@@ -204,7 +204,7 @@ def _shard_part(flat: torch.Tensor, sp: ShardedParam):
 
 def _is_sharded(param) -> ShardedParam | None:
     sp = get_state(param) if isinstance(param, torch.nn.Parameter) else None
-    return sp if sp is not None and sp.stage > 0 else None
+    return sp if sp is not None and sp.rules.shards_master else None
 
 
 def _param_names(module: torch.nn.Module) -> dict:
@@ -296,13 +296,13 @@ def _model_load_entries(entries: dict, group: CommGroup) -> tuple[dict, list]:
             continue
         seen.add(id(value))
         sp = get_state(value) if isinstance(value, torch.nn.Parameter) else None
-        if sp is None or sp.stage == 0:
+        if sp is None or not sp.rules.shards_master:
             out[MODEL + key] = value.detach()
         elif not sp.storage_freed or sp.materialized:     # the parameter holds its full value
             full = value.detach()
             out[MODEL + key] = full
             after.append(lambda sp=sp, full=full: sp.write_full(full))
-        elif sp.stage in (1, 2):                           # a replica in another dtype
+        elif sp.rules.keeps_replica:                       # a replica in another dtype
             full = torch.empty(sp.shape, dtype=sp.dtype, device=sp.device)
             out[MODEL + key] = full
             after.append(lambda sp=sp, full=full: sp.write_full(full))

@@ -231,7 +231,7 @@ def current_scale(params: list, settings: LossScaleSettings, frame: str) -> floa
 def holds_scaled_gradient(state) -> bool:
     """Whether ``state``'s gradient, as the compiled backward leaves it, is scaled: it is in
     one of zerocompile's own tensors (shard, separate replica), not the parameter itself."""
-    return state.stage >= 2 or (state.stage == 1 and state.replica is not state.param)
+    return not state.rules.grad_on_param(state) and state.rules.shards_master
 
 
 # ---------------------------------------------------------------------- frame hooks

@@ -102,7 +102,7 @@ class ZeroOptimizer(Optimizer):
     # ------------------------------------------------------------------ binding
     def _target(self, p: torch.Tensor) -> torch.Tensor:
         sp = get_state(p)
-        return p if sp is None or sp.stage == 0 else sp.shard
+        return p if sp is None else sp.rules.optimizer_target(sp)
 
     def _check_one_group(self) -> None:
         names = {sp.group.name for p in self._params() if (sp := get_state(p)) is not None}
@@ -190,7 +190,7 @@ class ZeroOptimizer(Optimizer):
         for p in self._params():
             sp = get_state(p)
             own = raw_grad(p)
-            if sp is None or sp.stage == 0:
+            if sp is None or not sp.rules.shards_master:
                 if own is not None:
                     group = self._group_of(sp)
                     rd = sp.reduce_dtype if sp is not None else torch.float32
@@ -198,7 +198,7 @@ class ZeroOptimizer(Optimizer):
                 continue
             key = (sp.group, sp.reduce_dtype)
             scaled = scale if scale is not None and loss_scale.holds_scaled_gradient(sp) else None
-            if sp.stage == 1:
+            if sp.rules.reduces_in_step:
                 grad = raw_grad(sp.replica)
                 eager = None
                 if p is not sp.replica and own is not None:   # eager use of a freed parameter
@@ -347,7 +347,7 @@ class ZeroOptimizer(Optimizer):
         log.info("ZeroOptimizer: step skipped, non-finite gradients on some rank")
         for p in self._params():
             sp = get_state(p)
-            if sp is not None and sp.stage == 1:
+            if sp is not None and sp.rules.reduces_in_step:
                 sp.shard.grad = None     # as after a step: the full gradients stay until zero_grad()
 
     # ------------------------------------------------------------------ public API
@@ -393,13 +393,13 @@ class ZeroOptimizer(Optimizer):
         replicas = defaultdict(list)
         for p in self._params():
             sp = get_state(p)
-            if sp is None or sp.stage == 0:
+            if sp is None or not sp.rules.shards_master:
                 continue
-            if sp.stage in (1, 2) and sp.requires_grad:
+            if sp.rules.keeps_replica and sp.requires_grad:
                 replicas[(sp.group, sp.compute_dtype)].append((sp, sp.refresh_replica))
             if sp.separate_full_param and sp.requires_grad:
                 replicas[(sp.group, sp.dtype)].append((sp, sp.refresh_param))
-            if sp.stage == 1:
+            if sp.rules.reduces_in_step:
                 sp.shard.grad = None     # the full gradients stay until zero_grad()
             sp.release()                 # eager-gathered copies are stale now
         for (group, dtype), items in replicas.items():
@@ -452,7 +452,7 @@ class ZeroOptimizer(Optimizer):
         group = None
         # rank-independent (every rank shards the same parameters): reduce the owned part only
         # when some parameter is sharded at all
-        any_sharded = any((sp := get_state(p)) is not None and sp.stage > 0 for p in self._params())
+        any_sharded = any((sp := get_state(p)) is not None and sp.rules.shards_master for p in self._params())
         for p in self._params():
             sp = get_state(p)
             target = self._target(p)

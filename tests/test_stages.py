@@ -1,0 +1,61 @@
+"""The per-stage rules (runtime/stages.py) on one parameter, rank 1 of 4 ranks (no
+communication: building a state and asking it questions only slices tensors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerocompile.runtime.comm import CommGroup
+from zerocompile.runtime.sharded_param import ShardedParam
+from zerocompile.runtime.stages import stage_rules
+
+GROUP = CommGroup(rank=1, world=4, name="test")
+
+
+def _state(stage, compute_dtype=torch.float32):
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(3, 5))     # 15 elements: chunk 4, padded to 16
+    value = param.detach().clone()
+    return ShardedParam(param, "w", stage, GROUP, compute_dtype), value
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_each_stage_builds_what_its_rules_say(stage, compute_dtype):
+    sp, value = _state(stage, compute_dtype)
+    rules = stage_rules(stage)
+    assert sp.rules is rules and rules.number == stage
+    inputs = sp.graph_inputs()
+    assert len(inputs) == len(rules.input_suffixes)
+    own = value.reshape(-1)[4:8]                       # rank 1's chunk of the flat parameter
+    if rules.shards_master:
+        assert sp.shard.shape == (4,) and torch.equal(sp.shard, own) and sp.shard.requires_grad
+        assert rules.optimizer_target(sp) is sp.shard
+    else:
+        assert sp.shard is None and rules.optimizer_target(sp) is sp.param
+    holder = rules.grad_holder(sp)
+    assert any(holder is t for t in (*inputs, sp.param))   # the backward reaches it from the graph
+    if rules.keeps_replica:
+        assert sp.replica.dtype == compute_dtype
+        torch.testing.assert_close(sp.replica, value.to(compute_dtype), rtol=0, atol=0)
+        assert sp.replica.requires_grad == rules.reduces_in_step   # stage 1 accumulates into it
+    freed = stage == 3 or (rules.keeps_replica and compute_dtype != torch.float32)
+    assert sp.storage_freed == freed and sp.param_is_master == (not freed and stage != 3)
+    # exactly one place reduces the gradient
+    assert [rules.reduces_in_step, rules.reduces_in_backward, not rules.shards_master].count(True) == 1
+    assert rules.output_alias_drops_grad == (stage == 2)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_write_full_reaches_every_copy(stage):
+    sp, _ = _state(stage)
+    new = torch.arange(15.0).view(3, 5)
+    sp.write_full(new)
+    if sp.rules.shards_master:
+        assert torch.equal(sp.shard.detach(), torch.arange(4.0, 8.0))
+    if sp.rules.keeps_replica:
+        assert torch.equal(sp.replica.detach(), new)
+    if sp.param_is_master:
+        with torch.no_grad():
+            assert torch.equal(sp.param.detach().clone(), new)
