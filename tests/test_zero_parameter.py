@@ -77,6 +77,30 @@ def test_changing_a_sharded_parameter_is_refused():
         model.l1.weight.copy_(torch.zeros(13, 7))     # as torch: a leaf that requires grad, grad mode on
 
 
+@pytest.mark.parametrize("model_name", ["loop_break_every", "hook_breaks"])
+def test_eager_forward_of_blocks_sharded_through_another_blocks_frame(model_name):
+    """With a graph break in the layer loop, one block's compiled code runs every block, and the
+    other blocks' parameters are sharded at their first call: an uncompiled forward of the
+    model afterwards gathers them too (the gather-on-demand hook), with the trained values."""
+    import zoo
+
+    torch._dynamo.reset()
+    model = zoo.make(model_name)
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(model.parameters(), **OPT)
+    x, y = zoo.batch(0)
+    compiled(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    states = [zerocompile.runtime.sharded_param.get_state(p) for p in model.blocks.parameters()]
+    assert len(states) >= 4 and all(sp is not None and sp.storage_freed for sp in states)
+    ref = zoo.make(model_name)
+    ref.load_state_dict(zerocompile.full_state_dict(model))
+    x, y = zoo.batch(1)
+    with torch.no_grad():
+        assert model(x, y).item() == pytest.approx(ref(x, y).item(), abs=1e-6)
+
+
 @pytest.mark.parametrize("model_name", ["gpt", "loop_break_every", "hook_breaks"])
 def test_the_class_change_compiles_no_frame_twice(model_name):
     """A parameter becomes a ZeroParameter before Dynamo builds the frame's guards (which

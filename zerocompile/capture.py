@@ -114,6 +114,8 @@ class FrameRunner:
         # The eager-fallback hooks are installed at the first run, not while Dynamo is still
         # tracing: a hook appearing mid-trace changes the path of Dynamo's restarted analysis
         self._roots_without_hooks = roots
+        self._hook_roots = roots
+        self._new_states = False      # a run sharded parameters: their modules need the hook
         self._checked = False
         self._loss_scale = partitioner.ctx.config.loss_scale
         self.order = time.monotonic_ns()  # compile order, for frame_reports()
@@ -160,6 +162,7 @@ class FrameRunner:
         if state is None:
             state = self._new_state(arg, plan)
             adopt(arg)
+            self._new_states = True
         elif (state.shape, state.dtype, state.compute_dtype, state.stage, state.group.name) != (
                 plan.shape, plan.dtype, plan.compute_dtype, plan.stage, plan.group.name):
             raise ValueError(
@@ -183,6 +186,12 @@ class FrameRunner:
                 sp.grad_synced = False   # this run's backward adds local gradients
             states.append(sp)
             new_args.extend(sp.graph_inputs())
+        if self._new_states:
+            # parameters first met now (another block run through this frame's code) were
+            # freed just now: their modules get the gather-on-demand hook as the first run's did
+            for root in self._hook_roots:
+                install_eager_fallback(root)
+            self._new_states = False
         out = self.compiled(*new_args)
         if grad_mode and self._loss_scale is not None:
             loss_scale.install_frame_scaling(out, args, states, self._loss_scale, self.frame)
@@ -215,6 +224,8 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
         root = _torch_compat.root_module(source) if source is not None else None
         if root is not None:
             roots[id(root)] = root
+    for module in _calling_modules(list(roots.values())):
+        roots.setdefault(id(module), module)
     eager_owned = set()
     for root in roots.values():
         eager_owned |= eager_only_parameters(root)
@@ -311,20 +322,21 @@ def _adopt_parameters(plans, roots, eager_owned: set) -> None:
     for every module its guards accept: when a graph break in a layer loop makes each layer's
     forward its own frame, layer 2 must arrive with the class layer 1 was compiled with, or
     each layer would compile anew (up to Dynamo's recompile limit, then run eagerly). "The
-    model" is every module under the frame's roots and under the modules whose ``forward``
-    calls it (found on the Python stack: Dynamo does not tell a backend who called the frame).
+    model" is every module under ``roots``: the frame's own and the modules whose ``forward``
+    called it (``_calling_modules``).
     """
     for sp in plans:
         if sp is not None:
             adopt(sp.param)
-    for module in [*roots, *_calling_modules(roots)]:
+    for module in roots:
         for param in module.parameters():
             if type(param) is torch.nn.Parameter and id(param) not in eager_owned:
                 adopt(param)
 
 
 def _calling_modules(roots) -> list:
-    """The modules on the Python stack (a frame's ``self``) that contain one of ``roots``."""
+    """The modules on the Python stack (a frame's ``self``) that contain one of ``roots``:
+    found there because Dynamo does not tell a backend who called the frame."""
     wanted = {id(r) for r in roots}
     found, seen = [], set()
     frame = sys._getframe(1)
