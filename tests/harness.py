@@ -33,6 +33,31 @@ class Run:
     """Extra backend options as ``((key, value), ...)``."""
 
 
+def rank_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's equal share of the global batch ``t`` (along dim 0)."""
+    per = t.shape[0] // world
+    return t[rank * per:(rank + 1) * per]
+
+
+def train_on_rank_slices(model, opt, batches, rank: int, world: int, after_step=None) -> list:
+    """Train on this rank's slice of each global ``(x, y)`` batch: forward, backward,
+    ``opt.step()``, ``after_step()`` (e.g. a scheduler's step), ``opt.zero_grad()``. Returns each
+    step's loss averaged over ranks, which is the loss one process computes on the whole batch."""
+    losses = []
+    for x, y in batches:
+        loss = model(rank_slice(x, rank, world), rank_slice(y, rank, world))
+        loss.backward()
+        opt.step()
+        if after_step is not None:
+            after_step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if world > 1:
+            torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
 def _micro_batches(run: Run, step: int):
     for micro in range(run.accum):
         yield make_batch(run.model, step * run.accum + micro, run.batch)

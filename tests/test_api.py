@@ -8,29 +8,13 @@ import torch
 
 import zerocompile
 from dist_utils import run_ranks
+from harness import rank_slice, train_on_rank_slices
 from models import make_batch, make_model
 
 
-def _slice(t, rank, world):
-    per = t.shape[0] // world
-    return t[rank * per:(rank + 1) * per]
-
-
 def _train(model, opt, steps, rank, world, start=0, name="gpt", batch=8, scheduler=None):
-    losses = []
-    for step in range(start, start + steps):
-        x, y = make_batch(name, step, batch)
-        loss = model(_slice(x, rank, world), _slice(y, rank, world))
-        loss.backward()
-        opt.step()
-        if scheduler is not None:
-            scheduler.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if world > 1:
-            torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
+    batches = (make_batch(name, step, batch) for step in range(start, start + steps))
+    return train_on_rank_slices(model, opt, batches, rank, world, scheduler.step if scheduler else None)
 
 
 def _reference(steps, name="gpt", batch=8, groups=None, scheduler=None):
@@ -124,7 +108,7 @@ def _add_group_worker(rank, world):
     losses += _train(model, opt, 2, rank, world, start=2, name="mlp")
     # zero_grad(set_to_none=False) keeps zeroed gradient tensors on the shards
     x, y = make_batch("mlp", 9, 8)
-    model(_slice(x, rank, world), _slice(y, rank, world)).backward()
+    model(rank_slice(x, rank, world), rank_slice(y, rank, world)).backward()
     opt.zero_grad(set_to_none=False)
     shard_grads = [zerocompile.runtime.sharded_param.get_state(p).shard.grad for p in inner.parameters()]
     zeroed = all(g is not None and not g.any() for g in shard_grads)

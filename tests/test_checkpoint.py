@@ -20,6 +20,7 @@ import torch.nn as nn
 
 import zerocompile
 from dist_utils import free_port, run_ranks
+from harness import rank_slice, train_on_rank_slices
 from models import TiedLM, make_batch, make_model
 from zerocompile.dcp_shards import flat_range_boxes
 
@@ -64,30 +65,14 @@ def _build(name, stage, opt_name, seed=0, options=()):
     return model, zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=cls, **kw)
 
 
-def _slice(t, rank, world):
-    per = t.shape[0] // world
-    return t[rank * per:(rank + 1) * per]
-
-
 def _train(model, opt, rank, world, start, stop, name):
-    losses = []
-    for step in range(start, stop):
-        x, y = _batch(name, step)
-        loss = model(_slice(x, rank, world), _slice(y, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
+    return train_on_rank_slices(model, opt, (_batch(name, step) for step in range(start, stop)), rank, world)
 
 
 def _first_forward(model, opt, rank, world, name):
     """A forward and backward that shard every parameter, with no optimizer step."""
     x, y = _batch(name, 99)
-    model(_slice(x, rank, world), _slice(y, rank, world)).backward()
+    model(rank_slice(x, rank, world), rank_slice(y, rank, world)).backward()
     opt.zero_grad()
 
 
@@ -323,7 +308,7 @@ def _crash_worker(rank, world, port, ckpt):
     _train(model, opt, rank, world, 0, 2, "mlp")
     zerocompile.save_checkpoint(ckpt, model, opt, extra={"step": 2})
     x, y = _batch("mlp", 2)
-    loss = model(_slice(x, rank, world), _slice(y, rank, world))
+    loss = model(rank_slice(x, rank, world), rank_slice(y, rank, world))
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)     # dies between its forward and its backward
     loss.backward()                              # rank 0: its reduce-scatter has no peer

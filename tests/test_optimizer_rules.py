@@ -10,6 +10,7 @@ import torch
 
 import zerocompile
 from dist_utils import run_ranks
+from harness import train_on_rank_slices
 from models import make_batch, make_model
 from zerocompile.optimizer_rules import ELEMENTWISE, NOT_ELEMENTWISE
 
@@ -34,11 +35,6 @@ CASES = {
 }
 
 
-def _slice(t, rank, world):
-    per = t.shape[0] // world
-    return t[rank * per:(rank + 1) * per]
-
-
 def _reference(cls, kw):
     """Plain torch, one process, whole batch, unsharded model."""
     model = make_model("mlp")
@@ -58,17 +54,7 @@ def _zero(rank, world, stage, cls, kw, **zero_kw):
     torch._dynamo.reset()
     model = torch.compile(make_model("mlp"), backend="zero", options={"stage": stage, "inner_compiler": "eager"})
     opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=cls, **zero_kw, **kw)
-    losses = []
-    for step in range(STEPS):
-        x, y = make_batch("mlp", step, 8)
-        loss = model(_slice(x, rank, world), _slice(y, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if world > 1:
-            torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = train_on_rank_slices(model, opt, (make_batch("mlp", step, 8) for step in range(STEPS)), rank, world)
     return losses, zerocompile.full_state_dict(model, rank0_only=False)
 
 

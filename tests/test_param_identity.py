@@ -16,6 +16,7 @@ import zerocompile
 import zoo
 from zerocompile.passes import param_identity
 from dist_utils import run_ranks
+from harness import train_on_rank_slices
 
 STEPS, BATCH = 3, 4
 
@@ -39,18 +40,7 @@ def train(rank: int, world: int, name: str, stage: int, inner: str) -> tuple[lis
     compiled = torch.compile(model, backend="zero", options={"stage": stage, "inner_compiler": inner})
     opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=torch.optim.AdamW, lr=0.05,
                                     weight_decay=0.1)
-    per = BATCH // world
-    losses = []
-    for step in range(STEPS):
-        x, y = zoo.batch(step, BATCH)
-        loss = compiled(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if world > 1:
-            torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = train_on_rank_slices(compiled, opt, (zoo.batch(step, BATCH) for step in range(STEPS)), rank, world)
     sharded = sum(1 for p in model.parameters() if zerocompile.runtime.sharded_param.get_state(p) is not None)
     return losses, zerocompile.full_state_dict(compiled, rank0_only=False), sharded
 
