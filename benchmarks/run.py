@@ -19,7 +19,9 @@ step, in fp32 with ``torch.optim.AdamW`` and the same hyperparameters:
 - ``zero1`` / ``zero2`` / ``zero3``: ``torch.compile(model, backend="zero", options={"stage": k})``
   with the default passes and ``zerocompile.ZeroOptimizer(AdamW)``;
 - ``zero3-nopass``: stage 3 with every optional pass of the registry disabled (except
-  ``cast_forward_inputs``, which fp32 does not run anyway).
+  ``cast_forward_inputs``, which fp32 does not run anyway);
+- ``zero3-offload``: stage 3 with ``offload_optimizer={"device": "nvme", ...}`` into a
+  temporary directory per rank (the moments stream through the fused kernel from a swap file).
 
 The systems live side by side in every rank and take turns, one step each per round with
 the first system rotating, so drift in the machine's speed hits all alike. Round 0 is the
@@ -44,7 +46,9 @@ import os
 import platform
 import shlex
 import statistics
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -60,15 +64,19 @@ from common import (MiB, RESULTS, CollectiveBytes, all_ranks_ok, error_line,  # 
                     load_example, optional_pass_names, quantile, spawn_ranks)
 
 SYSTEMS = ("ddp", "fsdp2", "fsdp2-compile", "ds-zero1", "ds-zero2", "ds-zero3",
-           "zero1", "zero2", "zero3", "zero3-nopass")
+           "zero1", "zero2", "zero3", "zero3-nopass", "zero3-offload")
 LABELS = {
     "ddp": "DDP", "fsdp2": "FSDP2 eager", "fsdp2-compile": "FSDP2 + per-block compile",
     "ds-zero1": "DeepSpeed ZeRO-1", "ds-zero2": "DeepSpeed ZeRO-2", "ds-zero3": "DeepSpeed ZeRO-3",
     "zero1": "zerocompile stage 1", "zero2": "zerocompile stage 2", "zero3": "zerocompile stage 3",
     "zero3-nopass": "zerocompile stage 3, no opt. passes",
+    "zero3-offload": "zerocompile stage 3, NVMe optimizer offload",
 }
 STAGE = {"ddp": 0, "fsdp2": 3, "fsdp2-compile": 3, "ds-zero1": 1, "ds-zero2": 2, "ds-zero3": 3,
-         "zero1": 1, "zero2": 2, "zero3": 3, "zero3-nopass": 3}
+         "zero1": 1, "zero2": 2, "zero3": 3, "zero3-nopass": 3, "zero3-offload": 3}
+OFFLOADED = ("zero3-offload",)
+"""Systems whose optimizer state lives in a swap file (a temporary directory per rank): their
+model-state formula is parameters and gradients only, 8 Psi / N."""
 REFERENCE = "fsdp2"
 WORKLOADS = ("gpt-4m", "gpt-40m", "llama", "gpt-tiny")
 DEFAULT_WORKLOADS = ("gpt-4m", "gpt-40m", "llama")
@@ -166,6 +174,8 @@ class System:
     peak_bytes: list = field(default_factory=list)
     state_bytes: list = field(default_factory=list)
     comm: dict | None = None
+    swap_dir: str | None = None
+    """The temporary nvme_path of an offloading system (removed after the run)."""
 
 
 def build_system(name: str, args, spec: dict, example, device: torch.device, disabled: list[str]) -> System:
@@ -213,6 +223,9 @@ def build_system(name: str, args, spec: dict, example, device: torch.device, dis
             options = {"stage": STAGE[name], "inner_compiler": inner}
             if name == "zero3-nopass":
                 options["passes"] = {"disable": list(disabled)}
+            if name in OFFLOADED:
+                system.swap_dir = tempfile.mkdtemp(prefix="zerocompile-bench-swap-")
+                options["offload_optimizer"] = {"device": "nvme", "nvme_path": system.swap_dir}
             system.model = torch.compile(model, backend="zero", options=options)
             system.opt = zerocompile.ZeroOptimizer(system.model.parameters(), optimizer_class=torch.optim.AdamW,
                                                    **hyper)
@@ -336,6 +349,10 @@ def rank_main(rank: int, world: int, args, spec: dict) -> dict:
         if rank == 0:
             log.info("%s: round %d/%d (%s)", spec["name"], r + 1, total_rounds, phase)
         run_round(systems, r, phase, batches[r], device)
+    for s in systems:
+        if s.swap_dir is not None:
+            s.opt = s.model = None                 # the optimizer deletes its swap file when collected
+            shutil.rmtree(s.swap_dir, ignore_errors=True)
 
     return {
         "psi": psi, "disabled_passes": disabled, "pass_note": note,
@@ -347,8 +364,11 @@ def rank_main(rank: int, world: int, args, spec: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- report
-def state_formula(stage: int, psi: int, world: int) -> float:
-    """Model-state bytes per rank of fp32 AdamW at a ZeRO stage (the formulas of zerocompile's tests)."""
+def state_formula(stage: int, psi: int, world: int, offloaded: bool = False) -> float:
+    """Model-state bytes per rank of fp32 AdamW at a ZeRO stage (the formulas of zerocompile's
+    tests); with the optimizer state offloaded, stage 3 holds parameters and gradients, 8 Psi/N."""
+    if offloaded:
+        return 8 * psi / world
     return {0: 16 * psi, 1: 8 * psi + 8 * psi / world, 2: 4 * psi + 12 * psi / world, 3: 16 * psi / world}[stage]
 
 
@@ -395,7 +415,7 @@ def summarise(ranks: list[dict], args, world: int) -> dict:
             peak_bytes_per_rank=[p["peak_bytes"][-1] for p in per_rank],
             peak_bytes=max(p["peak_bytes"][-1] for p in per_rank),
             state_bytes=max(p["state_bytes"][-1] for p in per_rank),
-            state_formula_bytes=state_formula(STAGE[name], psi, world),
+            state_formula_bytes=state_formula(STAGE[name], psi, world, offloaded=name in OFFLOADED),
             comm_by_kind=totals[0], comm_ops=per_rank[0]["comm"]["ops"],
             comm_unknown_ops=per_rank[0]["comm"]["unknown"],
             comm_wire_bytes=max(wire_bytes(t, world) for t in totals),
@@ -560,7 +580,8 @@ def main(argv=None) -> int:
         "peak: largest live tensor-storage bytes during one step (LiveStorageTracker), highest rank. ≥: "
         "with inductor a lower bound, buffers inductor allocates inside compiled code are not seen.",
         "model state: live bytes right after the optimizer step (before zero_grad), against the ZeRO formula "
-        "16Ψ / 8Ψ+8Ψ/N / 4Ψ+12Ψ/N / 16Ψ/N (FSDP2 = stage 3, DDP = stage 0). DeepSpeed frees its "
+        "16Ψ / 8Ψ+8Ψ/N / 4Ψ+12Ψ/N / 16Ψ/N (FSDP2 = stage 3, DDP = stage 0; 8Ψ/N with the optimizer state "
+        "offloaded, plus its buffers). DeepSpeed frees its "
         "gradients inside step(), so its figure holds none; DeepSpeed keeps its 25 MiB buckets.",
         "comm: bytes each rank sends per step with ring collectives, (N-1)/N x (all-gather + reduce-scatter "
         "+ 2 x all-reduce full buffers) from one dispatch-mode counter, against 2x4Ψ(N-1)/N (stages 0-2) "

@@ -49,7 +49,10 @@ class ZeroStats:
     grad_bytes: int
     """Bytes of gradient storage alive on shards, replicas and parameters zerocompile manages."""
     optimizer_state_bytes: int
-    """Bytes of optimizer state (all ZeroOptimizer instances alive in this process)."""
+    """Bytes of optimizer state (all ZeroOptimizer instances alive in this process) held on the
+    model's device; offloaded state is in ``offloaded_bytes``."""
+    offloaded_bytes: int = 0
+    """Bytes of optimizer state offloaded to host memory or swap files (``offload_optimizer``)."""
 
     @property
     def comm_bytes(self) -> int:
@@ -68,7 +71,8 @@ class ZeroStats:
         out = {k: {"count": getattr(self, k).count, "bytes": getattr(self, k).bytes}
                for k in COLLECTIVE_KINDS}
         out.update(world_size=self.world_size, param_bytes=self.param_bytes,
-                   grad_bytes=self.grad_bytes, optimizer_state_bytes=self.optimizer_state_bytes)
+                   grad_bytes=self.grad_bytes, optimizer_state_bytes=self.optimizer_state_bytes,
+                   offloaded_bytes=self.offloaded_bytes)
         return out
 
 
@@ -119,13 +123,16 @@ class Accounting:
             p, g = state.storages()
             params.update(p)
             grads.update(g)
-        opt_bytes = sum(opt.state_bytes() for opt in list(self.optimizers))
+        optimizers = list(self.optimizers)
+        opt_bytes = sum(opt.state_bytes() for opt in optimizers)
+        offloaded = sum(opt.offloaded_bytes() for opt in optimizers)
         return ZeroStats(
             **{k: CollectiveTotals(v.count, v.bytes) for k, v in self.comm.items()},
             world_size=self.world_size,
             param_bytes=sum(params.values()),
             grad_bytes=sum(grads.values()),
             optimizer_state_bytes=opt_bytes,
+            offloaded_bytes=offloaded,
         )
 
 

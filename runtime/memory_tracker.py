@@ -11,7 +11,8 @@ What it measures:
 
 - Every storage created by an op dispatched while the tracker is active: parameters (if
   the model is built under it), gradients, optimizer state, activations, collective
-  buffers. A storage counts its current ``nbytes()``, so one freed by
+  buffers; and every storage an op writes in place (per its schema), which also records
+  storages created while the tracker did not look, once an op updates them. A storage counts its current ``nbytes()``, so one freed by
   ``untyped_storage().resize_(0)`` counts zero and one resized later counts its new size.
 - Each storage once, however many tensors (views) use it.
 - Inner tensors of traceable wrapper subclasses (such as ``DTensor``, which FSDP2's sharded
@@ -60,6 +61,22 @@ def _plain_tensors(value):
     elif type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
         if not value.is_meta:
             yield value
+
+
+def _written_arguments(func, args, kwargs) -> list:
+    """The tensors an op writes in place, from its schema (``Tensor(a!)``, ``Tensor(a!)[]``).
+    torch's in-place ops also return them; an op that returns nothing (a custom op such as
+    ``zerocompile::fused_adam_step``) does not, yet the storages it writes are in use."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        out.extend(tree_flatten(value)[0])
+    return out
 
 
 class LiveStorageTracker(TorchDispatchMode):
@@ -169,6 +186,8 @@ class LiveStorageTracker(TorchDispatchMode):
                 self.track(value)
         out = func(*args, **kwargs)
         for value in tree_flatten(out)[0]:
+            self.track(value)
+        for value in _written_arguments(func, args, kwargs):
             self.track(value)
         if self.exact_peak:
             self.current = self.live_bytes()

@@ -36,6 +36,7 @@ import torch
 
 from zerocompile import _torch_compat
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, chunk_size
+from zerocompile.runtime.offload_settings import OffloadSettings
 from zerocompile.runtime.stages import Stage, stage_rules
 from zerocompile.runtime.zero_parameter import raw_grad, set_raw_grad
 
@@ -57,7 +58,8 @@ class ShardedParam:
 
     def __init__(self, param: torch.nn.Parameter, name: str, stage: int, group: CommGroup,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
-                 bucket_mb: float = 25.0, keep_full: bool = False):
+                 bucket_mb: float = 25.0, keep_full: bool = False,
+                 offload_optimizer: OffloadSettings = OffloadSettings()):
         if not param.is_contiguous():
             raise ValueError(
                 f"zerocompile: parameter '{name}' is not contiguous (stride {param.stride()}); "
@@ -74,6 +76,8 @@ class ShardedParam:
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.bucket_mb = bucket_mb
+        self.offload_optimizer = offload_optimizer
+        """Where ``ZeroOptimizer`` keeps this parameter's optimizer state (the frame's option)."""
         self.requires_grad = param.requires_grad
         self.chunk = chunk_size(self.numel, group.world)
         self.padded_numel = self.chunk * group.world

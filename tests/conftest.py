@@ -19,3 +19,12 @@ def fake_world():
     yield
     torch.compiler.reset()
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def built_cpp_kernels():
+    """Build the C++ kernels (csrc/) once, before any test: on a machine whose extension cache
+    is cold the build takes ~30 s, which must not happen inside ranks waiting on each other."""
+    from zerocompile.runtime import cpu_extension
+
+    cpu_extension.load("fused_adam")

@@ -171,3 +171,31 @@ def test_pipeline_that_cannot_be_satisfied_is_refused():
                                               r"but that pass is disabled"):
         check_pipeline(ZeroConfig(), [passes[1]] + [GraphPass("make_plan", noop, ("joint",), provides=("plan",),
                                                                enabled=lambda config: False)])
+
+
+def test_offload_optimizer_option_and_its_deepspeed_keys(tmp_path):
+    from zerocompile.runtime.offload_settings import OffloadSettings
+
+    assert ZeroConfig().offload_optimizer == OffloadSettings() and not ZeroConfig().offload_optimizer.enabled
+    cfg = ZeroConfig.from_options({"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path),
+                                                         "buffer_count": 3, "ratio": 0.5}})
+    assert cfg.offload_optimizer == OffloadSettings(device="nvme", nvme_path=str(tmp_path), buffer_count=3, ratio=0.5)
+    ds = ZeroConfig.from_options({
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path),
+                                                                "pin_memory": True, "pipeline_read": True}},
+        "aio": {"block_size": 2 * 2**20, "thread_count": 4, "queue_depth": 8}})
+    assert ds.offload_optimizer == OffloadSettings(device="nvme", nvme_path=str(tmp_path), threads=4,
+                                                   block_size=2 * 2**20)
+    for bad, pattern in [
+        ({"device": "gpu"}, r"option 'offload_optimizer.device' = 'gpu' is invalid; allowed: 'none', 'cpu', 'nvme'"),
+        ({"device": "nvme"}, r"'offload_optimizer.device' = 'nvme' needs 'offload_optimizer.nvme_path'"),
+        ({"device": "cpu", "buffer_count": 1}, r"'offload_optimizer.buffer_count' = 1 is invalid; allowed: an integer >= 2"),
+        ({"device": "cpu", "ratio": 0}, r"'offload_optimizer.ratio' = 0 is invalid; allowed: a fraction in \(0, 1\]"),
+        ({"device": "cpu", "block_size": 1000}, r"'offload_optimizer.block_size' = 1000 is invalid"),
+        ({"device": "cpu", "colour": 1}, r"unknown key 'offload_optimizer.colour'"),
+        ("nvme", r"option 'offload_optimizer' = 'nvme' is invalid"),
+    ]:
+        with pytest.raises(ZeroConfigError, match=pattern):
+            ZeroConfig.from_options({"offload_optimizer": bad})
+    with pytest.raises(ZeroConfigError, match=r"DeepSpeed key 'aio.use_direct' is not supported"):
+        ZeroConfig.from_options({"zero_optimization": {"stage": 3}, "aio": {"use_direct": True}})

@@ -73,9 +73,13 @@ def test_every_allow_listed_class_has_a_case():
 @pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("case", list(CASES))
 def test_allow_listed_optimizer_matches_plain_torch_world_one(case, stage):
-    """One rank: the shard is the whole flattened parameter, so the result is bitwise equal."""
+    """One rank: the shard is the whole flattened parameter, so with the class exactly as
+    configured (kernel="torch") the result is bitwise equal; with the default kernel choice
+    (zerocompile's fused Adam, torch's fused / foreach) equal within float32 rounding."""
     cls, kw = CASES[case]
-    _assert_same(_zero(0, 1, stage, cls, kw), _reference(cls, kw), tol=0)
+    ref = _reference(cls, kw)
+    _assert_same(_zero(0, 1, stage, cls, kw, kernel="torch"), ref, tol=0)
+    _assert_same(_zero(0, 1, stage, cls, kw), ref, tol=1e-6)
 
 
 TWO_RANK_CASES = ["Adagrad-fused", "RMSprop-centered", "NAdam-decoupled"]
@@ -139,5 +143,6 @@ def test_unknown_subclass_needs_the_opt_in_and_then_matches_plain_torch():
     ref = _reference(CountingAdamW, kw)
     CountingAdamW.steps = 0
     got = _zero(0, 1, 3, CountingAdamW, kw, assume_elementwise=True)
-    assert CountingAdamW.steps == STEPS          # the user's class itself ran on the shards
+    assert CountingAdamW.steps == STEPS          # the user's class itself ran on the shards, as
+    # configured: neither zerocompile's kernel nor torch's fused/foreach flags replace a subclass
     _assert_same(got, ref, tol=0)

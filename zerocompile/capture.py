@@ -249,7 +249,7 @@ def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_f
     """Create ``param``'s shard state (once per parameter, by the first frame that uses it)."""
     compute = cfg.param_dtype if cfg.param_dtype is not None and param.is_floating_point() else param.dtype
     state = ShardedParam(param, name, cfg.stage, group, compute, cfg.reduce_dtype, cfg.bucket_mb,
-                         keep_full=keep_full)
+                         keep_full=keep_full, offload_optimizer=cfg.offload_optimizer)
     attach_state(param, state)
     ACCOUNTING.states.add(state)
     ACCOUNTING.world_size = group.world
@@ -258,6 +258,11 @@ def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_f
 
 def _check_compatible(state: ShardedParam, cfg: ZeroConfig, group: CommGroup, name: str) -> None:
     want_compute = cfg.param_dtype or state.dtype
+    if state.offload_optimizer != cfg.offload_optimizer:
+        raise ValueError(
+            f"zerocompile: parameter '{name}' is already sharded with offload_optimizer "
+            f"{state.offload_optimizer}, but this frame was compiled with {cfg.offload_optimizer}. "
+            "Compile every model that shares parameters with the same options.")
     if state.stage != cfg.stage or state.group.name != group.name or state.reduce_dtype != cfg.reduce_dtype or (
             state.compute_dtype != want_compute and state.param.is_floating_point()):
         raise ValueError(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from zerocompile.loss_scale import parse_loss_scale
+from zerocompile.runtime.offload_settings import parse_offload
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -124,6 +125,17 @@ class ZeroConfig:
     is waited for in it. A failed check raises an error naming the graph node, where the run
     would otherwise crash in native code or read freed memory. Only ``inner_compiler="eager"``."""
 
+    offload_optimizer: object = None
+    """Where optimizer state (the moments; the master values are the shards) lives between
+    steps, as DeepSpeed's ``zero_optimization.offload_optimizer``: None (on the model's device)
+    or a dict ``{"device": "nvme", "nvme_path": DIR}`` with optional ``buffer_count`` (4),
+    ``buffer_size`` (elements per buffer, 4194304), ``ratio`` (1.0: the fraction of the state
+    offloaded), ``threads`` (8 I/O threads), ``block_size`` (1 MiB per request), ``pin_memory``
+    (True). ``"device": "cpu"`` keeps it in host memory (a logged no-op when the model is on the
+    CPU). Needs ``ZeroOptimizer`` with ``torch.optim.Adam``/``AdamW`` (zerocompile's fused
+    kernel streams the state through the buffers). Parsed into an ``OffloadSettings``; see
+    docs/offload.md."""
+
     disabled_passes: tuple = field(default_factory=tuple)
     """Names of optional graph passes to skip (see docs/passes.md). Also given as
     ``options={"passes": {"disable": [...]}}``."""
@@ -198,6 +210,10 @@ class ZeroConfig:
             raise ZeroConfigError(
                 "option 'unshard_budget_mb' = 'auto' needs 'memory_limit_mb' (the per-rank MiB the "
                 "simulated peak may reach); set it, or give unshard_budget_mb a number of MiB")
+        try:
+            object.__setattr__(self, "offload_optimizer", parse_offload("offload_optimizer", self.offload_optimizer))
+        except ValueError as err:
+            raise ZeroConfigError(str(err)) from None
         object.__setattr__(self, "recompute", _parse_recompute(self.recompute))
         object.__setattr__(self, "cost_model", _parse_cost_model(self.cost_model))
         if self.dump is not None and not isinstance(self.dump, (str, os.PathLike)):
@@ -289,8 +305,16 @@ def _parse_dtype(name: str, value, allow_none: bool):
 
 
 # ---------------------------------------------------------------------- DeepSpeed dicts
-_DEEPSPEED_TOP_LEVEL = ("zero_optimization", "bf16", "fp16", "communication_data_type")
-_DEEPSPEED_ZERO_KEYS = ("stage", "reduce_bucket_size", "allgather_bucket_size")
+_DEEPSPEED_TOP_LEVEL = ("zero_optimization", "bf16", "fp16", "communication_data_type", "aio")
+_DEEPSPEED_ZERO_KEYS = ("stage", "reduce_bucket_size", "allgather_bucket_size", "offload_optimizer")
+_DEEPSPEED_TRAINING_LOOP_KEYS = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
+                                 "gradient_accumulation_steps", "gradient_clipping", "steps_per_print")
+"""DeepSpeed keys for what a training script does itself: rejected with that advice, never
+taken for a misspelt zerocompile option."""
+_DEEPSPEED_AIO = {"block_size": "block_size", "thread_count": "threads", "intra_op_parallelism": None,
+                  "queue_depth": None, "single_submit": None, "overlap_events": None, "use_gds": None}
+"""DeepSpeed's ``aio`` keys: the ones with a name here set that offload setting; the others are
+accepted and have no effect (a thread pool with one request per thread does the I/O)."""
 
 
 _DEEPSPEED_FP16_SCALING = {
@@ -333,10 +357,12 @@ def translate_deepspeed(ds: dict) -> dict:
     ``allgather_bucket_size`` (elements; bucket_mb = elements x 4 bytes), ``bf16.enabled``,
     ``fp16.enabled`` (param_dtype float16 and dynamic loss scaling) with ``fp16.loss_scale``,
     ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``, ``min_loss_scale``,
-    ``consecutive_hysteresis`` (the ``loss_scale`` option), ``communication_data_type``. Every
-    other key is rejected by name.
+    ``consecutive_hysteresis`` (the ``loss_scale`` option), ``communication_data_type``,
+    ``zero_optimization.offload_optimizer`` (the ``offload_optimizer`` option) with ``aio``'s
+    ``block_size`` and ``thread_count``. Every other key is rejected by name.
     """
     out: dict = {}
+    aio: dict = {}
     for key, value in ds.items():
         if key == "zero_optimization":
             if not isinstance(value, dict):
@@ -356,6 +382,10 @@ def translate_deepspeed(ds: dict) -> dict:
                             "'allgather_bucket_size' differ; zerocompile has one bucket size "
                             "(bucket_mb): give them the same value")
                     out["bucket_mb"] = mb
+                elif zkey == "offload_optimizer":
+                    if not isinstance(zval, dict):
+                        raise ZeroConfigError("DeepSpeed key 'zero_optimization.offload_optimizer' must be a dict")
+                    out["offload_optimizer"] = dict(zval)
                 else:
                     raise ZeroConfigError(
                         f"DeepSpeed key 'zero_optimization.{zkey}' is not supported by zerocompile; "
@@ -381,13 +411,23 @@ def translate_deepspeed(ds: dict) -> dict:
                     f"DeepSpeed key '{key}.enabled' = {enabled!r} is invalid; allowed: true, false")
         elif key == "communication_data_type":
             out["reduce_dtype"] = value
+        elif key == "aio":
+            if not isinstance(value, dict):
+                raise ZeroConfigError("DeepSpeed key 'aio' must be a dict")
+            for akey in value:
+                if akey not in _DEEPSPEED_AIO:
+                    raise ZeroConfigError(f"DeepSpeed key 'aio.{akey}' is not supported by zerocompile; "
+                                          f"supported: {', '.join('aio.' + k for k in _DEEPSPEED_AIO)}")
+            aio = {ours: value[k] for k, ours in _DEEPSPEED_AIO.items() if ours and k in value}
         else:
             own = [f.name for f in fields(ZeroConfig)]
             close = difflib.get_close_matches(str(key), own + list(_DEEPSPEED_TOP_LEVEL), n=1)
-            if close:
+            if close and key not in _DEEPSPEED_TRAINING_LOOP_KEYS:
                 raise ZeroConfigError(f"unknown option '{key}'; did you mean '{close[0]}'?")
             raise ZeroConfigError(
                 f"DeepSpeed key '{key}' is not supported by zerocompile; supported: "
                 f"{', '.join(_DEEPSPEED_TOP_LEVEL)}. Optimizer, scheduler, batch size and clipping "
                 "settings belong in your training script (ZeroOptimizer, clip_grad_norm_)")
+    if aio and "offload_optimizer" in out:
+        out["offload_optimizer"] = {**aio, **out["offload_optimizer"]}
     return out

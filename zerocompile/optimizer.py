@@ -36,6 +36,7 @@ the same way everywhere.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import warnings
@@ -47,6 +48,9 @@ from torch.optim import Optimizer
 
 from zerocompile import _torch_compat, loss_scale
 from zerocompile.optimizer_rules import check_elementwise
+from zerocompile.runtime import cpu_extension, fused_adam
+from zerocompile.runtime.offload_settings import OffloadSettings
+from zerocompile.runtime.offloaded_adam import OffloadedAdam
 from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup, all_reduce_sum, resolve_group
 from zerocompile.runtime.sharded_param import get_state
@@ -54,6 +58,10 @@ from zerocompile.runtime.step_collectives import all_gather_concat, all_reduce_m
 from zerocompile.runtime.zero_parameter import raw_grad, set_raw_grad
 
 _DEFAULT_BUCKET_MB = 25.0
+KERNEL_CHOICES = ("auto", "fused", "torch")
+"""``ZeroOptimizer(kernel=...)``: ``"auto"`` = zerocompile's fused Adam kernel where it applies,
+else torch's ``fused=True`` / ``foreach=True``; ``"fused"`` = zerocompile's kernel or an error;
+``"torch"`` = the optimizer class exactly as you configured it."""
 log = logging.getLogger("zerocompile")
 
 # torch.amp.GradScaler.step warns, each time it passes itself to an optimizer's step, that it
@@ -75,13 +83,22 @@ class ZeroOptimizer(Optimizer):
     the gradients where they live (see the module docstring)."""
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, process_group=None, *,
-                 assume_elementwise: bool = False, **defaults):
+                 assume_elementwise: bool = False, kernel: str = "auto", **defaults):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
             raise TypeError(
                 f"ZeroOptimizer: optimizer_class must be a torch.optim.Optimizer subclass "
                 f"(e.g. torch.optim.AdamW), got {optimizer_class!r}")
         check_elementwise(optimizer_class, assume_elementwise)
+        if kernel not in KERNEL_CHOICES:
+            raise ValueError(f"ZeroOptimizer: kernel={kernel!r} is invalid; allowed: "
+                             f"{', '.join(repr(k) for k in KERNEL_CHOICES)}")
         self.optimizer_class = optimizer_class
+        self._kernel_choice = kernel
+        self.kernel: str | None = None
+        """How the inner optimizer updates the tensors, chosen when it binds (None before):
+        ``"cpp"`` / ``"triton"`` (zerocompile's fused Adam kernels, ``runtime/fused_adam.py``),
+        ``"torch_fused"`` / ``"torch_foreach"`` (the class's own ``fused=True`` /
+        ``foreach=True``), or ``"torch"`` (the class as configured)."""
         self._inner: Optimizer | None = None
         self._bound: list[list] = []          # per group: the tensor the inner optimizer updates
         self._pending_state: dict | None = None
@@ -94,9 +111,10 @@ class ZeroOptimizer(Optimizer):
         """Optimizer steps skipped because some rank's gradients were not finite."""
         super().__init__(params, defaults)
         try:  # fail now, not at the first step, on a bad hyperparameter
-            optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
+            probe = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
         except (TypeError, ValueError) as err:
             raise type(err)(f"ZeroOptimizer: {optimizer_class.__name__} rejects {defaults}: {err}") from err
+        self._resolved_defaults = dict(probe.defaults)   # with the class's own defaults filled in
         ACCOUNTING.optimizers.add(self)
 
     # ------------------------------------------------------------------ binding
@@ -120,9 +138,7 @@ class ZeroOptimizer(Optimizer):
                 targets = [self._target(p) for p in group["params"]]
                 self._bound.append(targets)
                 groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": targets})
-            # the defaults too: a few classes read a constructor argument rather than the group
-            # (Adagrad's initial_accumulator_value)
-            self._inner = self.optimizer_class(groups, **self.defaults)
+            self._inner, self.kernel = self._make_inner(groups)
             if self._pending_state is not None:
                 self._load_inner(self._pending_state)
                 self._pending_state = None
@@ -143,6 +159,89 @@ class ZeroOptimizer(Optimizer):
                 self._bound[gi][pi] = target
                 self._inner.param_groups[gi]["params"][pi] = target
 
+    def _make_inner(self, groups: list[dict]) -> tuple[Optimizer, str]:
+        """The inner optimizer over ``groups`` (whose params are the targets) and its kernel
+        name: zerocompile's fused Adam where it applies (``kernel="auto"`` or ``"fused"``),
+        else the class itself, with ``fused=True`` or ``foreach=True`` under ``"auto"`` where
+        it is a torch class that takes them and you set neither."""
+        name = self.optimizer_class.__name__
+        devices = {t.device.type for g in groups for t in g["params"]}
+        offload = self._offload_settings(devices)
+        if offload is not None:
+            return self._make_offloaded(groups, offload), "cpp"
+        if self._kernel_choice != "torch":
+            given = sorted({"fused", "foreach"} & self.defaults.keys())
+            if given and self._kernel_choice == "auto":
+                reason = f"you chose torch's implementation ({given[0]}={self.defaults[given[0]]!r})"
+            else:
+                reason = fused_adam.unsupported_reason(self.optimizer_class, self._resolved_defaults, groups)
+            kernel = None
+            if reason is None:
+                kernel = fused_adam.kernel_for(devices)
+                if kernel is None:
+                    reason = f"no fused kernel can run on {'/'.join(sorted(devices))} tensors here"
+            if kernel is not None:
+                log.info("ZeroOptimizer: %s steps with zerocompile's fused %s kernel", name,
+                         "C++" if kernel == "cpp" else "Triton")
+                return fused_adam.FusedAdam(groups, **self._resolved_defaults), kernel
+            if self._kernel_choice == "fused":
+                raise ValueError(f"ZeroOptimizer(kernel='fused'): {reason}; use kernel='auto' (falls back "
+                                 "to torch's kernels) or kernel='torch'")
+            log.debug("ZeroOptimizer: no fused zerocompile kernel for %s: %s", name, reason)
+        # the defaults too: a few classes read a constructor argument rather than the group
+        # (Adagrad's initial_accumulator_value)
+        own_class = getattr(torch.optim, name, None) is self.optimizer_class   # not a subclass of yours
+        if self._kernel_choice == "auto" and own_class and not ({"fused", "foreach"} & self.defaults.keys()):
+            for flag, ok in (("fused", devices <= {"cpu", "cuda"}), ("foreach", True)):
+                if not ok or flag not in inspect.signature(self.optimizer_class).parameters:
+                    continue
+                try:
+                    inner = self.optimizer_class(groups, **self.defaults, **{flag: True})
+                except (RuntimeError, ValueError, TypeError) as err:
+                    log.debug("ZeroOptimizer: %s(%s=True) rejected: %s", name, flag, err)
+                    continue
+                log.info("ZeroOptimizer: %s steps with torch's %s=True kernels", name, flag)
+                return inner, f"torch_{flag}"
+        inner = self.optimizer_class(groups, **self.defaults)
+        flag = next((f for f in ("fused", "foreach") if inner.defaults.get(f)), None)
+        log.info("ZeroOptimizer: %s steps with torch's kernels as configured%s", name,
+                 f" ({flag}=True)" if flag else "")
+        return inner, f"torch_{flag}" if flag else "torch"
+
+    def _offload_settings(self, devices: set) -> OffloadSettings | None:
+        """The ``offload_optimizer`` settings of the compiled frames that use these parameters,
+        None when nothing is to be offloaded."""
+        found = {sp.offload_optimizer for p in self._params() if (sp := get_state(p)) is not None}
+        found.discard(OffloadSettings())
+        if not found:
+            return None
+        if len(found) > 1:
+            raise ValueError(f"ZeroOptimizer: its parameters come from frames compiled with different "
+                             f"offload_optimizer options ({'; '.join(sorted(map(str, found)))}); compile them with one")
+        settings = found.pop()
+        if settings.device == "cpu" and devices <= {"cpu"}:
+            log.info("ZeroOptimizer: offload_optimizer device 'cpu': the model is on the CPU, so its optimizer "
+                     "state already lives in host memory; nothing to offload")
+            return None
+        return settings
+
+    def _make_offloaded(self, groups: list[dict], settings: OffloadSettings) -> Optimizer:
+        name = self.optimizer_class.__name__
+        if self._kernel_choice == "torch":
+            reason = "kernel='torch' was asked for"
+        else:
+            reason = fused_adam.unsupported_reason(self.optimizer_class, self._resolved_defaults, groups)
+        if reason is None and cpu_extension.load("fused_adam") is None:
+            reason = "the C++ kernel csrc/fused_adam.cpp could not be built (see the warning above)"
+        if reason is not None:
+            raise ValueError(f"ZeroOptimizer: offload_optimizer={settings.device!r} streams the optimizer state "
+                             f"through zerocompile's fused Adam kernel, which cannot run here: {reason}. Use "
+                             "torch.optim.Adam or AdamW with the defaults the kernel supports, or drop the option")
+        group = self._layout_group()
+        log.info("ZeroOptimizer: %s steps with zerocompile's fused C++ kernel, optimizer state offloaded to %s",
+                 name, settings.device if settings.device == "cpu" else f"nvme ({settings.nvme_path})")
+        return OffloadedAdam(groups, settings, name=f"optimizer-rank{group.rank}", **self._resolved_defaults)
+
     def _sync_hyperparameters(self) -> None:
         for outer, inner in zip(self.param_groups, self._inner.param_groups):
             for key, value in outer.items():
@@ -157,6 +256,14 @@ class ZeroOptimizer(Optimizer):
         if getattr(self, "_inner", None) is not None:
             group = self.param_groups[-1]
             targets = [self._target(p) for p in group["params"]]
+            if self.kernel in ("cpp", "triton"):
+                reason = fused_adam.unsupported_reason(self.optimizer_class, self._resolved_defaults,
+                                                       [{**group, "params": targets}])
+                if reason is not None:
+                    self.param_groups.pop()
+                    raise ValueError(f"ZeroOptimizer.add_param_group: the fused Adam kernel this optimizer "
+                                     f"uses cannot update this group ({reason}); build the ZeroOptimizer "
+                                     "with kernel='torch' to add such groups")
             self._bound.append(targets)
             self._inner.add_param_group({**{k: v for k, v in group.items() if k != "params"},
                                          "params": targets})
@@ -556,8 +663,23 @@ class ZeroOptimizer(Optimizer):
         for group, targets in zip(self.param_groups, self._bound):
             for p, target in zip(group["params"], targets):
                 if target in self._inner.state:
-                    out[p] = self._inner.state[target]
+                    out[p] = self._target_state(target)
         return out
+
+    def _target_state(self, target) -> dict:
+        """The inner optimizer's whole state of ``target`` (offloaded moments read back)."""
+        if isinstance(self._inner, OffloadedAdam):
+            return self._inner.param_state(target)
+        return self._inner.state.get(target, {})
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of optimizer state held off the device (host memory or swap file), by offload."""
+        return self._inner.offloaded_bytes() if isinstance(self._inner, OffloadedAdam) else 0
+
+    @property
+    def offload(self) -> str | None:
+        """``"cpu"`` or ``"nvme"`` where the optimizer state is offloaded, else None (also before binding)."""
+        return self._inner.settings.device if isinstance(self._inner, OffloadedAdam) else None
 
     @state.setter
     def state(self, value) -> None:
@@ -586,7 +708,7 @@ class ZeroOptimizer(Optimizer):
         out = {}
         for group, targets in zip(self.param_groups, self._bound):
             for p, target in zip(group["params"], targets):
-                values = self._inner.state.get(target)
+                values = self._target_state(target)
                 if values:
                     out[p] = ParamState(dict(values), sharded=target is not p)
         return out

@@ -11,7 +11,9 @@ around its inner ``torch.optim.AdamW``:
   foreach=True)`` (or ``fused=True``, passed to the inner AdamW) on ordinary
   (never compiled) parameters. zerocompile treats those like stage 0: the gradients are
   averaged over the (single) rank and the inner AdamW updates the full parameters.
-- ``zero_stage1[foreach|fused]``: the same, on the parameters of a model compiled with
+- ``zero_plain[auto]``, ``zero_stage1[auto]``: ZeroOptimizer's default kernel choice, which
+  for AdamW on CPU tensors is zerocompile's fused C++ kernel (``opt.kernel == "cpp"``).
+- ``zero_stage1[foreach|fused|auto]``: the same, on the parameters of a model compiled with
   ``backend="zero"`` at stage 1. Each step also reduce-scatters the full gradients into
   the master shards and all-gathers the updated shards into the replicas (both trivial
   at world size 1, but the copies are real).
@@ -103,8 +105,9 @@ def test_torch_fused(benchmark):
 
 
 # The inner AdamW of ZeroOptimizer gets the same implementation flag as the torch baseline
-# it is compared with (on CPU, AdamW's default is the slower per-tensor loop).
-INNER_KINDS = {"foreach": {"foreach": True}, "fused": {"fused": True}}
+# it is compared with (on CPU, AdamW's default is the slower per-tensor loop); "auto" is
+# ZeroOptimizer's default: zerocompile's fused C++ kernel (csrc/fused_adam.cpp).
+INNER_KINDS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "auto": {}}
 
 
 def _make_zero_optimizer(params, kind: str):

@@ -1,0 +1,160 @@
+"""Optimizer-step time: ``ZeroOptimizer(AdamW)`` at stage 3 against torch's AdamW kernels.
+
+One process, world size 1 (no process group): every variant updates the same parameter
+shapes (``--tensors`` weights of ``--rows`` x ``--cols`` fp32 elements, 16 x 1024 x 1024 =
+16.8M by default) with the same gradients, which stay set, so every timed call is one full
+``opt.step()``. Variants:
+
+- ``torch fused`` (the peer of the ratio column), ``torch foreach``, ``torch for-loop``:
+  ``torch.optim.AdamW(fused=True)``, ``(foreach=True)``, ``(foreach=False)`` on plain parameters.
+- ``zerocompile stage 3``: the parameters of a model compiled with ``backend="zero"`` at stage
+  3, stepped by ``ZeroOptimizer(AdamW)`` with its default kernel (zerocompile's fused C++
+  kernel, ``csrc/fused_adam.cpp``, where it builds); ``opt.kernel`` is printed.
+- ``zerocompile stage 3, torch fused``: the same with ``kernel="torch", fused=True`` (the
+  wrapper around torch's own fused kernel).
+
+All variants live side by side and take turns, one step each per round, the first variant
+rotating from round to round, so drift in the machine's speed hits all alike. Reported: the
+median ms per step over ``--rounds`` rounds, elements per second, the ratio of medians to
+``torch fused`` and the paired ratio (median over rounds of the per-round ratio). Issue
+target: ``zerocompile stage 3`` <= 1.0x torch fused (goal 0.7x).
+
+    .venv/bin/python benchmarks/optimizer_step.py                 # ~1 min here
+    .venv/bin/python benchmarks/optimizer_step.py --threads 1 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+import zerocompile
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LR, WEIGHT_DECAY = 1e-4, 0.01
+PEER = "torch fused"
+
+
+class LinearStack(nn.Module):
+    """Bias-free linear layers of ``rows x cols`` weights (alternating orientation)."""
+
+    def __init__(self, tensors: int, rows: int, cols: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(cols, rows, bias=False) if i % 2 == 0 else nn.Linear(rows, cols, bias=False)
+                                    for i in range(tensors))
+        self.cols = cols
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def _gradients(shapes) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=g) * 1e-3 for shape in shapes]
+
+
+def _plain(args, **flags):
+    torch.manual_seed(0)
+    params = list(LinearStack(args.tensors, args.rows, args.cols).parameters())
+    for p, g in zip(params, _gradients([p.shape for p in params])):
+        p.grad = g
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **flags), None
+
+
+def _stage3(args, **opt_kw):
+    torch.manual_seed(0)
+    model = LinearStack(args.tensors, args.rows, args.cols)
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager",
+                                                             "cost_model": {"flops_per_s": 1e11}})
+    compiled(torch.randn(2, args.cols)).backward()    # shards the parameters, fills shard gradients
+    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY,
+                                    **opt_kw)
+    return opt, model
+
+
+VARIANTS = {
+    "torch fused": lambda a: _plain(a, fused=True),
+    "torch foreach": lambda a: _plain(a, foreach=True),
+    "torch for-loop": lambda a: _plain(a, foreach=False),
+    "zerocompile stage 3": lambda a: _stage3(a),
+    "zerocompile stage 3, torch fused": lambda a: _stage3(a, kernel="torch", fused=True),
+}
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    names = [n for n in VARIANTS if not args.variants or n in args.variants]
+    opts = {}
+    for name in names:
+        opt, _model = VARIANTS[name](args)
+        opt.step()                                    # creates the state; binds ZeroOptimizer
+        opts[name] = (opt, _model)
+    times = {name: [] for name in names}
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            start = time.perf_counter()
+            opts[name][0].step()
+            times[name].append(time.perf_counter() - start)
+    numel = args.tensors * args.rows * args.cols
+    peer = times.get(PEER)
+    out = {}
+    for name in names:
+        med = statistics.median(times[name])
+        entry = {"ms_per_step": med * 1e3, "ms_each": [t * 1e3 for t in times[name]],
+                 "elements_per_s": numel / med, "kernel": getattr(opts[name][0], "kernel", None)}
+        if peer:
+            entry["x_peer"] = med / statistics.median(peer)
+            entry["x_peer_paired"] = statistics.median(t / p for t, p in zip(times[name], peer))
+        out[name] = entry
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tensors", type=int, default=16, help="number of weight tensors")
+    p.add_argument("--rows", type=int, default=1024)
+    p.add_argument("--cols", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=8, help="timed steps per variant")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
+    p.add_argument("--variants", nargs="*", choices=list(VARIANTS), help="a subset (default: all)")
+    p.add_argument("--out", type=Path, default=RESULTS / "optimizer_step.json")
+    args = p.parse_args(argv)
+    numel = args.tensors * args.rows * args.cols
+    print(f"optimizer step, AdamW, {numel / 1e6:.1f}M fp32 elements in {args.tensors} tensors, "
+          f"{args.threads} thread(s), {args.rounds} rounds; load average {os.getloadavg()[0]:.2f}")
+    results = run(args)
+    print(f"{'variant':<36}{'kernel':>14}{'ms/step':>10}{'Gelem/s':>10}{'x ' + PEER:>15}{'paired':>9}")
+    for name, e in results.items():
+        ratio = f"{e['x_peer']:.2f}" if "x_peer" in e else "-"
+        paired = f"{e['x_peer_paired']:.2f}" if "x_peer_paired" in e else "-"
+        print(f"{name:<36}{e['kernel'] or '-':>14}{e['ms_per_step']:>10.1f}{e['elements_per_s'] / 1e9:>10.2f}"
+              f"{ratio:>15}{paired:>9}")
+    if "zerocompile stage 3" in results and "x_peer" in results["zerocompile stage 3"]:
+        x = results["zerocompile stage 3"]["x_peer"]
+        print(f"target: zerocompile stage 3 <= 1.0x {PEER} (goal 0.7x): {x:.2f}x, "
+              f"{'met' if x <= 1.0 else 'MISSED'}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0],
+                    "platform": platform.platform(), "cpu_capability": torch.backends.cpu.get_cpu_capability()},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv, "results": results}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

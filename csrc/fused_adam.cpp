@@ -1,0 +1,213 @@
+// Fused Adam / AdamW step on CPU tensors: one pass over memory per element.
+//
+// For every element of every tensor in the lists, in one loop: read the gradient (times
+// grad_scale, negated for maximize), the parameter and both moments; apply weight decay
+// (decoupled for AdamW, L2 for Adam), update the moments and the parameter; write the
+// parameter, the moments and, where asked, a copy of the updated parameter in another dtype
+// (the copy the next all-gather sends). Arithmetic is in float32 for every storage dtype
+// (float32, bfloat16, float16), each operation rounded as in torch.optim.AdamW's
+// single-tensor path (built with -ffp-contract=off: no multiply-add is fused into an FMA
+// except the lerp's, which torch's vectorized lerp computes with one too). torch's scalar
+// tail loops round the lerp in two steps, so results agree with torch within float32
+// rounding (an ulp here and there), not bit for bit.
+//
+// The vector width is the compiler's: built with -O3 -march=native, the loop is
+// auto-vectorized for the build machine (AVX-512, AVX2 or SSE); vector_isa() says which.
+// Work is split into blocks of kBlock elements across all tensors and run with
+// at::parallel_for (OpenMP, torch's thread count).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 1 << 15;  // elements per parallel work item (128 KiB of fp32)
+
+struct Coefficients {
+  float lr_decay;       // AdamW: parameter multiplier 1 - lr * weight_decay
+  float l2;             // Adam: weight_decay added to the gradient times the parameter
+  float one_minus_b1;   // exp_avg += (1 - beta1) * (g - exp_avg)
+  float beta2;
+  float one_minus_b2;
+  float bc2_sqrt;       // sqrt(1 - beta2^step)
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^step)
+  float grad_scale;     // multiplies every gradient as it is read (clip coefficient, 1/loss scale)
+};
+
+template <typename T>
+inline float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+template <typename P, typename C, bool kL2>
+void update_range(P* __restrict__ param, const P* __restrict__ grad, P* __restrict__ exp_avg,
+                  P* __restrict__ exp_avg_sq, C* __restrict__ copy, int64_t begin, int64_t end,
+                  const Coefficients c, bool maximize) {
+  const float sign = maximize ? -c.grad_scale : c.grad_scale;
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    float p = to_float(param[i]);
+    float g = to_float(grad[i]) * sign;
+    if (kL2) g = std::fma(c.l2, p, g);  // Adam: L2 penalty in the gradient (contracted, as torch's)
+    p = p * c.lr_decay;          // AdamW: decoupled decay (1 when there is none)
+    float m = to_float(exp_avg[i]);
+    m = std::fma(c.one_minus_b1, g - m, m);     // exp_avg.lerp_(grad, 1 - beta1): an FMA, as torch's
+    float v = to_float(exp_avg_sq[i]) * c.beta2;  // exp_avg_sq.mul_(beta2)
+    v = std::fma(c.one_minus_b2 * g, g, v);      //   .addcmul_(grad, grad, value=1 - beta2), contracted
+    const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;
+    p = p + (c.neg_step_size * m) / denom;        // param.addcdiv_(exp_avg, denom, value=-step_size)
+    param[i] = static_cast<P>(p);
+    exp_avg[i] = static_cast<P>(m);
+    exp_avg_sq[i] = static_cast<P>(v);
+    if constexpr (!std::is_void_v<C>) copy[i] = static_cast<C>(p);
+  }
+}
+
+template <typename P, bool kL2>
+void update_with_copy(P* p, const P* g, P* m, P* v, const at::Tensor* copy, int64_t begin, int64_t end,
+                      const Coefficients& c, bool maximize) {
+  if (copy == nullptr) {
+    update_range<P, void, kL2>(p, g, m, v, nullptr, begin, end, c, maximize);
+    return;
+  }
+  switch (copy->scalar_type()) {
+    case at::kFloat:
+      update_range<P, float, kL2>(p, g, m, v, copy->data_ptr<float>(), begin, end, c, maximize);
+      break;
+    case at::kBFloat16:
+      update_range<P, c10::BFloat16, kL2>(p, g, m, v, copy->data_ptr<c10::BFloat16>(), begin, end, c, maximize);
+      break;
+    case at::kHalf:
+      update_range<P, c10::Half, kL2>(p, g, m, v, copy->data_ptr<c10::Half>(), begin, end, c, maximize);
+      break;
+    default:
+      TORCH_CHECK(false, "fused_adam: copy dtype must be float32, bfloat16 or float16");
+  }
+}
+
+template <typename P>
+void update_tensor_range(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                         const at::Tensor& exp_avg_sq, const at::Tensor* copy, int64_t begin,
+                         int64_t end, const Coefficients& c, bool maximize) {
+  P* p = param.data_ptr<P>();
+  const P* g = grad.data_ptr<P>();
+  P* m = exp_avg.data_ptr<P>();
+  P* v = exp_avg_sq.data_ptr<P>();
+  if (c.l2 != 0.0f) {
+    update_with_copy<P, true>(p, g, m, v, copy, begin, end, c, maximize);
+  } else {
+    update_with_copy<P, false>(p, g, m, v, copy, begin, end, c, maximize);
+  }
+}
+
+void check_tensor(const at::Tensor& t, const at::Tensor& like, const char* what, int64_t index) {
+  TORCH_CHECK(t.device().is_cpu(), "fused_adam: ", what, "[", index, "] is not a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), "fused_adam: ", what, "[", index, "] is not contiguous");
+  TORCH_CHECK(t.numel() == like.numel(), "fused_adam: ", what, "[", index, "] has ", t.numel(),
+              " elements, the parameter ", like.numel());
+}
+
+}  // namespace
+
+// One Adam/AdamW step on every tensor of the lists (all the same length; copies may be empty).
+// Each steps[i] is a 0-dim float32 tensor: incremented here, then used for bias correction.
+void adam_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
+               std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
+               std::vector<at::Tensor> steps, std::vector<at::Tensor> copies, double lr,
+               double beta1, double beta2, double eps, double weight_decay, bool decoupled,
+               bool maximize, double grad_scale) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n,
+              "fused_adam: params, grads, exp_avgs, exp_avg_sqs and steps must have the same length");
+  TORCH_CHECK(copies.empty() || copies.size() == n, "fused_adam: copies must be empty or one per parameter");
+  std::vector<Coefficients> coef(n);
+  std::vector<int64_t> first_block(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const auto dtype = p.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                "fused_adam: params[", i, "] has dtype ", dtype, "; float32, bfloat16 or float16 only");
+    TORCH_CHECK(p.device().is_cpu() && p.is_contiguous(), "fused_adam: params[", i,
+                "] must be a contiguous CPU tensor");
+    check_tensor(grads[i], p, "grads", i);
+    check_tensor(exp_avgs[i], p, "exp_avgs", i);
+    check_tensor(exp_avg_sqs[i], p, "exp_avg_sqs", i);
+    TORCH_CHECK(grads[i].scalar_type() == dtype && exp_avgs[i].scalar_type() == dtype &&
+                    exp_avg_sqs[i].scalar_type() == dtype,
+                "fused_adam: grads, exp_avgs and exp_avg_sqs [", i, "] must have the parameter's dtype");
+    if (!copies.empty()) check_tensor(copies[i], p, "copies", i);
+    at::Tensor& step_t = steps[i];
+    TORCH_CHECK(step_t.numel() == 1 && step_t.scalar_type() == at::kFloat && step_t.device().is_cpu(),
+                "fused_adam: steps[", i, "] must be a 1-element float32 CPU tensor");
+    float* step_ptr = step_t.data_ptr<float>();
+    *step_ptr += 1.0f;
+    const double step = *step_ptr;
+    const double bc1 = 1.0 - std::pow(beta1, step);
+    const double bc2 = 1.0 - std::pow(beta2, step);
+    Coefficients& c = coef[i];
+    c.lr_decay = static_cast<float>(decoupled ? 1.0 - lr * weight_decay : 1.0);
+    c.l2 = static_cast<float>(decoupled ? 0.0 : weight_decay);
+    c.one_minus_b1 = static_cast<float>(1.0 - beta1);
+    c.beta2 = static_cast<float>(beta2);
+    c.one_minus_b2 = static_cast<float>(1.0 - beta2);
+    c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+    c.eps = static_cast<float>(eps);
+    c.neg_step_size = static_cast<float>(-lr / bc1);
+    c.grad_scale = static_cast<float>(grad_scale);
+    first_block[i + 1] = first_block[i] + (p.numel() + kBlock - 1) / kBlock;
+  }
+  const int64_t total_blocks = first_block[n];
+  at::parallel_for(0, total_blocks, 1, [&](int64_t block_begin, int64_t block_end) {
+    size_t t = std::upper_bound(first_block.begin(), first_block.end(), block_begin) - first_block.begin() - 1;
+    for (int64_t b = block_begin; b < block_end; ++b) {
+      while (b >= first_block[t + 1]) ++t;
+      const int64_t numel = params[t].numel();
+      const int64_t begin = (b - first_block[t]) * kBlock;
+      const int64_t end = std::min(begin + kBlock, numel);
+      const at::Tensor* copy = copies.empty() ? nullptr : &copies[t];
+      switch (params[t].scalar_type()) {
+        case at::kFloat:
+          update_tensor_range<float>(params[t], grads[t], exp_avgs[t], exp_avg_sqs[t], copy, begin, end,
+                                     coef[t], maximize);
+          break;
+        case at::kBFloat16:
+          update_tensor_range<c10::BFloat16>(params[t], grads[t], exp_avgs[t], exp_avg_sqs[t], copy, begin,
+                                             end, coef[t], maximize);
+          break;
+        default:
+          update_tensor_range<c10::Half>(params[t], grads[t], exp_avgs[t], exp_avg_sqs[t], copy, begin, end,
+                                         coef[t], maximize);
+      }
+    }
+  });
+}
+
+// The vector instruction set the compiler targeted for this build.
+std::string vector_isa() {
+#if defined(__AVX512F__)
+  return "AVX512";
+#elif defined(__AVX2__)
+  return "AVX2";
+#elif defined(__SSE2__)
+  return "SSE2";
+#elif defined(__ARM_NEON)
+  return "NEON";
+#else
+  return "scalar";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("adam_step", &adam_step, "Fused Adam/AdamW step over lists of contiguous CPU tensors");
+  m.def("vector_isa", &vector_isa, "The vector instruction set this build targets");
+}

@@ -1,0 +1,186 @@
+"""``FusedAdam``: Adam / AdamW stepping all of a group's tensors in one fused kernel call.
+
+``ZeroOptimizer`` uses it as its inner optimizer for ``torch.optim.Adam`` and ``AdamW`` when
+the hyperparameters and tensors are ones the kernels support (``unsupported_reason``):
+the C++ kernel ``csrc/fused_adam.cpp`` for CPU tensors, the Triton kernel
+``runtime/triton_adam.py`` for CUDA tensors. One pass over memory per element: read the
+gradient, parameter and moments, write the parameter and moments.
+
+The state is laid out exactly as torch's ``Adam`` / ``AdamW`` lay it out (``step``, a 0-dim
+float32 tensor; ``exp_avg`` and ``exp_avg_sq`` in the parameter's dtype), so state dicts and
+checkpoints move between this class and torch's in both directions. The arithmetic is
+float32 for every dtype, in the order of torch's single-tensor ``AdamW``; results agree with
+``torch.optim.AdamW`` within float32 rounding (not bit for bit: the compiler may fuse a
+multiply and an add).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim import Optimizer
+
+from zerocompile.runtime import cpu_extension
+
+SUPPORTED_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay",
+                   "foreach", "capturable", "differentiable", "fused")
+"""The hyperparameters of torch's Adam that ``FusedAdam`` takes."""
+_OFF_FLAGS = ("amsgrad", "capturable", "differentiable", "foreach", "fused")
+"""Hyperparameters the kernels do not implement: each must be False or None."""
+
+
+def unsupported_reason(optimizer_class: type, class_defaults: dict, groups: list[dict]) -> str | None:
+    """Why ``optimizer_class`` (whose resolved defaults are ``class_defaults``) with these param
+    groups (dicts of ``params``, the tensors to update, and the hyperparameters they set)
+    cannot use the fused kernels, or None if it can."""
+    if optimizer_class not in SUPPORTED_CLASSES:
+        return f"{optimizer_class.__name__} is not torch.optim.Adam or AdamW"
+    unknown = sorted(set(class_defaults) - set(HYPERPARAMETERS))
+    if unknown:      # a hyperparameter a later torch added: its meaning is not implemented here
+        return f"{optimizer_class.__name__} has hyperparameters the kernel does not implement: {unknown}"
+    for gi, group in enumerate(groups):
+        group = {**class_defaults, **group}
+        for flag in _OFF_FLAGS:
+            if group.get(flag):
+                return f"param group {gi} sets {flag}={group[flag]!r}"
+        for key in ("lr", "eps", "weight_decay"):
+            value = group.get(key)
+            if isinstance(value, torch.Tensor) and value.numel() != 1:
+                return f"param group {gi} has a {key} tensor of {value.numel()} elements"
+        for beta in group.get("betas", ()):
+            if isinstance(beta, torch.Tensor) and beta.numel() != 1:
+                return f"param group {gi} has a beta tensor of {beta.numel()} elements"
+        for p in group["params"]:
+            if p.dtype not in SUPPORTED_DTYPES:
+                return f"a parameter has dtype {p.dtype}"
+            if p.device.type not in ("cpu", "cuda"):
+                return f"a parameter is on {p.device.type}"
+            if not p.is_contiguous():
+                return f"a parameter of shape {tuple(p.shape)} is not contiguous"
+    return None
+
+
+def kernel_for(device_types: set[str]) -> str | None:
+    """``"cpp"`` (CPU tensors) or ``"triton"`` (CUDA tensors) when that kernel can run here,
+    else None. Builds the C++ extension on first use (logged once if it cannot)."""
+    if device_types == {"cpu"}:
+        return "cpp" if cpu_extension.load("fused_adam") is not None else None
+    if device_types == {"cuda"}:
+        from zerocompile.runtime import triton_adam
+
+        return "triton" if triton_adam.available() else None
+    return None
+
+
+def _scalar(value) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+class FusedAdam(Optimizer):
+    """Adam (``decoupled_weight_decay=False``) or AdamW (``True``) with fused kernels.
+
+    Takes the hyperparameters torch's ``Adam`` takes (ZeroOptimizer passes the defaults
+    torch's class resolved); ``unsupported_reason`` must have returned None for them."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 maximize=False, decoupled_weight_decay=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, foreach=foreach,
+                        capturable=capturable, differentiable=differentiable, fused=fused)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scale: float = 1.0):
+        """One update of every parameter with a gradient; ``grad_scale`` multiplies each
+        gradient as the kernel reads it (1.0: none)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group, grad_scale)
+        return loss
+
+    def _step_group(self, group: dict, grad_scale: float) -> None:
+        """Update the parameters of ``group`` (a param group dict) that have gradients."""
+        self._check(group)
+        by_device: dict[torch.device, list] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("FusedAdam does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            step = state["step"]
+            if not (isinstance(step, torch.Tensor) and step.dtype == torch.float32 and step.device.type == "cpu"):
+                state["step"] = torch.tensor(_scalar(step), dtype=torch.float32)
+            by_device.setdefault(p.device, []).append(p)
+        beta1, beta2 = (_scalar(b) for b in group["betas"])
+        hyper = dict(lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=_scalar(group["eps"]),
+                     weight_decay=_scalar(group["weight_decay"]),
+                     decoupled=bool(group["decoupled_weight_decay"]), maximize=bool(group["maximize"]),
+                     grad_scale=float(grad_scale))
+        for device, params in by_device.items():
+            states = [self.state[p] for p in params]
+            tensors = ([p for p in params], [p.grad.contiguous() for p in params],
+                       [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                       [s["step"] for s in states])
+            _run_kernel(device, tensors, hyper)
+
+    def _check(self, group: dict) -> None:
+        reason = unsupported_reason(FusedAdam._as_torch_class(group), self.defaults, [group])
+        if reason is not None:
+            raise RuntimeError(f"{type(self).__name__}: {reason}; use torch.optim.Adam/AdamW for it")
+
+    @staticmethod
+    def _as_torch_class(group: dict) -> type:
+        return torch.optim.AdamW if group.get("decoupled_weight_decay") else torch.optim.Adam
+
+
+def _run_kernel(device: torch.device, tensors: tuple, hyper: dict) -> None:
+    params, grads, exp_avgs, exp_avg_sqs, steps = tensors
+    torch.ops.zerocompile.fused_adam_step(
+        params, grads, exp_avgs, exp_avg_sqs, steps, [], hyper["lr"], hyper["beta1"], hyper["beta2"],
+        hyper["eps"], hyper["weight_decay"], hyper["decoupled"], hyper["maximize"], hyper["grad_scale"])
+
+
+# A torch.library op rather than a bare call into the extension: dispatch modes (the memory
+# tracker, communication counters) see the tensors it reads and writes, and fake tensors pass
+# through it (no-op fake kernel).
+@torch.library.custom_op("zerocompile::fused_adam_step",
+                         mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps", "copies"))
+def fused_adam_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                    exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], copies: list[torch.Tensor],
+                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
+                    maximize: bool, grad_scale: float) -> None:
+    """One Adam/AdamW step of every tensor in the lists, all on one device: the C++ kernel for
+    CPU tensors, the Triton kernel for CUDA tensors (arguments as ``csrc/fused_adam.cpp``'s)."""
+    devices = {t.device.type for t in params}
+    if devices == {"cpu"}:
+        module = cpu_extension.load("fused_adam")
+        if module is None:
+            raise RuntimeError("zerocompile::fused_adam_step: the C++ kernel csrc/fused_adam.cpp could not be "
+                               "built (see the warning logged by zerocompile); use torch.optim.Adam/AdamW")
+        module.adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies, lr, beta1, beta2, eps, weight_decay,
+                         decoupled, maximize, grad_scale)
+    elif devices == {"cuda"}:
+        from zerocompile.runtime import triton_adam
+
+        triton_adam.adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies, lr=lr, beta1=beta1, beta2=beta2,
+                              eps=eps, weight_decay=weight_decay, decoupled=decoupled, maximize=maximize,
+                              grad_scale=grad_scale)
+    elif devices:
+        raise RuntimeError(f"zerocompile::fused_adam_step: tensors on {sorted(devices)}; all on one CPU or CUDA "
+                           "device only")
+
+
+@fused_adam_step.register_fake
+def _fused_adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, steps, copies, lr, beta1, beta2, eps,
+                          weight_decay, decoupled, maximize, grad_scale) -> None:
+    return None

@@ -1,0 +1,216 @@
+"""Optimizer offload (``offload_optimizer``): the same numbers as without it, bit for bit (the
+same fused kernel updates every element, tile by tile); the moments really leave memory (the
+files hold them; live bytes after a step are params + grads + buffers); checkpoints move
+between offloaded and resident runs; bad settings are clear errors."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import zerocompile
+from census import StorageCensus
+from dist_utils import run_ranks
+from harness import Run, assert_matches, reference, zero_train_many
+from models import make_batch, make_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _nvme(path, **kw) -> dict:
+    return {"device": "nvme", "nvme_path": str(path), "buffer_size": 2048, "buffer_count": 3, **kw}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_nvme_offload_is_bitwise_the_run_without_it(tmp_path, stage):
+    """Tiny buffers (2048 elements, 3 in flight) so every parameter streams in several tiles;
+    a ratio of 0.5 offloads some parameters and keeps the others resident."""
+    base = Run(model="gpt", stage=stage, opt="adamw", steps=4, clip=1.0)
+    runs = [base] + [Run(model="gpt", stage=stage, opt="adamw", steps=4, clip=1.0,
+                         options=(("offload_optimizer", _nvme(tmp_path, **extra)),))
+                     for extra in ({}, {"ratio": 0.5})]
+    plain, offloaded, partial = run_ranks(zero_train_many, 2, runs)[0]
+    assert_matches(plain, reference(base))
+    for res in (offloaded, partial):
+        assert res["losses"] == plain["losses"] and res["norms"] == plain["norms"]
+        for key, value in plain["state"].items():
+            assert torch.equal(res["state"][key], value), key
+    assert offloaded["stats"]["optimizer_state_bytes"] == 0 < offloaded["stats"]["offloaded_bytes"]
+    assert 0 < partial["stats"]["optimizer_state_bytes"] < plain["stats"]["optimizer_state_bytes"]
+    assert not os.listdir(tmp_path) or all(f.endswith(".swap") for f in os.listdir(tmp_path))
+
+
+def _memory_worker(rank, world, path):
+    torch.manual_seed(0)
+    census = StorageCensus()
+    with census:
+        model = make_model("gpt")
+        psi_padded = sum(-(-p.numel() // world) * world for p in model.parameters())
+        compiled = torch.compile(model, backend="zero", options={
+            "stage": 3, "inner_compiler": "eager", "offload_optimizer": _nvme(path)})
+        opt = zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW, lr=1e-3)
+        for step in range(2):
+            x, y = make_batch("gpt", step, 8)
+            per = 8 // world
+            compiled(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+            opt.step()
+            del x, y
+            gc.collect()
+            live = census.settled_live_bytes()
+            opt.zero_grad()
+    swap = opt.inner._swap
+    buffers = opt.inner.buffer_bytes()
+    return {"live": live, "psi_padded": psi_padded, "buffers": buffers, "file_bytes": os.path.getsize(swap.path),
+            "offloaded": opt.offloaded_bytes(), "state_bytes": opt.state_bytes(), "kernel": opt.kernel,
+            "offload": opt.offload}
+
+
+def test_nvme_offload_resident_bytes_are_params_grads_and_buffers(tmp_path):
+    """Stage 3 fp32, 2 ranks: live bytes after the step (counted by a dispatch mode, as the
+    memory tests count) are at most 8 Psi/N (shards and their gradients) plus the pipeline's
+    buffers plus AdamW's 4-byte step counters; the swap file holds the 8 Psi/N of moments."""
+    for res in run_ranks(_memory_worker, 2, str(tmp_path)):
+        n = 2
+        state = 8 * res["psi_padded"] / n
+        assert res["kernel"] == "cpp" and res["offload"] == "nvme"
+        assert res["offloaded"] == state and res["state_bytes"] == 0
+        assert res["file_bytes"] >= state
+        assert 8 * res["psi_padded"] / n <= res["live"] <= 8 * res["psi_padded"] / n + res["buffers"] + 4096, res
+    assert not os.listdir(tmp_path)        # the swap files are deleted at exit
+
+
+def _checkpoint_worker(rank, world, path, ckpt):
+    """Train 2 steps, save, then resume into a fresh model and optimizer with the other
+    offload setting and train 2 more; compare with 4 uninterrupted steps."""
+    def make(offload):
+        torch._dynamo.reset()
+        model = make_model("gpt")
+        options = {"stage": 3, "inner_compiler": "eager"}
+        if offload:
+            options["offload_optimizer"] = _nvme(path)
+        compiled = torch.compile(model, backend="zero", options=options)
+        return compiled, zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW, lr=1e-2)
+
+    def train(compiled, opt, steps):
+        for step in steps:
+            x, y = make_batch("gpt", step, 8)
+            per = 8 // world
+            compiled(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+            opt.step()
+            opt.zero_grad()
+
+    out = {}
+    compiled, opt = make(False)
+    train(compiled, opt, range(4))
+    out["uninterrupted"] = zerocompile.full_state_dict(compiled, rank0_only=False)
+    for first, second in ((True, False), (False, True)):
+        compiled, opt = make(first)
+        train(compiled, opt, range(2))
+        zerocompile.save_checkpoint(f"{ckpt}/{first}", compiled, opt)
+        compiled, opt = make(second)
+        zerocompile.load_checkpoint(f"{ckpt}/{first}", compiled, opt)
+        train(compiled, opt, range(2, 4))
+        out[(first, second)] = zerocompile.full_state_dict(compiled, rank0_only=False)
+        assert opt.offload == ("nvme" if second else None)
+    return out
+
+
+def test_checkpoints_move_between_offloaded_and_resident_runs(tmp_path):
+    res = run_ranks(_checkpoint_worker, 2, str(tmp_path / "swap"), str(tmp_path / "ckpt"))[0]
+    for key in ((True, False), (False, True)):
+        for name, value in res["uninterrupted"].items():
+            assert torch.equal(res[key][name], value), (key, name)
+
+
+def _hf_worker(rank, world, path):
+    import test_third_party_models as hf
+
+    out = {}
+    for offload in (False, True):
+        torch._dynamo.reset()
+        options = {"stage": 3, "inner_compiler": "eager"}
+        if offload:
+            options["offload_optimizer"] = _nvme(path)
+        model = torch.compile(hf.build("llama"), backend="zero", options=options)
+        opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+        per = hf.BATCH // world
+        for step in range(3):
+            hf.loss_of(model, "llama", hf.batch(step)[rank * per:(rank + 1) * per]).backward()
+            opt.step()
+            opt.zero_grad()
+        out[offload] = zerocompile.full_state_dict(model)
+    return out
+
+
+def test_nvme_offload_on_an_hf_llama_is_bitwise_the_run_without_it(tmp_path):
+    res = run_ranks(_hf_worker, 2, str(tmp_path))[0]
+    for name, value in res[False].items():
+        assert torch.equal(res[True][name], value), name
+
+
+def _compiled_tiny(options):
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager", **options})
+    compiled(torch.randn(3, 6)).sum().backward()
+    return compiled
+
+
+def test_offload_errors_and_the_cpu_no_op(tmp_path, caplog):
+    compiled = _compiled_tiny({"offload_optimizer": _nvme(tmp_path)})
+    with pytest.raises(ValueError, match=r"offload_optimizer='nvme' streams the optimizer state through zerocompile's "
+                                         r"fused Adam kernel, which cannot run here: SGD is not torch.optim.Adam"):
+        zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.SGD, lr=0.1).step()
+    with pytest.raises(ValueError, match=r"cannot run here: param group 0 sets amsgrad=True"):
+        zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW, amsgrad=True).step()
+    with pytest.raises(ValueError, match=r"cannot run here: kernel='torch' was asked for"):
+        zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW, kernel="torch").step()
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    compiled = _compiled_tiny({"offload_optimizer": _nvme(blocker / "sub")})
+    from zerocompile.runtime.swap_file import SwapFileError
+
+    with pytest.raises(SwapFileError, match=r"cannot create nvme_path .*file/sub"):
+        zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW).step()
+
+    compiled = _compiled_tiny({"offload_optimizer": {"device": "cpu"}})
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW)
+    with caplog.at_level("INFO", logger="zerocompile"):
+        opt.step()
+    assert opt.offload is None and opt.kernel == "cpp"
+    assert "offload_optimizer device 'cpu': the model is on the CPU" in caplog.text
+
+    torch.compiler.reset()
+    a = torch.nn.Linear(2, 2)
+    ca = torch.compile(a, backend="zero", options={"stage": 3, "inner_compiler": "eager",
+                                                    "offload_optimizer": _nvme(tmp_path)})
+    cb = torch.compile(torch.nn.Sequential(a), backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    ca(torch.randn(1, 2))
+    with pytest.raises(Exception, match="already sharded with offload_optimizer"):
+        cb(torch.randn(1, 2))
+    torch.compiler.reset()
+
+
+def test_swap_file_is_deleted_when_the_process_exits(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, torch, zerocompile
+        model = torch.nn.Linear(64, 64)
+        c = torch.compile(model, backend="zero", options={{"stage": 3, "inner_compiler": "eager",
+            "offload_optimizer": {{"device": "nvme", "nvme_path": {str(tmp_path)!r}}}}})
+        c(torch.randn(2, 64)).sum().backward()
+        opt = zerocompile.ZeroOptimizer(c.parameters(), torch.optim.AdamW)
+        opt.step()
+        print(sorted(os.listdir({str(tmp_path)!r})))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().startswith("['zerocompile-optimizer-rank0-pid")
+    assert os.listdir(tmp_path) == []
