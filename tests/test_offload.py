@@ -214,3 +214,47 @@ def test_swap_file_is_deleted_when_the_process_exits(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().startswith("['zerocompile-optimizer-rank0-pid")
     assert os.listdir(tmp_path) == []
+
+
+def _train_tiny(stage, offload, dtype=torch.float32, steps=4, **options):
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Tanh(), torch.nn.Linear(300, 7)).to(dtype)
+    if offload:
+        options["offload_optimizer"] = offload
+    compiled = torch.compile(model, backend="zero", options={"stage": stage, "inner_compiler": "eager", **options})
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        loss = compiled(torch.randn(5, 40, generator=g).to(dtype)).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, zerocompile.full_state_dict(compiled), opt
+
+
+@pytest.mark.parametrize("stage,dtype", [(0, torch.float32), (2, torch.float32), (3, torch.bfloat16)])
+def test_world_size_one_offload_every_stage_and_dtype(tmp_path, stage, dtype):
+    """No process group; stage 0 steps whole (not flat) parameters; a bfloat16 model keeps
+    bfloat16 masters and moments, streamed in 2-byte tiles."""
+    plain = _train_tiny(stage, None, dtype)
+    off = _train_tiny(stage, _nvme(tmp_path), dtype)
+    assert off[2].offload == "nvme" and off[0] == plain[0]
+    for key, value in plain[1].items():
+        assert off[1][key].dtype == dtype and torch.equal(off[1][key], value), key
+    assert off[2].offloaded_bytes() == 2 * sum(p.numel() for p in off[2].inner.param_groups[0]["params"]) * (
+        2 if dtype == torch.bfloat16 else 4)
+
+
+def test_offload_with_loss_scaling_skips_the_overflowing_step_alike(tmp_path):
+    """float16 compute with the loss_scale option: the first steps overflow at scale 2**16 and
+    are skipped; the skipped steps leave the offloaded state as they leave the resident one."""
+    opts = dict(param_dtype="float16", loss_scale={"initial_scale": 2.0**24, "hysteresis": 1})
+    plain = _train_tiny(3, None, steps=5, **opts)
+    off = _train_tiny(3, _nvme(tmp_path), steps=5, **opts)
+    assert plain[2].skipped_steps == off[2].skipped_steps > 0
+    assert off[0] == plain[0]
+    for key, value in plain[1].items():
+        assert torch.equal(off[1][key], value), key
