@@ -34,9 +34,14 @@ class OffloadSettings:
     """Elements per buffer (one tile of a flat shard); the buffers hold ``buffer_count`` tiles of
     each state tensor streamed through the step."""
 
-    ratio: float = 1.0
+    ratio: float | str = 1.0
     """Fraction of the optimizer state (by bytes, parameters in order) to offload; the rest stays
-    resident (DeepSpeed's partial offload)."""
+    resident (DeepSpeed's partial offload). ``"auto"``: as little as keeps this rank's model
+    state plus the largest simulated transient peak of its compiled graphs under the
+    ``memory_limit_mb`` option (required then), chosen when the optimizer binds."""
+
+    memory_limit_mb: float | None = None
+    """The ``memory_limit_mb`` option of the frame, for ``ratio="auto"`` (set by ``ZeroConfig``)."""
 
     threads: int = 8
     """I/O threads per swap file, i.e. requests in flight (DeepSpeed's ``aio.thread_count``)."""
@@ -88,8 +93,11 @@ def parse_offload(name: str, value) -> OffloadSettings:
     if kw.get("block_size", 4096) % 4096:
         raise ValueError(f"option '{name}.block_size' = {kw['block_size']} is invalid; allowed: a multiple of 4096")
     ratio = kw.get("ratio", 1.0)
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio) or not 0 < ratio <= 1:
-        raise ValueError(f"option '{name}.ratio' = {ratio!r} is invalid; allowed: a fraction in (0, 1]")
+    if ratio != "auto" and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio)
+                            or not 0 < ratio <= 1):
+        raise ValueError(f"option '{name}.ratio' = {ratio!r} is invalid; allowed: a fraction in (0, 1], or 'auto'")
+    if "memory_limit_mb" in value:
+        raise ValueError(f"unknown key '{name}.memory_limit_mb': the memory limit is the option memory_limit_mb")
     if not isinstance(kw.get("pin_memory", True), bool):
         raise ValueError(f"option '{name}.pin_memory' = {kw['pin_memory']!r} is invalid; allowed: True, False")
     return OffloadSettings(**kw)

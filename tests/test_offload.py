@@ -258,3 +258,32 @@ def test_offload_with_loss_scaling_skips_the_overflowing_step_alike(tmp_path):
     assert off[0] == plain[0]
     for key, value in plain[1].items():
         assert torch.equal(off[1][key], value), key
+
+
+def test_auto_ratio_offloads_the_least_that_fits_the_memory_limit(tmp_path):
+    """ratio="auto" with memory_limit_mb: resident optimizer state fits what the limit leaves
+    after parameters, gradients and the largest simulated transient peak (from the frame's
+    report), and keeping one more parameter's state resident would not fit; the numbers are
+    those of the run without offload."""
+    from zerocompile.config import ZeroConfig, ZeroConfigError
+
+    with pytest.raises(ZeroConfigError, match="'offload_optimizer.ratio' = 'auto' needs 'memory_limit_mb'"):
+        ZeroConfig.from_options({"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "ratio": "auto"}})
+    plain = _train_tiny(3, None, memory_limit_mb=1000.0)
+    (report,) = zerocompile.frame_reports()
+    weights = sum(p.numel() * 4 for p in plain[1].values())
+    # room for about half of AdamW's two moments next to params, grads and the transient peak
+    limit_mb = (2 * weights + report["results"]["simulated_peak_bytes"] + weights) / 2**20
+    off = _train_tiny(3, _nvme(tmp_path, ratio="auto"), memory_limit_mb=limit_mb)
+    assert off[0] == plain[0] and all(torch.equal(off[1][k], v) for k, v in plain[1].items())
+    opt = off[2]
+    (report,) = zerocompile.frame_reports()
+    transient = report["results"]["simulated_peak_bytes"]
+    targets = opt.inner.param_groups[0]["params"]
+    weights = sum(t.numel() * t.element_size() for t in targets)
+    available = limit_mb * 2**20 - 2 * weights - transient
+    resident = opt.state_bytes()
+    assert 0 < available and 0 < resident <= available < 2 * weights   # some state offloaded, some kept
+    offloaded = [t for t in targets if t in opt.inner._offloaded]
+    assert resident + 2 * offloaded[-1].numel() * offloaded[-1].element_size() > available
+    assert opt.offloaded_bytes() + resident == 2 * weights

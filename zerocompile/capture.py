@@ -30,7 +30,7 @@ from zerocompile.dump import recorder_for
 from zerocompile.passes.collective_summary import summarize_collectives
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.cost_model import cost_model_for
-from zerocompile.passes.liveness import saved_activation_bytes
+from zerocompile.passes.liveness import saved_activation_bytes, simulate
 from zerocompile.passes.manager import pipeline, run_passes
 from zerocompile.runtime.accounting import ACCOUNTING, CollectiveSummary
 from zerocompile.runtime.comm import CommGroup, resolve_group
@@ -58,6 +58,10 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         self.ctx.results["saved_activation_bytes"] = saved_activation_bytes(fw.graph, self.ctx.num_fwd_outputs)
         fw = run_passes(fw, self.ctx, "forward")
         bw = run_passes(bw, self.ctx, "backward")
+        # the transient peak a training step of this frame is simulated to reach (the backward
+        # counts its inputs: the saved activations and the incoming gradients)
+        self.ctx.results["simulated_peak_bytes"] = max(simulate(fw.graph).peak,
+                                                       simulate(bw.graph, count_inputs=True).peak)
         self.forward_summary = summarize_collectives(fw.graph)
         self.backward_summary = summarize_collectives(bw.graph)
         log.debug("[%s] forward: %s; backward: %s", self.ctx.frame, self.forward_summary,

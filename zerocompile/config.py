@@ -7,6 +7,7 @@ own keys or a DeepSpeed-style config dict. Every unknown key or bad value raises
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import math
@@ -130,7 +131,7 @@ class ZeroConfig:
     steps, as DeepSpeed's ``zero_optimization.offload_optimizer``: None (on the model's device)
     or a dict ``{"device": "nvme", "nvme_path": DIR}`` with optional ``buffer_count`` (4),
     ``buffer_size`` (elements per buffer, 4194304), ``ratio`` (1.0: the fraction of the state
-    offloaded), ``threads`` (8 I/O threads), ``block_size`` (1 MiB per request), ``pin_memory``
+    offloaded; ``"auto"``: as little as fits ``memory_limit_mb``), ``threads`` (8 I/O threads), ``block_size`` (1 MiB per request), ``pin_memory``
     (True). ``"device": "cpu"`` keeps it in host memory (a logged no-op when the model is on the
     CPU). Needs ``ZeroOptimizer`` with ``torch.optim.Adam``/``AdamW`` (zerocompile's fused
     kernel streams the state through the buffers). Parsed into an ``OffloadSettings``; see
@@ -211,9 +212,15 @@ class ZeroConfig:
                 "option 'unshard_budget_mb' = 'auto' needs 'memory_limit_mb' (the per-rank MiB the "
                 "simulated peak may reach); set it, or give unshard_budget_mb a number of MiB")
         try:
-            object.__setattr__(self, "offload_optimizer", parse_offload("offload_optimizer", self.offload_optimizer))
+            offload = parse_offload("offload_optimizer", self.offload_optimizer)
         except ValueError as err:
             raise ZeroConfigError(str(err)) from None
+        if offload.ratio == "auto":
+            if self.memory_limit_mb is None:
+                raise ZeroConfigError("option 'offload_optimizer.ratio' = 'auto' needs 'memory_limit_mb' (the per-rank "
+                                      "MiB model state and transient tensors may take); set it, or give a ratio")
+            offload = dataclasses.replace(offload, memory_limit_mb=float(self.memory_limit_mb))
+        object.__setattr__(self, "offload_optimizer", offload)
         object.__setattr__(self, "recompute", _parse_recompute(self.recompute))
         object.__setattr__(self, "cost_model", _parse_cost_model(self.cost_model))
         if self.dump is not None and not isinstance(self.dump, (str, os.PathLike)):

@@ -36,6 +36,7 @@ the same way everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -238,9 +239,34 @@ class ZeroOptimizer(Optimizer):
                              f"through zerocompile's fused Adam kernel, which cannot run here: {reason}. Use "
                              "torch.optim.Adam or AdamW with the defaults the kernel supports, or drop the option")
         group = self._layout_group()
+        if settings.ratio == "auto":
+            settings = dataclasses.replace(settings, ratio=self._auto_offload_ratio(groups, settings.memory_limit_mb))
         log.info("ZeroOptimizer: %s steps with zerocompile's fused C++ kernel, optimizer state offloaded to %s",
                  name, settings.device if settings.device == "cpu" else f"nvme ({settings.nvme_path})")
         return OffloadedAdam(groups, settings, name=f"optimizer-rank{group.rank}", **self._resolved_defaults)
+
+    def _auto_offload_ratio(self, groups: list[dict], limit_mb: float) -> float:
+        """``offload_optimizer.ratio="auto"``: the smallest fraction of the optimizer state to
+        offload so that this rank's parameters and gradients, the resident rest of the state
+        (AdamW: two moments per element) and the largest simulated transient peak of the
+        compiled frames using these parameters fit in ``limit_mb``. The same on every rank
+        (equal shards, the same graphs); at least a sliver, so the option is never a no-op."""
+        targets = {id(t): t for g in groups for t in g["params"] if t.requires_grad}.values()
+        weights = sum(t.numel() * t.element_size() for t in targets)
+        state = 2 * weights
+        params = {id(sp): sp for p in self._params() if (sp := get_state(p)) is not None}
+        frames = [r for r in list(ACCOUNTING.frames) if any(id(sp) in params for sp in r.plans if sp is not None)]
+        transient = max((r.partitioner.ctx.results.get("simulated_peak_bytes", 0) for r in frames), default=0)
+        # the shards (or parameters) and their gradients stay resident
+        available = limit_mb * 2**20 - 2 * weights - transient
+        ratio = min(1.0, max(1e-6, (state - available) / state)) if state else 1.0
+        log.info("ZeroOptimizer: offload_optimizer ratio 'auto' under memory_limit_mb=%g: parameters and gradients "
+                 "%d B, simulated transient peak %d B, optimizer state %d B -> offloading %.1f%% of it",
+                 limit_mb, 2 * weights, transient, state, 100 * ratio)
+        if available < 0:
+            log.warning("ZeroOptimizer: memory_limit_mb=%g is below what parameters, gradients and the transient "
+                        "peak need (%d B) even with all optimizer state offloaded", limit_mb, 2 * weights + transient)
+        return ratio
 
     def _sync_hyperparameters(self) -> None:
         for outer, inner in zip(self.param_groups, self._inner.param_groups):
