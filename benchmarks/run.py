@@ -21,7 +21,11 @@ step, in fp32 with ``torch.optim.AdamW`` and the same hyperparameters:
 - ``zero3-nopass``: stage 3 with every optional pass of the registry disabled (except
   ``cast_forward_inputs``, which fp32 does not run anyway);
 - ``zero3-offload``: stage 3 with ``offload_optimizer={"device": "nvme", ...}`` into a
-  temporary directory per rank (the moments stream through the fused kernel from a swap file).
+  temporary directory per rank (the moments stream through the fused kernel from a swap file);
+- ``ds-zero3-offload`` / ``ds-zero3-infinity``: DeepSpeed ZeRO-3 with its optimizer offload to
+  the CPU (ZeRO-Offload, its CPU Adam; on a CPU model the state stays in the same memory) or to
+  NVMe (ZeRO-Infinity; needs DeepSpeed's async_io op, i.e. libaio: skipped with the reason
+  where it does not build).
 
 The systems live side by side in every rank and take turns, one step each per round with
 the first system rotating, so drift in the machine's speed hits all alike. Round 0 is the
@@ -63,18 +67,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (MiB, RESULTS, CollectiveBytes, all_ranks_ok, error_line,  # noqa: E402
                     load_example, optional_pass_names, quantile, spawn_ranks)
 
-SYSTEMS = ("ddp", "fsdp2", "fsdp2-compile", "ds-zero1", "ds-zero2", "ds-zero3",
-           "zero1", "zero2", "zero3", "zero3-nopass", "zero3-offload")
+SYSTEMS = ("ddp", "fsdp2", "fsdp2-compile", "ds-zero1", "ds-zero2", "ds-zero3", "ds-zero3-offload",
+           "ds-zero3-infinity", "zero1", "zero2", "zero3", "zero3-nopass", "zero3-offload")
 LABELS = {
     "ddp": "DDP", "fsdp2": "FSDP2 eager", "fsdp2-compile": "FSDP2 + per-block compile",
     "ds-zero1": "DeepSpeed ZeRO-1", "ds-zero2": "DeepSpeed ZeRO-2", "ds-zero3": "DeepSpeed ZeRO-3",
+    "ds-zero3-offload": "DeepSpeed ZeRO-3 + ZeRO-Offload (CPU Adam)",
+    "ds-zero3-infinity": "DeepSpeed ZeRO-3 + ZeRO-Infinity (NVMe)",
     "zero1": "zerocompile stage 1", "zero2": "zerocompile stage 2", "zero3": "zerocompile stage 3",
     "zero3-nopass": "zerocompile stage 3, no opt. passes",
     "zero3-offload": "zerocompile stage 3, NVMe optimizer offload",
 }
 STAGE = {"ddp": 0, "fsdp2": 3, "fsdp2-compile": 3, "ds-zero1": 1, "ds-zero2": 2, "ds-zero3": 3,
+         "ds-zero3-offload": 3, "ds-zero3-infinity": 3,
          "zero1": 1, "zero2": 2, "zero3": 3, "zero3-nopass": 3, "zero3-offload": 3}
-OFFLOADED = ("zero3-offload",)
+OFFLOADED = ("zero3-offload", "ds-zero3-infinity")
 """Systems whose optimizer state lives in a swap file (a temporary directory per rank): their
 model-state formula is parameters and gradients only, 8 Psi / N."""
 REFERENCE = "fsdp2"
@@ -216,8 +223,18 @@ def build_system(name: str, args, spec: dict, example, device: torch.device, dis
                       "gradient_clipping": 0.0,
                       # a torch optimizer is "untested" to DeepSpeed's ZeRO; it works
                       "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
-            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), **hyper),
-                                                   config=config)
+            if name in ("ds-zero3-offload", "ds-zero3-infinity"):
+                # DeepSpeed's offload runs its own CPU Adam (built on first use), configured here
+                offload = {"device": "cpu"}
+                if name == "ds-zero3-infinity":
+                    system.swap_dir = tempfile.mkdtemp(prefix="zerocompile-bench-ds-swap-")
+                    offload = {"device": "nvme", "nvme_path": system.swap_dir}
+                config["zero_optimization"]["offload_optimizer"] = offload
+                config["optimizer"] = {"type": "AdamW", "params": hyper}
+                engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+            else:
+                engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), **hyper),
+                                                       config=config)
             system.model = engine
         else:
             options = {"stage": STAGE[name], "inner_compiler": inner}

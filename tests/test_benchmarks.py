@@ -54,7 +54,7 @@ def test_make_bench_quick(tmp_path):
     workload = result["workloads"]["gpt-tiny"]
     assert workload["reference"] == "fsdp2" and workload["psi"] > 0
     systems = workload["systems"]
-    assert len(systems) == 11
+    assert len(systems) == 13
     for name, entry in systems.items():
         if name.startswith("ds-") and entry["status"] == "skipped":
             continue
