@@ -42,6 +42,7 @@ import zerocompile
 RESULTS = Path(__file__).resolve().parent / "results"
 LR, WEIGHT_DECAY = 1e-4, 0.01
 PEER = "torch fused"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class LinearStack(nn.Module):
@@ -61,23 +62,23 @@ class LinearStack(nn.Module):
 
 def _gradients(shapes) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(shape, generator=g) * 1e-3 for shape in shapes]
+    return [(torch.randn(shape, generator=g) * 1e-3).to(dtype) for shape, dtype in shapes]
 
 
 def _plain(args, **flags):
     torch.manual_seed(0)
-    params = list(LinearStack(args.tensors, args.rows, args.cols).parameters())
-    for p, g in zip(params, _gradients([p.shape for p in params])):
+    params = list(LinearStack(args.tensors, args.rows, args.cols).to(DTYPES[args.dtype]).parameters())
+    for p, g in zip(params, _gradients([(p.shape, p.dtype) for p in params])):
         p.grad = g
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **flags), None
 
 
 def _stage3(args, **opt_kw):
     torch.manual_seed(0)
-    model = LinearStack(args.tensors, args.rows, args.cols)
+    model = LinearStack(args.tensors, args.rows, args.cols).to(DTYPES[args.dtype])
     compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager",
                                                              "cost_model": {"flops_per_s": 1e11}})
-    compiled(torch.randn(2, args.cols)).backward()    # shards the parameters, fills shard gradients
+    compiled(torch.randn(2, args.cols, dtype=DTYPES[args.dtype])).float().backward()   # shards, fills shard grads
     opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY,
                                     **opt_kw)
     return opt, model
@@ -129,11 +130,13 @@ def main(argv=None) -> int:
     p.add_argument("--cols", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=8, help="timed steps per variant")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="the parameters' dtype (bfloat16: a bfloat16 model keeps bfloat16 master shards)")
     p.add_argument("--variants", nargs="*", choices=list(VARIANTS), help="a subset (default: all)")
     p.add_argument("--out", type=Path, default=RESULTS / "optimizer_step.json")
     args = p.parse_args(argv)
     numel = args.tensors * args.rows * args.cols
-    print(f"optimizer step, AdamW, {numel / 1e6:.1f}M fp32 elements in {args.tensors} tensors, "
+    print(f"optimizer step, AdamW, {numel / 1e6:.1f}M {args.dtype} elements in {args.tensors} tensors, "
           f"{args.threads} thread(s), {args.rounds} rounds; load average {os.getloadavg()[0]:.2f}")
     results = run(args)
     print(f"{'variant':<36}{'kernel':>14}{'ms/step':>10}{'Gelem/s':>10}{'x ' + PEER:>15}{'paired':>9}")

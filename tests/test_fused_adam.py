@@ -230,6 +230,17 @@ def test_zero_optimizer_kernel_choice(kwargs, kernel):
     assert diff < 1e-6
 
 
+def test_float16_parameters_take_torch_fused_under_auto():
+    """The C++ kernel converts float16 with scalar code (4x torch's fused kernel here), so
+    "auto" leaves float16 parameters to torch's fused AdamW; "fused" still forces it."""
+    for kernel, expected in (("auto", "torch_fused"), ("fused", "cpp")):
+        p = torch.nn.Parameter(torch.ones(8, dtype=torch.float16))
+        opt = zerocompile.ZeroOptimizer([p], torch.optim.AdamW, lr=0.1, kernel=kernel)
+        p.grad = torch.ones(8, dtype=torch.float16)
+        opt.step()
+        assert opt.kernel == expected
+
+
 def test_zero_optimizer_kernel_errors():
     p = torch.nn.Parameter(torch.ones(3))
     with pytest.raises(ValueError, match="kernel='fast' is invalid; allowed: 'auto', 'fused', 'torch'"):
