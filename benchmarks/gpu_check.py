@@ -7,8 +7,9 @@
 3. A world-size-1 NCCL stage-3 training run of the demo GPT compiled with inductor (Triton
    code generation), against the same model trained by plain torch: losses and parameters,
    step time, and ``torch.cuda.max_memory_allocated`` of each; and the same run with
-   ``offload_optimizer={"device": "cpu"}`` (ZeRO-Offload), which must be bitwise the run
-   without it, with its ``max_memory_allocated``.
+   ``offload_optimizer={"device": "cpu"}`` (ZeRO-Offload), and with ``offload_param`` as well
+   (parameter shards in host memory, fetched by the graph), each of which must be bitwise the
+   run without offload, with its ``max_memory_allocated``.
 
 Without a CUDA device it says so and exits 0. ``--device cpu`` runs the same checks on the
 CPU instead (gloo, the Triton interpreter, the eager inner compiler) to test the script
@@ -134,7 +135,9 @@ def check_stage3_step(device: str, steps: int) -> dict:
         runs, states, kernels = {}, {}, {}
         # optimizer offload: to host memory on a GPU (ZeRO-Offload), to a swap file in the CPU dry run
         offload = {"device": "cpu"} if device == "cuda" else {"device": "nvme", "nvme_path": tempfile.mkdtemp()}
-        for name, extra in (("zerocompile_stage3", {}), ("zerocompile_stage3_offload", {"offload_optimizer": offload})):
+        variants = (("zerocompile_stage3", {}), ("zerocompile_stage3_offload", {"offload_optimizer": offload}),
+                    ("zerocompile_stage3_offload_all", {"offload_optimizer": offload, "offload_param": offload}))
+        for name, extra in variants:
             torch._dynamo.reset()
             torch.manual_seed(0)
             model = GPT(vocab=512, seq_len=64, d_model=128, n_layers=4, n_heads=4).to(device)
@@ -147,8 +150,9 @@ def check_stage3_step(device: str, steps: int) -> dict:
         state = states["zerocompile_stage3"]
         diff = max((state[k].float() - v.float()).abs().max().item() for k, v in ref.state_dict().items())
         loss_diff = max(abs(a - b) for a, b in zip(zero["losses"], plain["losses"]))
-        offload_same = off["losses"] == zero["losses"] and all(
-            torch.equal(states["zerocompile_stage3_offload"][k], v) for k, v in state.items())
+        offload_same = all(runs[name]["losses"] == zero["losses"] and all(
+            torch.equal(states[name][k], v) for k, v in state.items())
+            for name in ("zerocompile_stage3_offload", "zerocompile_stage3_offload_all"))
         return {"backend": backend, "inner_compiler": inner, "plain": plain, **runs,
                 "max_param_diff": diff, "max_loss_diff": loss_diff, "offload_bitwise_equal": offload_same,
                 "ok": diff < 1e-3 and loss_diff < 1e-3 and offload_same and off["offload"] == offload["device"]}

@@ -13,7 +13,9 @@ placeholder ``p`` with shard state ``sp`` it creates one placeholder per tensor 
   the gradient that reaches the view would be dropped without a word;
 - stage 3: ``gather_param(shard)``: all-gather, view as the parameter, then
   ``cast_param`` to the compute dtype if that differs (``cast_before_gather`` moves
-  the cast in front of the all-gather).
+  the cast in front of the all-gather). With ``offload_param`` the shard is first read
+  from its file: ``gather_param(fetch_shard(shard, file_number, directory))``, the file's
+  number a graph input of its own (a frame runs for many blocks' parameters).
 
 What each stage inserts is its ``Stage.insert_param_op`` (``runtime/stages.py``); this pass
 places it and marks it. The inserted op goes right before the parameter's first use, so that a gathered
@@ -33,7 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from zerocompile.passes import param_identity
 from zerocompile.passes.context import PassContext
 
-_INPUT_ROLES = {"": "param", "_replica": "param_replica", "_shard": "param_shard"}
+_INPUT_ROLES = {"": "param", "_replica": "param_replica", "_shard": "param_shard", "_file": "param_file"}
 
 
 def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=None, **_) -> torch.fx.GraphModule:
@@ -63,9 +65,8 @@ def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=N
             out = sp.rules.insert_param_op(graph, new_inputs, sp, group)
         if out is not new_inputs[0]:
             out.meta.setdefault("zerocompile", {"role": sp.rules.op_role, "param": sp.name})
-            for inserted in (out, *out.all_input_nodes):
-                if inserted not in new_inputs:
-                    param_identity.mark(inserted, index, sp.name)
+            for inserted in _inserted_nodes(out, new_inputs):
+                param_identity.mark(inserted, index, sp.name)
             if "example_value" in node.meta:
                 out.meta["example_value"] = node.meta["example_value"]
         if sp.rules.output_alias_drops_grad and "example_value" in node.meta:
@@ -74,6 +75,19 @@ def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=N
         graph.erase_node(node)
     _clone_outputs_aliasing(graph, alias_storages)
     return gm
+
+
+def _inserted_nodes(out: torch.fx.Node, inputs: list) -> list[torch.fx.Node]:
+    """``out`` and the nodes between it and the new placeholders ``inputs`` (what a stage's
+    ``insert_param_op`` added: a fetch, a gather, a cast)."""
+    found, frontier = [], [out]
+    while frontier:
+        node = frontier.pop()
+        if node in inputs or node in found:
+            continue
+        found.append(node)
+        frontier.extend(node.all_input_nodes)
+    return found
 
 
 def _storage(t) -> StorageWeakRef:

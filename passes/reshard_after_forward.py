@@ -6,6 +6,7 @@ all-gather, its wait, and every view or cast of the gathered tensor downstream)
 ``CheckpointPolicy.MUST_RECOMPUTE``. The min-cut partitioner then saves only the
 shard for backward and re-gathers there. Without the tags the partitioner saves the
 gathered parameter (or a view of it) from forward to backward, which is not ZeRO-3.
+With ``offload_param`` the fetch that reads each shard from its file is tagged as well.
 The partitioner never decides about collectives on its own: every rank sees the same
 graph and the same tags, so every rank issues the same collectives.
 """
@@ -17,10 +18,12 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerocompile.passes import param_identity
+from zerocompile.runtime import param_offload  # noqa: F401  (registers zerocompile::fetch_shard)
 from zerocompile.passes.context import PassContext
 
 _c10d = torch.ops._c10d_functional
 _aten = torch.ops.aten
+_FETCH = torch.ops.zerocompile.fetch_shard.default
 
 # A large AC region id keeps the partitioner's "save at region boundary" rule away
 # from these nodes (the same value SimpleFSDP uses).
@@ -71,12 +74,29 @@ def gather_chain(gather: torch.fx.Node) -> list[torch.fx.Node]:
     return chain
 
 
+def fetch_chain(fetch: torch.fx.Node) -> list[torch.fx.Node]:
+    """An ``offload_param`` fetch (``zerocompile::fetch_shard``) and the views/casts of what it
+    read, up to (not including) an all-gather: the whole parameter at world size 1."""
+    chain, frontier = [], [fetch]
+    while frontier:
+        node = frontier.pop()
+        if node in chain:
+            continue
+        chain.append(node)
+        frontier.extend(u for u in node.users if is_op(u, PASS_THROUGH_OPS))
+    return chain
+
+
 def tag_parameter_gathers(graph: torch.fx.Graph, policy=CheckpointPolicy.MUST_RECOMPUTE) -> int:
     """Tag every parameter gather chain with ``policy``, except gathers the
-    ``selective_unshard`` pass chose to keep; returns the number of gathers tagged."""
+    ``selective_unshard`` pass chose to keep; returns the number of gathers tagged.
+    ``offload_param`` fetches are tagged too, so the backward reads the file again rather
+    than keep the fetched shard (or, at world size 1, the whole parameter) alive."""
     gathers = [g for g in parameter_gathers(graph) if not g.meta.get("zerocompile", {}).get("keep_gathered")]
-    for gather in gathers:
-        for node in gather_chain(gather):
+    chains = [gather_chain(g) for g in gathers]
+    chains += [fetch_chain(f) for f in graph.find_nodes(op="call_function", target=_FETCH)]
+    for chain in chains:
+        for node in chain:
             node.meta["recompute"] = policy
             node.meta["ac_graph_id"] = GATHER_AC_GRAPH_ID
             node.meta.setdefault("zerocompile", {"role": "param_gather"})

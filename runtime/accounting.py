@@ -53,6 +53,8 @@ class ZeroStats:
     model's device; offloaded state is in ``offloaded_bytes``."""
     offloaded_bytes: int = 0
     """Bytes of optimizer state offloaded to host memory or swap files (``offload_optimizer``)."""
+    offloaded_param_bytes: int = 0
+    """Bytes of parameter shards held in files instead of ``param_bytes`` (``offload_param``)."""
 
     @property
     def comm_bytes(self) -> int:
@@ -72,7 +74,7 @@ class ZeroStats:
                for k in COLLECTIVE_KINDS}
         out.update(world_size=self.world_size, param_bytes=self.param_bytes,
                    grad_bytes=self.grad_bytes, optimizer_state_bytes=self.optimizer_state_bytes,
-                   offloaded_bytes=self.offloaded_bytes)
+                   offloaded_bytes=self.offloaded_bytes, offloaded_param_bytes=self.offloaded_param_bytes)
         return out
 
 
@@ -119,10 +121,13 @@ class Accounting:
     def snapshot(self) -> ZeroStats:
         params: dict[int, int] = {}
         grads: dict[int, int] = {}
+        offloaded_params = 0
         for state in list(self.states):
             p, g = state.storages()
             params.update(p)
             grads.update(g)
+            if state.shard_file is not None:
+                offloaded_params += state.shard_file.nbytes
         optimizers = list(self.optimizers)
         opt_bytes = sum(opt.state_bytes() for opt in optimizers)
         offloaded = sum(opt.offloaded_bytes() for opt in optimizers)
@@ -133,6 +138,7 @@ class Accounting:
             grad_bytes=sum(grads.values()),
             optimizer_state_bytes=opt_bytes,
             offloaded_bytes=offloaded,
+            offloaded_param_bytes=offloaded_params,
         )
 
 

@@ -19,7 +19,8 @@ What each stage holds per rank (compute dtype = ``param_dtype``):
 - stage 2: the same replica, which takes no gradient; gradients are
   reduce-scattered into ``shard.grad`` inside the backward graph.
 - stage 3: only the master shard; the parameter's storage is freed and the
-  graph all-gathers the shard.
+  graph all-gathers the shard. With ``offload_param`` the shard's values live in a
+  file (``shard_file``) and its own storage is freed too (``runtime/param_offload.py``).
 
 Where the parameter's own storage is freed (stage 3, and stages 1/2 with a
 different compute dtype), ``materialize()`` gathers it back on demand.
@@ -37,6 +38,7 @@ import torch
 from zerocompile import _torch_compat
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, chunk_size
 from zerocompile.runtime.offload_settings import OffloadSettings
+from zerocompile.runtime.param_offload import resident_shards
 from zerocompile.runtime.stages import Stage, stage_rules
 from zerocompile.runtime.zero_parameter import raw_grad, set_raw_grad
 
@@ -59,7 +61,8 @@ class ShardedParam:
     def __init__(self, param: torch.nn.Parameter, name: str, stage: int, group: CommGroup,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
                  bucket_mb: float = 25.0, keep_full: bool = False,
-                 offload_optimizer: OffloadSettings = OffloadSettings()):
+                 offload_optimizer: OffloadSettings = OffloadSettings(),
+                 offload_param: OffloadSettings = OffloadSettings()):
         if not param.is_contiguous():
             raise ValueError(
                 f"zerocompile: parameter '{name}' is not contiguous (stride {param.stride()}); "
@@ -67,7 +70,14 @@ class ShardedParam:
         self.param = param
         self.name = name
         self.stage = stage
-        self.rules: Stage = stage_rules(stage)
+        self.offload_param = offload_param
+        """The frame's ``offload_param`` option (compared when another frame uses the parameter)."""
+        self.shard_file = None
+        """Stage 3 with ``offload_param``: the ``ShardFile`` holding the master shard, whose own
+        storage is empty except inside ``resident_shards`` (``runtime/param_offload.py``)."""
+        self.shard_resident = 0       # nesting depth of resident_shards over this shard
+        self.shard_version = 0        # the shard's version counter when it was read back
+        self.rules: Stage = stage_rules(stage, offloads_param(offload_param, param.device))
         self.group = group
         self.shape = tuple(param.shape)
         self.numel = param.numel()
@@ -143,9 +153,10 @@ class ShardedParam:
         all-gather of the master shards (collective)."""
         if self.param_is_master:
             return self.param.detach().to(dtype or self.dtype).clone()
-        gathered = all_gather_flat(self.shard.detach().to(dtype or self.dtype), self.group.world,
-                                   self.group.name)
-        return gathered[: self.numel].view(self.shape).clone()
+        with resident_shards([self]):    # offload_param: the values are read back for the gather
+            gathered = all_gather_flat(self.shard.detach().to(dtype or self.dtype), self.group.world,
+                                       self.group.name)
+            return gathered[: self.numel].view(self.shape).clone()
 
     @_on_plain_tensors
     def refresh_replica(self, gathered_flat: torch.Tensor) -> None:
@@ -181,7 +192,8 @@ class ShardedParam:
             if not self.rules.shards_master:
                 self.param.copy_(full)
                 return
-            self.shard.copy_(self._own_chunk(flat.to(self.dtype), self.dtype))
+            with resident_shards([self], write=True):
+                self.shard.copy_(self._own_chunk(flat.to(self.dtype), self.dtype))
             if self.rules.keeps_replica:
                 self._flat_replica[: self.numel].copy_(flat)
             if self.materialized:
@@ -232,6 +244,12 @@ class ShardedParam:
                 if grad is not None:
                     grads[grad.untyped_storage().data_ptr()] = grad.untyped_storage().nbytes()
         return params, grads
+
+
+def offloads_param(settings: OffloadSettings, device: torch.device) -> bool:
+    """Whether ``offload_param`` = ``settings`` moves the shards of a parameter on ``device``
+    (``"cpu"`` does not when the parameter is on the CPU already)."""
+    return settings.device == "nvme" or (settings.device == "cpu" and device.type != "cpu")
 
 
 def get_state(param: torch.Tensor) -> ShardedParam | None:

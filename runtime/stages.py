@@ -9,7 +9,7 @@ update (``reduces_in_step``, ``keeps_replica``). ``ShardedParam``
 (``runtime/sharded_param.py``), the ``insert_param_collectives`` pass, ``ZeroOptimizer``,
 loss scaling and checkpoints ask the parameter's ``ShardedParam.rules`` rather than its stage
 number. Variants that change how a parameter travels (quantized gathers, offloaded shards)
-are meant to be new ``Stage`` classes answering the same questions.
+are new ``Stage`` classes answering the same questions (``Stage3Offload``: shards in files).
 
 =====  ==================  ======================  =================  ====================
 stage  between steps       graph input(s)          gradient lands in  optimizer step
@@ -30,6 +30,7 @@ import torch
 import torch.fx
 
 from zerocompile.runtime import param_ops
+from zerocompile.runtime.param_offload import ShardFile, fetch_shard, param_directory
 
 
 class Stage:
@@ -209,9 +210,37 @@ class Stage3(Stage):
         return cast
 
 
+class Stage3Offload(Stage3):
+    """Stage 3 with ``offload_param``: the master shard lives in a file between uses
+    (``runtime/param_offload.py``); the graph fetches it right before its all-gather. The
+    second graph input is the number of the parameter's file (never a constant of the graph:
+    one compiled frame runs for many blocks' parameters)."""
+
+    input_suffixes = ("_shard", "_file")
+
+    def build(self, sp, flat):
+        super().build(sp, flat)
+        sp.shard_file = ShardFile(param_directory(sp.offload_param), sp.name, sp.shard)
+        sp.shard.untyped_storage().resize_(0)
+
+    def graph_inputs(self, sp):
+        return (sp.shard, sp.shard_file.number_tensor)
+
+    def insert_param_op(self, graph, inputs, sp, group):
+        fetched = graph.call_function(fetch_shard, (inputs[0], inputs[1], param_directory(sp.offload_param)))
+        fetched.meta["zerocompile"] = {"role": "param_fetch", "param": sp.name}
+        return super().insert_param_op(graph, [fetched], sp, group)
+
+
 _STAGES = (Stage0(), Stage1(), Stage2(), Stage3())
+_STAGE3_OFFLOAD = Stage3Offload()
 
 
-def stage_rules(stage: int) -> Stage:
-    """The ``Stage`` of ZeRO stage ``stage`` (0-3)."""
+def stage_rules(stage: int, offload_param: bool = False) -> Stage:
+    """The ``Stage`` of ZeRO stage ``stage`` (0-3); ``offload_param``: stage 3's shards live in
+    files (``Stage3Offload``)."""
+    if offload_param:
+        if stage != 3:
+            raise ValueError(f"offload_param needs stage 3 (parameters are sharded only there), not stage {stage}")
+        return _STAGE3_OFFLOAD
     return _STAGES[stage]

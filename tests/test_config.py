@@ -96,8 +96,12 @@ def test_deepspeed_dict_is_translated():
 
 
 @pytest.mark.parametrize("ds,pattern", [
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-     r"DeepSpeed key 'zero_optimization.offload_param' is not supported"),
+    ({"zero_optimization": {"stage": 3, "overlap_comm": True}},
+     r"DeepSpeed key 'zero_optimization.overlap_comm' is not supported"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+     r"option 'offload_param' needs stage 3"),
+    ({"zero_optimization": {"stage": 3, "offload_param": "cpu"}},
+     r"DeepSpeed key 'zero_optimization.offload_param' must be a dict"),
     ({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 4},
      r"DeepSpeed key 'train_micro_batch_size_per_gpu' is not supported"),
     ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}},

@@ -133,11 +133,13 @@ def _hf_worker(rank, world, path):
     import test_third_party_models as hf
 
     out = {}
-    for offload in (False, True):
+    for offload in (False, True, "params too"):
         torch._dynamo.reset()
         options = {"stage": 3, "inner_compiler": "eager"}
         if offload:
             options["offload_optimizer"] = _nvme(path)
+        if offload == "params too":
+            options["offload_param"] = {"device": "nvme", "nvme_path": path}
         model = torch.compile(hf.build("llama"), backend="zero", options=options)
         opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
         per = hf.BATCH // world
@@ -150,9 +152,11 @@ def _hf_worker(rank, world, path):
 
 
 def test_nvme_offload_on_an_hf_llama_is_bitwise_the_run_without_it(tmp_path):
+    """Optimizer offload, and optimizer + parameter offload (ZeRO-Infinity's setting)."""
     res = run_ranks(_hf_worker, 2, str(tmp_path))[0]
     for name, value in res[False].items():
         assert torch.equal(res[True][name], value), name
+        assert torch.equal(res["params too"][name], value), name
 
 
 def _compiled_tiny(options):

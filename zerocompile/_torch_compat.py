@@ -170,10 +170,20 @@ class CheckedInterpreter(torch.fx.Interpreter):
         if n.op == "call_function":
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             sources = {id(self.env[i]): i.name for i in n.all_input_nodes if i in self.env}
+            if _reads_no_storage(n):
+                args = args[1:]
             for value in torch.utils._pytree.tree_leaves((args, kwargs)):
                 if isinstance(value, torch.Tensor):
                     _check_storage_covers(value, n, sources.get(id(value), "an argument"))
         return super().run_node(n)
+
+
+def _reads_no_storage(node: torch.fx.Node) -> bool:
+    """The node's first argument is a shard whose values the op reads from a file, not from its
+    (freed) storage: ``zerocompile::fetch_shard`` (``runtime/param_offload.py``)."""
+    from zerocompile.runtime import param_offload
+
+    return node.target is param_offload.fetch_shard or node.target is torch.ops.zerocompile.fetch_shard.default
 
 
 def _check_storage_covers(t: torch.Tensor, node: torch.fx.Node, name: str) -> None:

@@ -253,7 +253,8 @@ def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_f
     """Create ``param``'s shard state (once per parameter, by the first frame that uses it)."""
     compute = cfg.param_dtype if cfg.param_dtype is not None and param.is_floating_point() else param.dtype
     state = ShardedParam(param, name, cfg.stage, group, compute, cfg.reduce_dtype, cfg.bucket_mb,
-                         keep_full=keep_full, offload_optimizer=cfg.offload_optimizer)
+                         keep_full=keep_full, offload_optimizer=cfg.offload_optimizer,
+                         offload_param=cfg.offload_param)
     attach_state(param, state)
     ACCOUNTING.states.add(state)
     ACCOUNTING.world_size = group.world
@@ -262,11 +263,12 @@ def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_f
 
 def _check_compatible(state: ShardedParam, cfg: ZeroConfig, group: CommGroup, name: str) -> None:
     want_compute = cfg.param_dtype or state.dtype
-    if state.offload_optimizer != cfg.offload_optimizer:
-        raise ValueError(
-            f"zerocompile: parameter '{name}' is already sharded with offload_optimizer "
-            f"{state.offload_optimizer}, but this frame was compiled with {cfg.offload_optimizer}. "
-            "Compile every model that shares parameters with the same options.")
+    for option in ("offload_optimizer", "offload_param"):
+        if getattr(state, option) != getattr(cfg, option):
+            raise ValueError(
+                f"zerocompile: parameter '{name}' is already sharded with {option} "
+                f"{getattr(state, option)}, but this frame was compiled with {getattr(cfg, option)}. "
+                "Compile every model that shares parameters with the same options.")
     if state.stage != cfg.stage or state.group.name != group.name or state.reduce_dtype != cfg.reduce_dtype or (
             state.compute_dtype != want_compute and state.param.is_floating_point()):
         raise ValueError(
@@ -285,6 +287,9 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     sources = [_torch_compat.placeholder_source(node) for node in placeholders]
     plans, roots, eager_owned = _param_states(placeholders, sources, example_inputs, cfg, group)
+    if cfg.offload_param.device == "cpu" and any(sp is not None and sp.device.type == "cpu" for sp in plans):
+        log.info("[%s] offload_param device 'cpu': the parameters are on the CPU, so their shards already "
+                 "live in host memory; nothing to offload", frame)
     ctx = PassContext(config=cfg, group=group, frame=frame, recorder=recorder_for(cfg, group))
     if _needs_cost_model(ctx):
         ctx.cost_model = cost_model_for(cfg.cost_model, group, _frame_device(plans))

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from zerocompile.dcp_shards import ShardView
 from zerocompile.optimizer import ParamState, ZeroOptimizer
 from zerocompile.runtime.comm import CommGroup, resolve_group
+from zerocompile.runtime.param_offload import resident_shards
 from zerocompile.runtime.sharded_param import ShardedParam, get_state
 from zerocompile.state_dict import _unwrap
 
@@ -84,15 +85,16 @@ def save_checkpoint(path, model: torch.nn.Module, optimizer: ZeroOptimizer | Non
     token = _on_rank0(group, lambda: _prepare_destination(path))
     tmp = f"{path}.tmp-{token}"
 
-    state = _model_save_entries(entries, group)
-    if optimizer is not None:
-        state.update(_optimizer_save_entries(optimizer, fqns, group))
-    if group.rank == 0:
-        state[META_KEY] = json.dumps(_metadata(entries, fqns, optimizer, group))
-        state[EXTRA_KEY] = _pickle(extra)
-    with _single_process(group.group is None), _failures_named("saving", tmp):
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group.group,
-                 no_dist=group.group is None)
+    with resident_shards(_offloaded_shards(module)):     # offload_param: shards read back while saved
+        state = _model_save_entries(entries, group)
+        if optimizer is not None:
+            state.update(_optimizer_save_entries(optimizer, fqns, group))
+        if group.rank == 0:
+            state[META_KEY] = json.dumps(_metadata(entries, fqns, optimizer, group))
+            state[EXTRA_KEY] = _pickle(extra)
+        with _single_process(group.group is None), _failures_named("saving", tmp):
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group.group,
+                     no_dist=group.group is None)
     _on_rank0(group, lambda: _swap_in(tmp, path, token))
     logger.info("zerocompile: saved checkpoint %s (%d ranks)", path, group.world)
 
@@ -119,16 +121,18 @@ def load_checkpoint(path, model: torch.nn.Module, optimizer: ZeroOptimizer | Non
     entries = module.state_dict(keep_vars=True)
     _check_model(path, metadata, entries)
     group = _layout_group(module, optimizer)
-    state, after = _model_load_entries(entries, group)
-    if optimizer is not None:
-        fqns = _param_names(module)
-        plan = _OptimizerLoad(path, optimizer, fqns, metadata, meta, saved)
-        state.update(plan.entries(group))
-    with torch.no_grad(), _single_process(group.group is None), _failures_named("loading", path):
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group.group,
-                 no_dist=group.group is None)
-        for finish in after:
-            finish()
+    # offload_param: the shards are read back, loaded into, and written back to their files
+    with resident_shards(_offloaded_shards(module), write=True):
+        state, after = _model_load_entries(entries, group)
+        if optimizer is not None:
+            fqns = _param_names(module)
+            plan = _OptimizerLoad(path, optimizer, fqns, metadata, meta, saved)
+            state.update(plan.entries(group))
+        with torch.no_grad(), _single_process(group.group is None), _failures_named("loading", path):
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group.group,
+                     no_dist=group.group is None)
+            for finish in after:
+                finish()
     if optimizer is not None:
         plan.apply(state)
         if meta.get("loss_scaler") is not None:     # the loss_scale option's scale and history
@@ -200,6 +204,11 @@ def _shard_part(flat: torch.Tensor, sp: ShardedParam):
     if sp.group.world == 1 or len(sp.shape) == 0:      # the owner holds the whole tensor
         return piece.view(sp.shape)
     return ShardView(piece, sp.shape, start)
+
+
+def _offloaded_shards(module: torch.nn.Module) -> list[ShardedParam]:
+    """The shard states of ``module``'s parameters whose shards live in files (``offload_param``)."""
+    return [sp for p in module.parameters() if (sp := get_state(p)) is not None and sp.shard_file is not None]
 
 
 def _is_sharded(param) -> ShardedParam | None:

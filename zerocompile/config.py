@@ -137,6 +137,17 @@ class ZeroConfig:
     kernel streams the state through the buffers). Parsed into an ``OffloadSettings``; see
     docs/offload.md."""
 
+    offload_param: object = None
+    """Where stage 3's parameter shards (the master values) live between uses, as DeepSpeed's
+    ``zero_optimization.offload_param``: None (on the model's device) or a dict ``{"device":
+    "nvme", "nvme_path": DIR}``: one file per parameter under ``DIR``, read by a ``fetch_shard``
+    node right before the parameter's all-gather (scheduled with it by the prefetch pass), and
+    by the optimizer step, which writes the updated shard back. ``"device": "cpu"`` keeps them
+    in host memory (a logged no-op when the model is on the CPU). Optional keys: ``threads``
+    (8: files read and written in parallel by the step and by checkpoints), ``pin_memory``;
+    ``buffer_count``, ``buffer_size``, ``block_size`` are accepted and have no effect; ``ratio``
+    must stay 1. Stage 3 only. See docs/offload.md."""
+
     disabled_passes: tuple = field(default_factory=tuple)
     """Names of optional graph passes to skip (see docs/passes.md). Also given as
     ``options={"passes": {"disable": [...]}}``."""
@@ -221,6 +232,17 @@ class ZeroConfig:
                                       "MiB model state and transient tensors may take); set it, or give a ratio")
             offload = dataclasses.replace(offload, memory_limit_mb=float(self.memory_limit_mb))
         object.__setattr__(self, "offload_optimizer", offload)
+        try:
+            offload_param = parse_offload("offload_param", self.offload_param)
+        except ValueError as err:
+            raise ZeroConfigError(str(err)) from None
+        if offload_param.enabled and self.stage != 3:
+            raise ZeroConfigError(f"option 'offload_param' needs stage 3 (only stage 3 shards the parameters), "
+                                  f"not stage {self.stage}; use stage=3, or offload_optimizer alone")
+        if offload_param.ratio != 1.0:
+            raise ZeroConfigError(f"option 'offload_param.ratio' = {offload_param.ratio!r} is invalid: every "
+                                  "parameter shard is offloaded (allowed: 1); partial offload is offload_optimizer's")
+        object.__setattr__(self, "offload_param", offload_param)
         object.__setattr__(self, "recompute", _parse_recompute(self.recompute))
         object.__setattr__(self, "cost_model", _parse_cost_model(self.cost_model))
         if self.dump is not None and not isinstance(self.dump, (str, os.PathLike)):
@@ -313,7 +335,7 @@ def _parse_dtype(name: str, value, allow_none: bool):
 
 # ---------------------------------------------------------------------- DeepSpeed dicts
 _DEEPSPEED_TOP_LEVEL = ("zero_optimization", "bf16", "fp16", "communication_data_type", "aio")
-_DEEPSPEED_ZERO_KEYS = ("stage", "reduce_bucket_size", "allgather_bucket_size", "offload_optimizer")
+_DEEPSPEED_ZERO_KEYS = ("stage", "reduce_bucket_size", "allgather_bucket_size", "offload_optimizer", "offload_param")
 _DEEPSPEED_TRAINING_LOOP_KEYS = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
                                  "gradient_accumulation_steps", "gradient_clipping", "steps_per_print")
 """DeepSpeed keys for what a training script does itself: rejected with that advice, never
@@ -365,7 +387,7 @@ def translate_deepspeed(ds: dict) -> dict:
     ``fp16.enabled`` (param_dtype float16 and dynamic loss scaling) with ``fp16.loss_scale``,
     ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``, ``min_loss_scale``,
     ``consecutive_hysteresis`` (the ``loss_scale`` option), ``communication_data_type``,
-    ``zero_optimization.offload_optimizer`` (the ``offload_optimizer`` option) with ``aio``'s
+    ``zero_optimization.offload_optimizer`` and ``offload_param`` (the options of those names) with ``aio``'s
     ``block_size`` and ``thread_count``. Every other key is rejected by name.
     """
     out: dict = {}
@@ -389,10 +411,10 @@ def translate_deepspeed(ds: dict) -> dict:
                             "'allgather_bucket_size' differ; zerocompile has one bucket size "
                             "(bucket_mb): give them the same value")
                     out["bucket_mb"] = mb
-                elif zkey == "offload_optimizer":
+                elif zkey in ("offload_optimizer", "offload_param"):
                     if not isinstance(zval, dict):
-                        raise ZeroConfigError("DeepSpeed key 'zero_optimization.offload_optimizer' must be a dict")
-                    out["offload_optimizer"] = dict(zval)
+                        raise ZeroConfigError(f"DeepSpeed key 'zero_optimization.{zkey}' must be a dict")
+                    out[zkey] = dict(zval)
                 else:
                     raise ZeroConfigError(
                         f"DeepSpeed key 'zero_optimization.{zkey}' is not supported by zerocompile; "
@@ -435,6 +457,7 @@ def translate_deepspeed(ds: dict) -> dict:
                 f"DeepSpeed key '{key}' is not supported by zerocompile; supported: "
                 f"{', '.join(_DEEPSPEED_TOP_LEVEL)}. Optimizer, scheduler, batch size and clipping "
                 "settings belong in your training script (ZeroOptimizer, clip_grad_norm_)")
-    if aio and "offload_optimizer" in out:
-        out["offload_optimizer"] = {**aio, **out["offload_optimizer"]}
+    for kind in ("offload_optimizer", "offload_param"):
+        if aio and kind in out:
+            out[kind] = {**aio, **out[kind]}
     return out

@@ -52,6 +52,7 @@ from zerocompile.optimizer_rules import check_elementwise
 from zerocompile.runtime import cpu_extension, fused_adam
 from zerocompile.runtime.offload_settings import OffloadSettings
 from zerocompile.runtime.offloaded_adam import OffloadedAdam
+from zerocompile.runtime.param_offload import resident_shards
 from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup, all_reduce_sum, resolve_group
 from zerocompile.runtime.sharded_param import get_state
@@ -516,8 +517,11 @@ class ZeroOptimizer(Optimizer):
         if overflow:
             self._skip_step()
         else:
-            self._inner.step()
-            self._after_step()
+            offloaded = [sp for p in self._params() if (sp := get_state(p)) is not None and sp.shard_file is not None]
+            threads = max((sp.offload_param.threads for sp in offloaded), default=1)
+            with resident_shards(offloaded, write=True, threads=threads):   # offload_param: shards read back
+                self._inner.step()
+                self._after_step()
         if scaler is not None:
             scaler.update(overflow)
         self._grads_reduced = False

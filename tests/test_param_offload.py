@@ -1,0 +1,298 @@
+"""Parameter offload (``offload_param``, stage 3): the master shards live in files between uses.
+
+The numbers are those of stage 3 without it, bit for bit (the graph reads the same values from
+the file that it would read from the shard); the shards really leave memory (no parameter
+bytes are live between steps, and the fetched shard is not kept from forward to backward);
+gathering for eager code, writing a parameter, and checkpoints go through the files; bad
+settings are clear errors."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import zerocompile
+import zoo
+from census import StorageCensus
+from dist_utils import run_ranks
+from harness import Run, assert_matches, reference, train_on_rank_slices, zero_train_many
+from models import make_batch, make_model
+from zerocompile.runtime.sharded_param import get_state
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _nvme(path) -> dict:
+    return {"device": "nvme", "nvme_path": str(path)}
+
+
+def test_param_offload_is_bitwise_stage_three_on_two_ranks(tmp_path):
+    """The GPT of the equivalence tests with clipping; with parameter offload alone and with
+    optimizer offload as well (ZeRO-Infinity's setting)."""
+    base = Run(model="gpt", stage=3, opt="adamw", steps=3, clip=1.0)
+    runs = [base,
+            Run(model="gpt", stage=3, opt="adamw", steps=3, clip=1.0,
+                options=(("offload_param", _nvme(tmp_path / "p")),)),
+            Run(model="gpt", stage=3, opt="adamw", steps=3, clip=1.0,
+                options=(("offload_param", _nvme(tmp_path / "p")), ("offload_optimizer", _nvme(tmp_path / "o"))))]
+    plain, params, both = run_ranks(zero_train_many, 2, runs)[0]
+    assert_matches(plain, reference(base))
+    for res in (params, both):
+        assert res["losses"] == plain["losses"] and res["norms"] == plain["norms"]
+        for key, value in plain["state"].items():
+            assert torch.equal(res["state"][key], value), key
+        # stats() counts every model alive in the process, the earlier runs' too: the offloaded
+        # runs add no parameter bytes to the plain run's shards
+        assert res["stats"]["param_bytes"] == plain["stats"]["param_bytes"]
+    psi_half = plain["stats"]["param_bytes"]          # the resident fp32 shards of the plain run
+    assert params["stats"]["offloaded_param_bytes"] == psi_half > 0
+    assert both["stats"]["offloaded_param_bytes"] in (psi_half, 2 * psi_half)   # the second run's may be alive
+    assert both["stats"]["offloaded_bytes"] == 2 * psi_half and both["stats"]["optimizer_state_bytes"] == 0
+
+
+def _zoo_worker(rank, world, names, path):
+    out = {}
+    for name in names:
+        for offload in (False, True):
+            torch._dynamo.reset()
+            model = zoo.make(name)
+            options = {"stage": 3, "inner_compiler": "eager"}
+            if offload:
+                options["offload_param"] = _nvme(path)
+            compiled = torch.compile(model, backend="zero", options=options)
+            opt = zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+            losses = train_on_rank_slices(compiled, opt, (zoo.batch(step, 4) for step in range(3)), rank, world)
+            files = sum(1 for p in model.parameters() if (sp := get_state(p)) is not None and sp.shard_file)
+            out[(name, offload)] = (losses, zerocompile.full_state_dict(compiled, rank0_only=False), files)
+    return out
+
+
+def test_param_offload_on_the_zoo(tmp_path):
+    """Graph breaks inside layer loops, hooks that break, a block called twice, parameters shared
+    across blocks and tied to the head, a view of a parameter used across a break."""
+    names = ["loop_break_every", "hook_breaks", "called_twice", "shared_across_blocks", "param_view_across_break"]
+    res = run_ranks(_zoo_worker, 2, names, str(tmp_path))[0]
+    for name in names:
+        plain, off = res[(name, False)], res[(name, True)]
+        assert off[0] == plain[0], name
+        assert off[2] > 0 and res[(name, False)][2] == 0, name
+        for key, value in plain[1].items():
+            assert torch.equal(off[1][key], value), (name, key)
+
+
+def _memory_worker(rank, world, path):
+    """Live bytes after the forward and after the step, with and without parameter offload."""
+    out = {}
+    for offload in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        census = StorageCensus()
+        with census:
+            model = make_model("gpt")
+            psi_padded = sum(-(-p.numel() // world) * world for p in model.parameters())
+            options = {"stage": 3, "inner_compiler": "eager", "offload_optimizer": _nvme(path)}
+            if offload:
+                options["offload_param"] = _nvme(path)
+            compiled = torch.compile(model, backend="zero", options=options)
+            opt = zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW, lr=1e-3)
+            after_forward, after_step = [], []
+            for step in range(2):
+                x, y = make_batch("gpt", step, 8)
+                per = 8 // world
+                loss = compiled(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+                del x, y
+                gc.collect()
+                after_forward.append(census.settled_live_bytes())
+                loss.backward()
+                del loss
+                opt.step()
+                gc.collect()
+                after_step.append(census.settled_live_bytes())
+                opt.zero_grad()
+        out[offload] = {"forward": after_forward, "step": after_step, "psi_padded": psi_padded,
+                        "buffers": opt.inner.buffer_bytes(), "stats": zerocompile.stats().as_dict()}
+        del compiled, opt, model
+        gc.collect()
+    return out
+
+
+def test_param_offload_leaves_only_gradients_resident(tmp_path):
+    """Stage 3 fp32 on 2 ranks with both offloads, counted by a dispatch mode as the memory tests
+    count: after the step only the gradient shards (4 Psi/N), the optimizer pipeline's buffers
+    and AdamW's step counters are live; after the forward exactly the 4 Psi/N of resident shards
+    fewer bytes are live than without parameter offload (the fetched shards are not saved for
+    the backward, which fetches again)."""
+    for res in run_ranks(_memory_worker, 2, str(tmp_path)):
+        plain, off = res[False], res[True]
+        shards = 4 * plain["psi_padded"] // 2
+        # the census records a storage when an op creates or writes it: the plain run's shards,
+        # built outside any op and only read by the first forward's all-gathers, are counted
+        # from the first optimizer step on, so the forwards are compared at the second step
+        assert off["forward"][1] == plain["forward"][1] - shards, (plain["forward"], off["forward"])
+        for step in range(2):
+            grads = shards            # the gradient shards, alive until zero_grad()
+            assert grads <= off["step"][step] <= grads + off["buffers"] + 4096, off
+            assert off["step"][step] == plain["step"][step] - shards
+    # the ranks end with os._exit (no finalizers): what they left is removed by the next run
+    from zerocompile.runtime.param_offload import remove_stale_directories
+
+    assert len(remove_stale_directories(str(tmp_path))) == 2 and os.listdir(tmp_path) == []
+
+
+def _tiny(tmp_path, offload, **options):
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Tanh(), torch.nn.Linear(300, 7))
+    if offload:
+        options["offload_param"] = _nvme(tmp_path)
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager", **options})
+    return model, compiled
+
+
+def _train(compiled, steps=3, dtype=torch.float32, start=0):
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(step)
+        loss = compiled(torch.randn(5, 40, generator=g).to(dtype)).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, opt
+
+
+@pytest.mark.parametrize("options", [{}, {"param_dtype": "bfloat16"}, {"debug_checks": True},
+                                     {"reshard_after_forward": False}])
+def test_world_size_one_param_offload(tmp_path, options):
+    """No process group (no all-gather: the fetched shard is the parameter); bfloat16 compute
+    (the cast follows the fetch); the debug mode that checks every op's storage (the fetch
+    reads the file, never the shard's freed storage); the gathered parameters kept from forward
+    to backward."""
+    _, plain = _tiny(tmp_path, False, **options)
+    want = _train(plain)[0], zerocompile.full_state_dict(plain)
+    model, off = _tiny(tmp_path, True, **options)
+    got = _train(off)[0], zerocompile.full_state_dict(off)
+    assert got[0] == want[0]
+    for key, value in want[1].items():
+        assert torch.equal(got[1][key], value), key
+    for p in model.parameters():
+        sp = get_state(p)
+        assert sp.shard.untyped_storage().nbytes() == 0 and os.path.getsize(sp.shard_file.path) == 4 * sp.chunk
+
+
+def test_param_offload_with_inductor(tmp_path):
+    _, plain = _tiny(tmp_path, False, inner_compiler="inductor")
+    want = _train(plain)[0], zerocompile.full_state_dict(plain)
+    _, off = _tiny(tmp_path, True, inner_compiler="inductor")
+    got = _train(off)[0], zerocompile.full_state_dict(off)
+    assert got[0] == want[0]
+    for key, value in want[1].items():
+        assert torch.equal(got[1][key], value), key
+
+
+def test_eager_reads_and_writes_go_through_the_files(tmp_path):
+    """``gathered_parameters`` reads the files; a write into a parameter (``copy_``, as custom
+    init or EMA restore does) lands in its file, and the next forward computes with it."""
+    model, off = _tiny(tmp_path, True)
+    _train(off, steps=1)
+    full = zerocompile.full_state_dict(off)
+    with zerocompile.gathered_parameters(off):
+        assert torch.equal(model[0].weight.detach(), full["0.weight"])
+        norm = model[0].weight.norm().item()
+    assert norm == pytest.approx(full["0.weight"].norm().item())
+    new = torch.full_like(full["2.weight"], 0.25)
+    with torch.no_grad():
+        model[2].weight.copy_(new)
+    assert torch.equal(zerocompile.full_state_dict(off)["2.weight"], new)
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        expect = torch.tanh(x @ full["0.weight"].T + full["0.bias"]) @ new.T + full["2.bias"]
+        torch.testing.assert_close(off(x), expect, rtol=1e-6, atol=1e-6)
+
+
+def test_checkpoints_move_between_offloaded_and_resident_runs(tmp_path):
+    """Save from a run with parameter offload, resume without it, and the other way round: the
+    same weights as three uninterrupted steps."""
+    _, plain = _tiny(tmp_path / "p", False)
+    _train(plain, steps=3)
+    want = zerocompile.full_state_dict(plain)
+    for first, second in ((True, False), (False, True)):
+        _, a = _tiny(tmp_path / "p", first)
+        opt = _train(a, steps=2)[1]
+        ckpt = tmp_path / f"ckpt-{first}"
+        zerocompile.save_checkpoint(ckpt, a, opt)
+        _, b = _tiny(tmp_path / "p", second)
+        b(torch.randn(1, 40))           # compiled (and offloaded) before the load
+        opt_b = zerocompile.ZeroOptimizer(b.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+        zerocompile.load_checkpoint(ckpt, b, opt_b)
+        for step in range(2, 3):
+            g = torch.Generator().manual_seed(step)
+            b(torch.randn(5, 40, generator=g)).float().square().mean().backward()
+            opt_b.step()
+            opt_b.zero_grad()
+        got = zerocompile.full_state_dict(b)
+        for key, value in want.items():
+            assert torch.equal(got[key], value), (first, key)
+
+
+def test_param_offload_errors_and_the_cpu_no_op(tmp_path, caplog):
+    from zerocompile.config import ZeroConfig, ZeroConfigError, translate_deepspeed
+
+    with pytest.raises(ZeroConfigError, match=r"'offload_param' needs stage 3 .* not stage 2"):
+        ZeroConfig.from_options({"stage": 2, "offload_param": _nvme(tmp_path)})
+    with pytest.raises(ZeroConfigError, match=r"'offload_param.ratio' = 0.5 is invalid"):
+        ZeroConfig.from_options({"offload_param": {**_nvme(tmp_path), "ratio": 0.5}})
+    with pytest.raises(ZeroConfigError, match=r"'offload_param.device' = 'nvme' needs 'offload_param.nvme_path'"):
+        ZeroConfig.from_options({"offload_param": {"device": "nvme"}})
+    with pytest.raises(ZeroConfigError, match=r"unknown key 'offload_param.nvme'"):
+        ZeroConfig.from_options({"offload_param": {"device": "nvme", "nvme": "/x"}})
+    ds = translate_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 5, "max_in_cpu": 1e9}},
+        "aio": {"thread_count": 3}})
+    cfg = ZeroConfig.from_options(ds)
+    assert cfg.offload_param.device == "nvme" and cfg.offload_param.threads == 3
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(Exception, match=r"offload_param: cannot create the directory .*file/sub.*give offload_param.nvme_path a writable"):
+        _tiny(blocker / "sub", True)[1](torch.randn(2, 40))
+
+    model, compiled = _tiny(tmp_path, False, offload_param={"device": "cpu"})
+    with caplog.at_level("INFO", logger="zerocompile"):
+        compiled(torch.randn(2, 40))
+    assert "offload_param device 'cpu': the parameters are on the CPU" in caplog.text
+    assert all(get_state(p).shard_file is None for p in model.parameters())
+
+    torch.compiler.reset()
+    a = torch.nn.Linear(2, 2)
+    ca = torch.compile(a, backend="zero", options={"stage": 3, "inner_compiler": "eager",
+                                                    "offload_param": _nvme(tmp_path)})
+    cb = torch.compile(torch.nn.Sequential(a), backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    ca(torch.randn(1, 2))
+    with pytest.raises(Exception, match="already sharded with offload_param"):
+        cb(torch.randn(1, 2))
+    torch.compiler.reset()
+
+
+def test_param_files_are_deleted_when_the_process_exits(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, torch, zerocompile
+        model = torch.nn.Linear(64, 64)
+        c = torch.compile(model, backend="zero", options={{"stage": 3, "inner_compiler": "eager",
+            "offload_param": {{"device": "nvme", "nvme_path": {str(tmp_path)!r}}}}})
+        c(torch.randn(2, 64)).sum().backward()
+        (d,) = os.listdir({str(tmp_path)!r})
+        print(d, sorted(os.listdir(os.path.join({str(tmp_path)!r}, d))))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    directory, files = out.stdout.strip().split(" ", 1)
+    assert directory.startswith("zerocompile-params-") and len(eval(files)) == 2   # weight, bias
+    assert os.listdir(tmp_path) == []
