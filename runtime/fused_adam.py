@@ -92,14 +92,16 @@ class FusedAdam(Optimizer):
         super().__init__(params, defaults)
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: float = 1.0):
+    def step(self, closure=None, grad_scale: float = 1.0, only=None):
         """One update of every parameter with a gradient; ``grad_scale`` multiplies each
-        gradient as the kernel reads it (1.0: none)."""
+        gradient as the kernel reads it (1.0: none). ``only``: update just these parameters
+        (a collection of them; each parameter's update depends on nothing else, so stepping
+        the parameters in parts gives the numbers of one step of all)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for group in _groups_of(self.param_groups, only):
             self._step_group(group, grad_scale)
         return loss
 
@@ -141,6 +143,14 @@ class FusedAdam(Optimizer):
     @staticmethod
     def _as_torch_class(group: dict) -> type:
         return torch.optim.AdamW if group.get("decoupled_weight_decay") else torch.optim.Adam
+
+
+def _groups_of(groups: list[dict], only) -> list[dict]:
+    """``groups``, or (``only`` given) each group with just its parameters in ``only``."""
+    if only is None:
+        return groups
+    wanted = {id(p) for p in only}
+    return [{**g, "params": [p for p in g["params"] if id(p) in wanted]} for g in groups]
 
 
 def _run_kernel(device: torch.device, tensors: tuple, hyper: dict) -> None:

@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from zerocompile.runtime.fused_adam import FusedAdam, _scalar
+from zerocompile.runtime.fused_adam import FusedAdam, _groups_of, _scalar
 from zerocompile.runtime.offload_settings import OffloadSettings
 from zerocompile.runtime.swap_file import PAGE, SwapFile, aligned_empty
 
@@ -165,13 +165,13 @@ class OffloadedAdam(FusedAdam):
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: float = 1.0):
+    def step(self, closure=None, grad_scale: float = 1.0, only=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         offloaded = self._plan()
-        for group in self.param_groups:
+        for group in _groups_of(self.param_groups, only):
             self._check(group)
             resident = {**group, "params": [p for p in group["params"] if p not in offloaded]}
             self._step_group(resident, grad_scale)          # FusedAdam's path

@@ -187,6 +187,44 @@ def test_world_size_one_param_offload(tmp_path, options):
         assert sp.shard.untyped_storage().nbytes() == 0 and os.path.getsize(sp.shard_file.path) == 4 * sp.chunk
 
 
+class _ResidentAtEachUpdate(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of offloaded shards holding storage whenever the fused Adam kernel runs."""
+
+    def __init__(self, states):
+        super().__init__()
+        self.states = states
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.zerocompile.fused_adam_step.default:
+            self.seen.append(sum(sp.shard.untyped_storage().nbytes() for sp in self.states))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_step_reads_back_a_bounded_part_of_the_shards_at_a_time(tmp_path):
+    """With buffer_count x buffer_size = 2 x 2048 elements the 0.weight shard (12000 elements)
+    is updated alone and the three others together; the numbers are those of one update of all."""
+    _, plain = _tiny(tmp_path, False)
+    want = _train(plain)[0], zerocompile.full_state_dict(plain)
+    model, off = _tiny(tmp_path, False, offload_param={**_nvme(tmp_path), "buffer_count": 2, "buffer_size": 2048})
+    opt = zerocompile.ZeroOptimizer(off.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        loss = off(torch.randn(5, 40, generator=g)).float().square().mean()
+        loss.backward()
+        states = [get_state(p) for p in model.parameters()]
+        with _ResidentAtEachUpdate(states) as spy:
+            opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        assert spy.seen == [12000 * 4, (300 + 7 * 300 + 7) * 4], spy.seen
+        assert all(sp.shard.untyped_storage().nbytes() == 0 for sp in states)
+    assert losses == want[0]
+    for key, value in zerocompile.full_state_dict(off).items():
+        assert torch.equal(value, want[1][key]), key
+
+
 def test_param_offload_with_inductor(tmp_path):
     _, plain = _tiny(tmp_path, False, inner_compiler="inductor")
     want = _train(plain)[0], zerocompile.full_state_dict(plain)

@@ -143,10 +143,12 @@ class ZeroConfig:
     "nvme", "nvme_path": DIR}``: one file per parameter under ``DIR``, read by a ``fetch_shard``
     node right before the parameter's all-gather (scheduled with it by the prefetch pass), and
     by the optimizer step, which writes the updated shard back. ``"device": "cpu"`` keeps them
-    in host memory (a logged no-op when the model is on the CPU). Optional keys: ``threads``
-    (8: files read and written in parallel by the step and by checkpoints), ``pin_memory``;
-    ``buffer_count``, ``buffer_size``, ``block_size`` are accepted and have no effect; ``ratio``
-    must stay 1. Stage 3 only. See docs/offload.md."""
+    in host memory (a logged no-op when the model is on the CPU). Optional keys:
+    ``buffer_count`` x ``buffer_size`` (4 x 4194304 elements): the most shard elements the
+    optimizer step reads back at a time (with zerocompile's fused Adam; torch's optimizers
+    update all tensors in one call, so they get all shards at once); ``threads`` (8: files
+    read and written in parallel); ``pin_memory``; ``block_size`` is accepted and has no
+    effect; ``ratio`` must stay 1. Stage 3 only. See docs/offload.md."""
 
     disabled_passes: tuple = field(default_factory=tuple)
     """Names of optional graph passes to skip (see docs/passes.md). Also given as

@@ -517,17 +517,42 @@ class ZeroOptimizer(Optimizer):
         if overflow:
             self._skip_step()
         else:
-            offloaded = [sp for p in self._params() if (sp := get_state(p)) is not None and sp.shard_file is not None]
-            threads = max((sp.offload_param.threads for sp in offloaded), default=1)
-            with resident_shards(offloaded, write=True, threads=threads):   # offload_param: shards read back
-                self._inner.step()
-                self._after_step()
+            self._step_inner()
+            self._after_step()
         if scaler is not None:
             scaler.update(overflow)
         self._grads_reduced = False
         self._clipped_scaled = False
         self._scaler_flag = None
         return loss
+
+    def _step_inner(self) -> None:
+        """The inner optimizer's update. Shards kept in files (``offload_param``) are read back
+        for it and written again: with zerocompile's fused kernels part by part, at most
+        ``buffer_count * buffer_size`` elements of them at a time (each parameter's update
+        depends on nothing else, so the numbers are those of one step of all); torch's
+        optimizers update every tensor in one call, so all of them at once."""
+        offloaded = [sp for p in self._params() if (sp := get_state(p)) is not None and sp.shard_file is not None]
+        if not offloaded:
+            self._inner.step()
+            return
+        settings = offloaded[0].offload_param
+        if not isinstance(self._inner, fused_adam.FusedAdam):
+            with resident_shards(offloaded, write=True, threads=settings.threads):
+                self._inner.step()
+            return
+        in_files = {id(sp.shard) for sp in offloaded}
+        self._inner.step(only=[t for g in self._inner.param_groups for t in g["params"] if id(t) not in in_files])
+        limit = settings.buffer_count * settings.buffer_size
+        part, size = [], 0
+        for sp in offloaded + [None]:
+            if part and (sp is None or size + sp.chunk > limit):
+                with resident_shards(part, write=True, threads=settings.threads):
+                    self._inner.step(only=[s.shard for s in part])
+                part, size = [], 0
+            if sp is not None:
+                part.append(sp)
+                size += sp.chunk
 
     def _after_step(self) -> None:
         replicas = defaultdict(list)
@@ -543,10 +568,11 @@ class ZeroOptimizer(Optimizer):
                 sp.shard.grad = None     # the full gradients stay until zero_grad()
             sp.release()                 # eager-gathered copies are stale now
         for (group, dtype), items in replicas.items():
-            shards = [sp.shard.detach().to(dtype) for sp, _ in items]
-            gathered = all_gather_concat(shards, group, self._bucket_bytes([sp for sp, _ in items]))
-            for (_, write), flat in zip(items, gathered):
-                write(flat)
+            with resident_shards([sp for sp, _ in items]):     # offload_param: shards read back
+                shards = [sp.shard.detach().to(dtype) for sp, _ in items]
+                gathered = all_gather_concat(shards, group, self._bucket_bytes([sp for sp, _ in items]))
+                for (_, write), flat in zip(items, gathered):
+                    write(flat)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients wherever zerocompile keeps them (parameters, replicas, shards)."""
