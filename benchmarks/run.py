@@ -22,6 +22,8 @@ step, in fp32 with ``torch.optim.AdamW`` and the same hyperparameters:
   ``cast_forward_inputs``, which fp32 does not run anyway);
 - ``zero3-offload``: stage 3 with ``offload_optimizer={"device": "nvme", ...}`` into a
   temporary directory per rank (the moments stream through the fused kernel from a swap file);
+- ``zero3-infinity``: the same with ``offload_param`` into that directory as well (the
+  parameter shards live in files, fetched by the graph before each all-gather);
 - ``ds-zero3-offload`` / ``ds-zero3-infinity``: DeepSpeed ZeRO-3 with its optimizer offload to
   the CPU (ZeRO-Offload, its CPU Adam; on a CPU model the state stays in the same memory) or to
   NVMe (ZeRO-Infinity; needs DeepSpeed's async_io op, i.e. libaio: skipped with the reason
@@ -68,7 +70,7 @@ from common import (MiB, RESULTS, CollectiveBytes, all_ranks_ok, error_line,  # 
                     load_example, optional_pass_names, quantile, spawn_ranks)
 
 SYSTEMS = ("ddp", "fsdp2", "fsdp2-compile", "ds-zero1", "ds-zero2", "ds-zero3", "ds-zero3-offload",
-           "ds-zero3-infinity", "zero1", "zero2", "zero3", "zero3-nopass", "zero3-offload")
+           "ds-zero3-infinity", "zero1", "zero2", "zero3", "zero3-nopass", "zero3-offload", "zero3-infinity")
 LABELS = {
     "ddp": "DDP", "fsdp2": "FSDP2 eager", "fsdp2-compile": "FSDP2 + per-block compile",
     "ds-zero1": "DeepSpeed ZeRO-1", "ds-zero2": "DeepSpeed ZeRO-2", "ds-zero3": "DeepSpeed ZeRO-3",
@@ -77,11 +79,13 @@ LABELS = {
     "zero1": "zerocompile stage 1", "zero2": "zerocompile stage 2", "zero3": "zerocompile stage 3",
     "zero3-nopass": "zerocompile stage 3, no opt. passes",
     "zero3-offload": "zerocompile stage 3, NVMe optimizer offload",
+    "zero3-infinity": "zerocompile stage 3, NVMe optimizer + parameter offload",
 }
 STAGE = {"ddp": 0, "fsdp2": 3, "fsdp2-compile": 3, "ds-zero1": 1, "ds-zero2": 2, "ds-zero3": 3,
          "ds-zero3-offload": 3, "ds-zero3-infinity": 3,
-         "zero1": 1, "zero2": 2, "zero3": 3, "zero3-nopass": 3, "zero3-offload": 3}
-OFFLOADED = ("zero3-offload", "ds-zero3-infinity")
+         "zero1": 1, "zero2": 2, "zero3": 3, "zero3-nopass": 3, "zero3-offload": 3, "zero3-infinity": 3}
+OFFLOADED = ("zero3-offload", "ds-zero3-infinity", "zero3-infinity")
+PARAMS_OFFLOADED = ("zero3-infinity",)
 """Systems whose optimizer state lives in a swap file (a temporary directory per rank): their
 model-state formula is parameters and gradients only, 8 Psi / N."""
 REFERENCE = "fsdp2"
@@ -243,6 +247,8 @@ def build_system(name: str, args, spec: dict, example, device: torch.device, dis
             if name in OFFLOADED:
                 system.swap_dir = tempfile.mkdtemp(prefix="zerocompile-bench-swap-")
                 options["offload_optimizer"] = {"device": "nvme", "nvme_path": system.swap_dir}
+            if name in PARAMS_OFFLOADED:
+                options["offload_param"] = {"device": "nvme", "nvme_path": system.swap_dir}
             system.model = torch.compile(model, backend="zero", options=options)
             system.opt = zerocompile.ZeroOptimizer(system.model.parameters(), optimizer_class=torch.optim.AdamW,
                                                    **hyper)
@@ -381,9 +387,12 @@ def rank_main(rank: int, world: int, args, spec: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- report
-def state_formula(stage: int, psi: int, world: int, offloaded: bool = False) -> float:
+def state_formula(stage: int, psi: int, world: int, offloaded: bool = False, params_offloaded: bool = False) -> float:
     """Model-state bytes per rank of fp32 AdamW at a ZeRO stage (the formulas of zerocompile's
-    tests); with the optimizer state offloaded, stage 3 holds parameters and gradients, 8 Psi/N."""
+    tests); with the optimizer state offloaded, stage 3 holds parameters and gradients, 8 Psi/N;
+    with the parameters offloaded as well, the gradients, 4 Psi/N."""
+    if params_offloaded:
+        return 4 * psi / world
     if offloaded:
         return 8 * psi / world
     return {0: 16 * psi, 1: 8 * psi + 8 * psi / world, 2: 4 * psi + 12 * psi / world, 3: 16 * psi / world}[stage]
@@ -432,7 +441,8 @@ def summarise(ranks: list[dict], args, world: int) -> dict:
             peak_bytes_per_rank=[p["peak_bytes"][-1] for p in per_rank],
             peak_bytes=max(p["peak_bytes"][-1] for p in per_rank),
             state_bytes=max(p["state_bytes"][-1] for p in per_rank),
-            state_formula_bytes=state_formula(STAGE[name], psi, world, offloaded=name in OFFLOADED),
+            state_formula_bytes=state_formula(STAGE[name], psi, world, offloaded=name in OFFLOADED,
+                                              params_offloaded=name in PARAMS_OFFLOADED),
             comm_by_kind=totals[0], comm_ops=per_rank[0]["comm"]["ops"],
             comm_unknown_ops=per_rank[0]["comm"]["unknown"],
             comm_wire_bytes=max(wire_bytes(t, world) for t in totals),
@@ -598,7 +608,7 @@ def main(argv=None) -> int:
         "with inductor a lower bound, buffers inductor allocates inside compiled code are not seen.",
         "model state: live bytes right after the optimizer step (before zero_grad), against the ZeRO formula "
         "16Ψ / 8Ψ+8Ψ/N / 4Ψ+12Ψ/N / 16Ψ/N (FSDP2 = stage 3, DDP = stage 0; 8Ψ/N with the optimizer state "
-        "offloaded, plus its buffers). DeepSpeed frees its "
+        "offloaded, 4Ψ/N with the parameters too, plus buffers). DeepSpeed frees its "
         "gradients inside step(), so its figure holds none; DeepSpeed keeps its 25 MiB buckets.",
         "comm: bytes each rank sends per step with ring collectives, (N-1)/N x (all-gather + reduce-scatter "
         "+ 2 x all-reduce full buffers) from one dispatch-mode counter, against 2x4Ψ(N-1)/N (stages 0-2) "
