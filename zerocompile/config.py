@@ -147,7 +147,7 @@ class ZeroConfig:
     ``buffer_count`` x ``buffer_size`` (4 x 4194304 elements): the most shard elements the
     optimizer step reads back at a time (with zerocompile's fused Adam; torch's optimizers
     update all tensors in one call, so they get all shards at once); ``threads`` (8: files
-    read and written in parallel); ``pin_memory``; ``block_size`` is accepted and has no
+    read and written in parallel); ``pin_memory`` and ``block_size`` are accepted and have no
     effect; ``ratio`` must stay 1. Stage 3 only. See docs/offload.md."""
 
     disabled_passes: tuple = field(default_factory=tuple)
