@@ -346,3 +346,88 @@ def test_the_kernel_is_a_torch_op_that_dispatch_modes_and_fake_tensors_see():
         fake_opt = fused_adam.FusedAdam([q], lr=0.1)
         fake_opt.step()
     assert type(fake_opt.state[q]["exp_avg"]).__name__ == "FakeTensor"
+
+
+class _KernelScales(torch.utils._python_dispatch.TorchDispatchMode):
+    """The grad_scale of every fused Adam kernel call, and whether any op multiplied a
+    gradient in place (what clipping without the kernel does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales, self.in_place_muls = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.zerocompile.fused_adam_step.default:
+            self.scales.append(args[-1])
+        if func in (torch.ops.aten.mul_.Tensor, torch.ops.aten._foreach_mul_.Tensor,
+                    torch.ops.aten._foreach_mul_.ScalarList, torch.ops.aten._foreach_mul_.List):
+            self.in_place_muls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _clipped_run(stage, apply_now, accumulate_after_clip=None, steps=3):
+    """Train a small model with clipping; ``apply_now``: multiply the gradients by the clipping
+    coefficient at once (what happens where the coefficient cannot be left to the kernel);
+    ``accumulate_after_clip``: "forward" (another forward and backward between clipping and the
+    step) or "retain" (another backward of the same graph)."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    compiled = torch.compile(model, backend="zero", options={"stage": stage, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+    spy = _KernelScales()
+    norms = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(5, 6, generator=g)
+        loss = compiled(x).square().mean() * 50
+        loss.backward(retain_graph=accumulate_after_clip == "retain")
+        norms.append(opt.clip_grad_norm_(0.5).item())
+        if apply_now:
+            opt._apply_deferred()
+        if accumulate_after_clip == "forward":
+            compiled(x * 2).square().mean().backward()
+        elif accumulate_after_clip == "retain":
+            loss.backward()
+        with spy:
+            opt.step()
+        opt.zero_grad()
+    state = zerocompile.full_state_dict(compiled)
+    torch.compiler.reset()
+    return norms, state, spy
+
+
+@pytest.mark.parametrize("after", [None, "forward", "retain"])
+def test_clipping_coefficient_is_applied_by_the_kernel_bitwise(after):
+    """At stage 3 the clipping coefficient is passed to the fused kernel instead of multiplying
+    the gradients first: one pass over them fewer, the same numbers bit for bit as multiplying at
+    once, also when a backward adds to the clipped gradients before the step (the coefficient is
+    applied to them first, as clipping in place would have)."""
+    norms, state, spy = _clipped_run(3, apply_now=False, accumulate_after_clip=after)
+    ref_norms, ref_state, ref_spy = _clipped_run(3, apply_now=True, accumulate_after_clip=after)
+    assert norms == ref_norms and all(n > 0.5 for n in norms)      # every step clipped
+    for key, value in ref_state.items():
+        assert torch.equal(state[key], value), key
+    assert all(s == 1.0 for s in ref_spy.scales)
+    if after is None:
+        assert spy.in_place_muls == 0 and len(spy.scales) == 3 and all(0 < s < 1 for s in spy.scales)
+    else:   # the second backward applied it: the kernel had nothing left to scale
+        assert all(s == 1.0 for s in spy.scales)
+
+
+def test_clipping_coefficient_stays_eager_where_gradients_are_readable():
+    """Stage 0 on one process: ``p.grad`` is the gradient and readable between clipping and the
+    step, so it is clipped in place; the result matches torch's clip_grad_norm_ and AdamW."""
+    norms, state, spy = _clipped_run(0, apply_now=False)
+    assert all(s == 1.0 for s in spy.scales)
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1, fused=True)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        (ref(torch.randn(5, 6, generator=g)).square().mean() * 50).backward()
+        assert torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item() == pytest.approx(norms[step], rel=1e-6)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-6)

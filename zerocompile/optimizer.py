@@ -41,6 +41,7 @@ import inspect
 import logging
 import math
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -108,6 +109,11 @@ class ZeroOptimizer(Optimizer):
         self._default_group = process_group
         self._scaler = loss_scale.LossScaler()   # the loss_scale option's, configured by the first frame
         self._clipped_scaled = False     # clip_grad_norm_ ran without knowing of a GradScaler
+        self._deferred_scale: float | None = None
+        """A clipping coefficient not yet applied to the gradients of ``self._deferred``: the
+        fused kernel multiplies them by it as it reads them in the step (see clip_grad_norm_)."""
+        self._deferred: dict[int, torch.Tensor] = {}    # id(target) -> target whose grad it scales
+        self._hooked: set[int] = set()                  # ids of targets with the accumulate hook
         self._scaler_flag: torch.Tensor | None = None   # overflow flag recorded for a GradScaler
         self.skipped_steps = 0
         """Optimizer steps skipped because some rank's gradients were not finite."""
@@ -431,6 +437,7 @@ class ZeroOptimizer(Optimizer):
         """Multiply the gradients the inner optimizer reads by ``inv_scale`` (None: leave them)
         and return 1.0 if any rank has a non-finite one (or a flag in ``earlier`` is set), else
         0.0: a float32 scalar, the same on every rank (all-reduced with MAX)."""
+        self._apply_deferred()      # a clipping coefficient still pending: applied now, in place
         by_kind = defaultdict(list)
         for p in self._params():
             grad = raw_grad(self._target(p))
@@ -515,6 +522,7 @@ class ZeroOptimizer(Optimizer):
             self._reduce_gradients()
             overflow = False
         if overflow:
+            self._apply_deferred()      # the gradients stay as clipping left them
             self._skip_step()
         else:
             self._step_inner()
@@ -524,6 +532,7 @@ class ZeroOptimizer(Optimizer):
         self._grads_reduced = False
         self._clipped_scaled = False
         self._scaler_flag = None
+        self._clear_deferred()
         return loss
 
     def _step_inner(self) -> None:
@@ -533,26 +542,37 @@ class ZeroOptimizer(Optimizer):
         depends on nothing else, so the numbers are those of one step of all); torch's
         optimizers update every tensor in one call, so all of them at once."""
         offloaded = [sp for p in self._params() if (sp := get_state(p)) is not None and sp.shard_file is not None]
-        if not offloaded:
-            self._inner.step()
-            return
-        settings = offloaded[0].offload_param
         if not isinstance(self._inner, fused_adam.FusedAdam):
-            with resident_shards(offloaded, write=True, threads=settings.threads):
+            with resident_shards(offloaded, write=True, threads=max((sp.offload_param.threads for sp in offloaded),
+                                                                     default=1)):
                 self._inner.step()
             return
         in_files = {id(sp.shard) for sp in offloaded}
-        self._inner.step(only=[t for g in self._inner.param_groups for t in g["params"] if id(t) not in in_files])
+        self._fused_step([t for g in self._inner.param_groups for t in g["params"] if id(t) not in in_files])
+        if not offloaded:
+            return
+        settings = offloaded[0].offload_param
         limit = settings.buffer_count * settings.buffer_size
         part, size = [], 0
         for sp in offloaded + [None]:
             if part and (sp is None or size + sp.chunk > limit):
                 with resident_shards(part, write=True, threads=settings.threads):
-                    self._inner.step(only=[s.shard for s in part])
+                    self._fused_step([s.shard for s in part])
                 part, size = [], 0
             if sp is not None:
                 part.append(sp)
                 size += sp.chunk
+
+    def _fused_step(self, targets: list) -> None:
+        """The fused inner optimizer's update of ``targets``, the gradients still owed a deferred
+        clipping coefficient multiplied by it inside the kernel."""
+        scale = self._deferred_scale
+        scaled = [t for t in targets if scale is not None and id(t) in self._deferred]
+        rest = [t for t in targets if scale is None or id(t) not in self._deferred]
+        if scaled:
+            self._inner.step(only=scaled, grad_scale=scale)
+        if rest:
+            self._inner.step(only=rest)
 
     def _after_step(self) -> None:
         replicas = defaultdict(list)
@@ -579,6 +599,7 @@ class ZeroOptimizer(Optimizer):
         self._grads_reduced = False
         self._clipped_scaled = False
         self._scaler_flag = None
+        self._clear_deferred()
         for p in self._params():
             sp = get_state(p)
             holders = [p] if sp is None else {id(t): t for t in (p, sp.replica, sp.shard) if t is not None}.values()
@@ -613,6 +634,7 @@ class ZeroOptimizer(Optimizer):
         else:
             self._clipped_scaled = True
         self._reduce_gradients()
+        self._apply_deferred()      # clipped twice: the first coefficient goes in now
         norm_type = float(norm_type)
         owned, replicated = [], []
         group = None
@@ -638,9 +660,57 @@ class ZeroOptimizer(Optimizer):
             rep = sum((g.float().abs().pow(norm_type).sum() for g in replicated), torch.zeros((), device=dev))
             total = (summed + rep) ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in owned + replicated:
-            g.mul_(coef.to(g.dtype))
+        if not self._defer_clip(coef, owned, replicated):
+            for g in owned + replicated:
+                g.mul_(coef.to(g.dtype))
         return total
+
+    # ------------------------------------------------------------------ the deferred coefficient
+    def _defer_clip(self, coef: torch.Tensor, owned: list, replicated: list) -> bool:
+        """Leave the clipping coefficient for the fused kernel to apply as it reads each
+        gradient in the step (one pass over the gradients fewer), where that gives the numbers
+        of multiplying now, bit for bit, and nothing can read the gradients in between: every
+        gradient is a float32 shard gradient (stages 2/3: ``p.grad`` raises there) that the
+        fused kernel updates from. A backward that adds to a gradient before the step applies
+        the coefficient to it first (a hook on the shard, run before accumulation), so the
+        result is that of clipping in place. Returns whether it deferred."""
+        if replicated or not owned or not isinstance(self._inner, fused_adam.FusedAdam):
+            return False
+        targets = []
+        for p in self._params():
+            sp = get_state(p)
+            target = self._target(p)
+            if raw_grad(target) is None:
+                continue
+            if sp is None or not sp.rules.reduces_in_backward or raw_grad(target).dtype != torch.float32:
+                return False
+            targets.append(target)
+        value = float(coef.item())
+        if value == 1.0:
+            return True                     # nothing to scale
+        for target in targets:
+            if id(target) not in self._hooked:
+                target.register_hook(_apply_before_accumulate(weakref.ref(self), id(target)))
+                self._hooked.add(id(target))
+        self._deferred = {id(t): t for t in targets}
+        self._deferred_scale = value
+        return True
+
+    def _apply_deferred(self, ids=None) -> None:
+        """Multiply the gradients still owed the deferred coefficient (``ids``: of those
+        targets only) by it now."""
+        if self._deferred_scale is None:
+            return
+        for key in list(self._deferred) if ids is None else [i for i in ids if i in self._deferred]:
+            grad = raw_grad(self._deferred.pop(key))
+            if grad is not None:
+                grad.mul_(torch.tensor(self._deferred_scale, dtype=grad.dtype, device=grad.device))
+        if not self._deferred:
+            self._deferred_scale = None
+
+    def _clear_deferred(self) -> None:
+        self._deferred = {}
+        self._deferred_scale = None
 
     def state_dict(self) -> dict:
         """This rank's shard state (the inner optimizer's state dict plus layout metadata)."""
@@ -839,6 +909,17 @@ class ZeroOptimizer(Optimizer):
         opt.step()
         return {k for k in same_shape
                 if isinstance(opt.state[probe].get(k), torch.Tensor) and opt.state[probe][k].shape == probe.shape}
+
+
+def _apply_before_accumulate(opt_ref, key: int):
+    """A tensor hook for a shard whose gradient may owe a deferred clipping coefficient: a
+    backward about to add to that gradient applies the coefficient to it first."""
+    def hook(grad):
+        opt = opt_ref()
+        if opt is not None and key in opt._deferred:
+            opt._apply_deferred([key])
+        return None
+    return hook
 
 
 def _all_reduce_scalar(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
