@@ -92,20 +92,23 @@ class FusedAdam(Optimizer):
         super().__init__(params, defaults)
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: float = 1.0, only=None):
+    def step(self, closure=None, grad_scale: float = 1.0, only=None, copies: dict | None = None):
         """One update of every parameter with a gradient; ``grad_scale`` multiplies each
         gradient as the kernel reads it (1.0: none). ``only``: update just these parameters
         (a collection of them; each parameter's update depends on nothing else, so stepping
-        the parameters in parts gives the numbers of one step of all)."""
+        the parameters in parts gives the numbers of one step of all). ``copies``: ``{id(p):
+        tensor}``, tensors of ``p``'s shape (in another dtype) that receive the updated values
+        in the same pass, rounded as ``p.to(dtype)`` would (a subclass that cannot write one
+        removes its entry from the dict)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in _groups_of(self.param_groups, only):
-            self._step_group(group, grad_scale)
+            self._step_group(group, grad_scale, copies)
         return loss
 
-    def _step_group(self, group: dict, grad_scale: float) -> None:
+    def _step_group(self, group: dict, grad_scale: float, copies: dict | None = None) -> None:
         """Update the parameters of ``group`` (a param group dict) that have gradients."""
         self._check(group)
         by_device: dict[torch.device, list] = {}
@@ -128,12 +131,17 @@ class FusedAdam(Optimizer):
                      weight_decay=_scalar(group["weight_decay"]),
                      decoupled=bool(group["decoupled_weight_decay"]), maximize=bool(group["maximize"]),
                      grad_scale=float(grad_scale))
-        for device, params in by_device.items():
-            states = [self.state[p] for p in params]
-            tensors = ([p for p in params], [p.grad.contiguous() for p in params],
-                       [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                       [s["step"] for s in states])
-            _run_kernel(device, tensors, hyper)
+        copies = copies or {}
+        for params in by_device.values():
+            # the kernel writes copies for all tensors of a call or for none
+            for part in ([p for p in params if id(p) in copies], [p for p in params if id(p) not in copies]):
+                if not part:
+                    continue
+                states = [self.state[p] for p in part]
+                tensors = (part, [p.grad.contiguous() for p in part], [s["exp_avg"] for s in states],
+                           [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
+                           [copies[id(p)] for p in part if id(p) in copies])
+                _run_kernel(tensors, hyper)
 
     def _check(self, group: dict) -> None:
         reason = unsupported_reason(FusedAdam._as_torch_class(group), self.defaults, [group])
@@ -153,10 +161,10 @@ def _groups_of(groups: list[dict], only) -> list[dict]:
     return [{**g, "params": [p for p in g["params"] if id(p) in wanted]} for g in groups]
 
 
-def _run_kernel(device: torch.device, tensors: tuple, hyper: dict) -> None:
-    params, grads, exp_avgs, exp_avg_sqs, steps = tensors
+def _run_kernel(tensors: tuple, hyper: dict) -> None:
+    params, grads, exp_avgs, exp_avg_sqs, steps, copies = tensors
     torch.ops.zerocompile.fused_adam_step(
-        params, grads, exp_avgs, exp_avg_sqs, steps, [], hyper["lr"], hyper["beta1"], hyper["beta2"],
+        params, grads, exp_avgs, exp_avg_sqs, steps, copies, hyper["lr"], hyper["beta1"], hyper["beta2"],
         hyper["eps"], hyper["weight_decay"], hyper["decoupled"], hyper["maximize"], hyper["grad_scale"])
 
 

@@ -165,7 +165,9 @@ class OffloadedAdam(FusedAdam):
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: float = 1.0, only=None):
+    def step(self, closure=None, grad_scale: float = 1.0, only=None, copies: dict | None = None):
+        """As ``FusedAdam.step``; ``copies`` are written for the parameters with resident state
+        only: the entries of the others are removed from the dict (the caller casts those)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -174,11 +176,13 @@ class OffloadedAdam(FusedAdam):
         for group in _groups_of(self.param_groups, only):
             self._check(group)
             resident = {**group, "params": [p for p in group["params"] if p not in offloaded]}
-            self._step_group(resident, grad_scale)          # FusedAdam's path
+            self._step_group(resident, grad_scale, copies)  # FusedAdam's path
             tiles = []
             for p in group["params"]:
                 if p not in offloaded or p.grad is None:
                     continue
+                if copies:
+                    copies.pop(id(p), None)
                 if p.grad.is_sparse:
                     raise RuntimeError("OffloadedAdam does not support sparse gradients")
                 state = self.state[p]

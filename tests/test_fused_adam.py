@@ -352,6 +352,10 @@ class _KernelScales(torch.utils._python_dispatch.TorchDispatchMode):
     """The grad_scale of every fused Adam kernel call, and whether any op multiplied a
     gradient in place (what clipping without the kernel does)."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:      # compiled code runs compiled under it
+        return True
+
     def __init__(self):
         super().__init__()
         self.scales, self.in_place_muls = [], 0

@@ -298,3 +298,39 @@ def test_auto_ratio_offloads_the_least_that_fits_the_memory_limit(tmp_path):
     offloaded = [t for t in targets if t in opt.inner._offloaded]
     assert resident + 2 * offloaded[-1].numel() * offloaded[-1].element_size() > available
     assert opt.offloaded_bytes() + resident == 2 * weights
+
+
+class _KernelCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """How many tensors each fused Adam kernel call wrote a compute-dtype copy of."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:      # compiled code runs compiled under it
+        return True
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.zerocompile.fused_adam_step.default:
+            self.copies.append(len(args[5]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_kernel_writes_the_replica_copy_bitwise_as_a_cast(tmp_path, stage):
+    """Stages 1/2 with bfloat16 compute: the kernel writes each updated float32 shard's bfloat16
+    copy (the replica all-gather's input) in the same pass. With the optimizer state streamed
+    from a swap file it cannot, and the shard is cast after the step instead: the same weights
+    bit for bit."""
+    spy = _KernelCopies()
+    with spy:
+        plain = _train_tiny(stage, None, steps=3, param_dtype="bfloat16")
+    assert spy.copies and all(n == 4 for n in spy.copies), spy.copies       # 4 parameters per call
+    spy = _KernelCopies()
+    with spy:
+        off = _train_tiny(stage, _nvme(tmp_path), steps=3, param_dtype="bfloat16")
+    assert spy.copies and all(n == 0 for n in spy.copies), spy.copies
+    assert off[0] == plain[0]
+    for key, value in plain[1].items():
+        assert torch.equal(off[1][key], value), key

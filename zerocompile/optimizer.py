@@ -113,6 +113,8 @@ class ZeroOptimizer(Optimizer):
         """A clipping coefficient not yet applied to the gradients of ``self._deferred``: the
         fused kernel multiplies them by it as it reads them in the step (see clip_grad_norm_)."""
         self._deferred: dict[int, torch.Tensor] = {}    # id(target) -> target whose grad it scales
+        self._step_copies: dict[int, torch.Tensor] = {}
+        """During a step: id(shard) -> the updated shard in the compute dtype, written by the kernel."""
         self._hooked: set[int] = set()                  # ids of targets with the accumulate hook
         self._scaler_flag: torch.Tensor | None = None   # overflow flag recorded for a GradScaler
         self.skipped_steps = 0
@@ -525,8 +527,11 @@ class ZeroOptimizer(Optimizer):
             self._apply_deferred()      # the gradients stay as clipping left them
             self._skip_step()
         else:
-            self._step_inner()
-            self._after_step()
+            try:
+                self._step_inner()
+                self._after_step()
+            finally:
+                self._step_copies = {}
         if scaler is not None:
             scaler.update(overflow)
         self._grads_reduced = False
@@ -565,14 +570,26 @@ class ZeroOptimizer(Optimizer):
 
     def _fused_step(self, targets: list) -> None:
         """The fused inner optimizer's update of ``targets``, the gradients still owed a deferred
-        clipping coefficient multiplied by it inside the kernel."""
+        clipping coefficient multiplied by it inside the kernel, and (stages 1/2 with a
+        ``param_dtype``) the shard's copy in the compute dtype, which the replica's all-gather
+        sends, written in the same pass (``self._step_copies``)."""
+        states = {id(self._target(p)): sp for p in self._params() if (sp := get_state(p)) is not None}
+        copies = {}
+        for t in targets:
+            sp = states.get(id(t))
+            if (t.grad is not None and sp is not None and sp.rules.keeps_replica and sp.requires_grad
+                    and sp.compute_dtype != sp.dtype):
+                copies[id(t)] = torch.empty(t.shape, dtype=sp.compute_dtype, device=t.device)
         scale = self._deferred_scale
         scaled = [t for t in targets if scale is not None and id(t) in self._deferred]
         rest = [t for t in targets if scale is None or id(t) not in self._deferred]
         if scaled:
-            self._inner.step(only=scaled, grad_scale=scale)
+            self._inner.step(only=scaled, grad_scale=scale, copies=copies)
         if rest:
-            self._inner.step(only=rest)
+            self._inner.step(only=rest, copies=copies)
+        # the inner optimizer removed the copies it did not write (parameters whose optimizer
+        # state streams from a swap file): the after-step casts those shards itself
+        self._step_copies.update(copies)
 
     def _after_step(self) -> None:
         replicas = defaultdict(list)
@@ -589,7 +606,9 @@ class ZeroOptimizer(Optimizer):
             sp.release()                 # eager-gathered copies are stale now
         for (group, dtype), items in replicas.items():
             with resident_shards([sp for sp, _ in items]):     # offload_param: shards read back
-                shards = [sp.shard.detach().to(dtype) for sp, _ in items]
+                shards = [self._step_copies.get(id(sp.shard)) if dtype == sp.compute_dtype else None
+                          for sp, _ in items]
+                shards = [c if c is not None else sp.shard.detach().to(dtype) for c, (sp, _) in zip(shards, items)]
                 gathered = all_gather_concat(shards, group, self._bucket_bytes([sp for sp, _ in items]))
                 for (_, write), flat in zip(items, gathered):
                     write(flat)
