@@ -90,6 +90,7 @@ class FusedAdam(Optimizer):
                         maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, foreach=foreach,
                         capturable=capturable, differentiable=differentiable, fused=fused)
         super().__init__(params, defaults)
+        self._checked: dict[int, tuple] = {}      # id(param group) -> what _check last accepted
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: float = 1.0, only=None, copies: dict | None = None):
@@ -104,33 +105,21 @@ class FusedAdam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for group in self.param_groups:
+            self._check(group)
         for group in _groups_of(self.param_groups, only):
             self._step_group(group, grad_scale, copies)
         return loss
 
     def _step_group(self, group: dict, grad_scale: float, copies: dict | None = None) -> None:
-        """Update the parameters of ``group`` (a param group dict) that have gradients."""
-        self._check(group)
+        """Update the parameters of ``group`` (a param group dict, checked) that have gradients."""
         by_device: dict[torch.device, list] = {}
         for p in group["params"]:
             if p.grad is None:
                 continue
-            if p.grad.is_sparse:
-                raise RuntimeError("FusedAdam does not support sparse gradients")
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            step = state["step"]
-            if not (isinstance(step, torch.Tensor) and step.dtype == torch.float32 and step.device.type == "cpu"):
-                state["step"] = torch.tensor(_scalar(step), dtype=torch.float32)
+            self._ensure_state(p, moments=True)
             by_device.setdefault(p.device, []).append(p)
-        beta1, beta2 = (_scalar(b) for b in group["betas"])
-        hyper = dict(lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=_scalar(group["eps"]),
-                     weight_decay=_scalar(group["weight_decay"]),
-                     decoupled=bool(group["decoupled_weight_decay"]), maximize=bool(group["maximize"]),
-                     grad_scale=float(grad_scale))
+        hyper = hyperparameters(group, grad_scale)
         copies = copies or {}
         for params in by_device.values():
             # the kernel writes copies for all tensors of a call or for none
@@ -143,14 +132,55 @@ class FusedAdam(Optimizer):
                            [copies[id(p)] for p in part if id(p) in copies])
                 _run_kernel(tensors, hyper)
 
+    def _ensure_state(self, p: torch.Tensor, moments: bool) -> dict:
+        """``p``'s state, created on its first update (with zero moments when ``moments``), its
+        ``step`` brought to the 0-dim float32 CPU tensor the kernels count in (a state loaded
+        from elsewhere may hold a number or a tensor of another kind)."""
+        if p.grad is not None and p.grad.is_sparse:
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            if moments:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        step = state["step"]
+        if not (isinstance(step, torch.Tensor) and step.dtype == torch.float32 and step.device.type == "cpu"):
+            state["step"] = torch.tensor(_scalar(step), dtype=torch.float32)
+        return state
+
     def _check(self, group: dict) -> None:
+        # per-tensor checks on every step cost as much as a small kernel: a group is checked
+        # again only when its parameters or hyperparameters changed
+        key = (tuple(id(p) for p in group["params"]), tuple((k, _kind(k, v)) for k, v in group.items() if k != "params"))
+        if self._checked.get(id(group)) == key:
+            return
         reason = unsupported_reason(FusedAdam._as_torch_class(group), self.defaults, [group])
         if reason is not None:
             raise RuntimeError(f"{type(self).__name__}: {reason}; use torch.optim.Adam/AdamW for it")
+        self._checked[id(group)] = key
 
     @staticmethod
     def _as_torch_class(group: dict) -> type:
         return torch.optim.AdamW if group.get("decoupled_weight_decay") else torch.optim.Adam
+
+
+def _kind(key: str, value) -> object:
+    """What ``unsupported_reason`` looks at in a hyperparameter: a tensor's size, the value
+    otherwise, except the learning rate's value (an LR schedule changes it every step)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.numel())
+    if isinstance(value, (tuple, list)):
+        return tuple(_kind(key, v) for v in value)
+    return "number" if key == "lr" else repr(value)
+
+
+def hyperparameters(group: dict, grad_scale: float) -> dict:
+    """The kernel's scalar arguments for param group ``group``."""
+    beta1, beta2 = (_scalar(b) for b in group["betas"])
+    return dict(lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=_scalar(group["eps"]),
+                weight_decay=_scalar(group["weight_decay"]), decoupled=bool(group["decoupled_weight_decay"]),
+                maximize=bool(group["maximize"]), grad_scale=float(grad_scale))
 
 
 def _groups_of(groups: list[dict], only) -> list[dict]:

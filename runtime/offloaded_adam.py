@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from zerocompile.runtime.fused_adam import FusedAdam, _groups_of, _scalar
+from zerocompile.runtime.fused_adam import FusedAdam, _groups_of, hyperparameters
 from zerocompile.runtime.offload_settings import OffloadSettings
 from zerocompile.runtime.swap_file import PAGE, SwapFile, aligned_empty
 
@@ -173,8 +173,9 @@ class OffloadedAdam(FusedAdam):
             with torch.enable_grad():
                 loss = closure()
         offloaded = self._plan()
-        for group in _groups_of(self.param_groups, only):
+        for group in self.param_groups:
             self._check(group)
+        for group in _groups_of(self.param_groups, only):
             resident = {**group, "params": [p for p in group["params"] if p not in offloaded]}
             self._step_group(resident, grad_scale, copies)  # FusedAdam's path
             tiles = []
@@ -183,11 +184,7 @@ class OffloadedAdam(FusedAdam):
                     continue
                 if copies:
                     copies.pop(id(p), None)
-                if p.grad.is_sparse:
-                    raise RuntimeError("OffloadedAdam does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
+                self._ensure_state(p, moments=False)       # the moments live in files or host memory
                 if self.settings.device == "nvme":
                     for moment in MOMENTS:
                         self._swapfile().reserve(self._key(p, moment), p.numel() * p.element_size())
@@ -219,9 +216,9 @@ class OffloadedAdam(FusedAdam):
 
     def _stream(self, group: dict, tiles: list, grad_scale: float) -> None:
         self._ensure_slots(tiles)
-        beta1, beta2 = (_scalar(b) for b in group["betas"])
-        args = (_scalar(group["lr"]), beta1, beta2, _scalar(group["eps"]), _scalar(group["weight_decay"]),
-                bool(group["decoupled_weight_decay"]), bool(group["maximize"]), float(grad_scale))
+        h = hyperparameters(group, grad_scale)
+        args = (h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["decoupled"], h["maximize"],
+                h["grad_scale"])
         n = len(self._slots)
         offloaded = self._offloaded
         nvme = self.settings.device == "nvme"

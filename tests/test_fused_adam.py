@@ -435,3 +435,23 @@ def test_clipping_coefficient_stays_eager_where_gradients_are_readable():
         ref_opt.zero_grad()
     for key, value in ref.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-6)
+
+
+def test_a_group_is_checked_again_when_it_changes():
+    """FusedAdam checks a param group's tensors once, and again when its parameters or a
+    hyperparameter other than the learning rate change."""
+    p = torch.zeros(4, requires_grad=True)
+    opt = fused_adam.FusedAdam([p], lr=0.1)
+    p.grad = torch.ones(4)
+    opt.step()
+    opt.param_groups[0]["lr"] = 0.05          # a schedule: no new check needed, still steps
+    opt.step()
+    opt.param_groups[0]["amsgrad"] = True
+    with pytest.raises(RuntimeError, match="param group 0 sets amsgrad=True"):
+        opt.step()
+    opt.param_groups[0]["amsgrad"] = False
+    q = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    q.grad = torch.ones(3, dtype=torch.float64)
+    opt.param_groups[0]["params"].append(q)
+    with pytest.raises(RuntimeError, match="a parameter has dtype torch.float64"):
+        opt.step()
