@@ -13,6 +13,11 @@ shapes (``--tensors`` weights of ``--rows`` x ``--cols`` fp32 elements, 16 x 102
 - ``zerocompile stage 3, torch fused``: the same with ``kernel="torch", fused=True`` (the
   wrapper around torch's own fused kernel).
 
+With ``--clip MAX_NORM`` every timed call clips the gradients to that global norm first:
+``torch.nn.utils.clip_grad_norm_(foreach=True)`` for the plain variants,
+``opt.clip_grad_norm_`` for zerocompile's (whose fused kernel takes the coefficient instead of
+a pass over the gradients).
+
 All variants live side by side and take turns, one step each per round, the first variant
 rotating from round to round, so drift in the machine's speed hits all alike. Reported: the
 median ms per step over ``--rounds`` rounds, elements per second, the ratio of medians to
@@ -21,6 +26,7 @@ target: ``zerocompile stage 3`` <= 1.0x torch fused (goal 0.7x).
 
     .venv/bin/python benchmarks/optimizer_step.py                 # ~1 min here
     .venv/bin/python benchmarks/optimizer_step.py --threads 1 --rounds 5
+    .venv/bin/python benchmarks/optimizer_step.py --clip 1.0 --out benchmarks/results/optimizer_step-clip.json
 """
 
 from __future__ import annotations
@@ -93,6 +99,23 @@ VARIANTS = {
 }
 
 
+def _one_step(opt, max_norm: float | None):
+    """What one timed call does: (clip, then) step."""
+    if max_norm is None:
+        return opt.step
+    if isinstance(opt, zerocompile.ZeroOptimizer):
+        def clip_and_step():
+            opt.clip_grad_norm_(max_norm)
+            opt.step()
+        return clip_and_step
+    params = [p for g in opt.param_groups for p in g["params"]]
+
+    def torch_clip_and_step():
+        torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        opt.step()
+    return torch_clip_and_step
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     names = [n for n in VARIANTS if not args.variants or n in args.variants]
@@ -100,13 +123,13 @@ def run(args) -> dict:
     for name in names:
         opt, _model = VARIANTS[name](args)
         opt.step()                                    # creates the state; binds ZeroOptimizer
-        opts[name] = (opt, _model)
+        opts[name] = (opt, _model, _one_step(opt, args.clip))
     times = {name: [] for name in names}
     for r in range(args.rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
             start = time.perf_counter()
-            opts[name][0].step()
+            opts[name][2]()
             times[name].append(time.perf_counter() - start)
     numel = args.tensors * args.rows * args.cols
     peer = times.get(PEER)
@@ -133,10 +156,13 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=list(DTYPES), default="float32",
                    help="the parameters' dtype (bfloat16: a bfloat16 model keeps bfloat16 master shards)")
     p.add_argument("--variants", nargs="*", choices=list(VARIANTS), help="a subset (default: all)")
+    p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                   help="clip the gradients to this global norm before each step")
     p.add_argument("--out", type=Path, default=RESULTS / "optimizer_step.json")
     args = p.parse_args(argv)
     numel = args.tensors * args.rows * args.cols
-    print(f"optimizer step, AdamW, {numel / 1e6:.1f}M {args.dtype} elements in {args.tensors} tensors, "
+    print(f"optimizer step{f' with clipping to {args.clip}' if args.clip else ''}, AdamW, "
+          f"{numel / 1e6:.1f}M {args.dtype} elements in {args.tensors} tensors, "
           f"{args.threads} thread(s), {args.rounds} rounds; load average {os.getloadavg()[0]:.2f}")
     results = run(args)
     print(f"{'variant':<36}{'kernel':>14}{'ms/step':>10}{'Gelem/s':>10}{'x ' + PEER:>15}{'paired':>9}")

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "stage3_vs_fsdp2.py"
 SYSTEMS = ("zero3", "zero3-nopass", "fsdp2")
 
@@ -86,12 +88,13 @@ OPTIMIZER_STEP = Path(__file__).resolve().parent.parent / "benchmarks" / "optimi
 GPU_CHECK = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
 
 
-def test_optimizer_step_benchmark_small(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--clip", "0.01"]])
+def test_optimizer_step_benchmark_small(tmp_path, extra):
     """benchmarks/optimizer_step.py on a small size: every variant timed, ratios to torch fused,
-    the stage-3 ZeroOptimizer on zerocompile's C++ kernel."""
+    the stage-3 ZeroOptimizer on zerocompile's C++ kernel; with and without clipping."""
     out = tmp_path / "opt.json"
     proc = subprocess.run([sys.executable, str(OPTIMIZER_STEP), "--tensors", "2", "--rows", "64", "--cols", "96",
-                           "--rounds", "2", "--threads", "1", "--out", str(out)],
+                           "--rounds", "2", "--threads", "1", "--out", str(out), *extra],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     results = json.loads(out.read_text())["results"]
