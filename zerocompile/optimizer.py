@@ -671,12 +671,12 @@ class ZeroOptimizer(Optimizer):
         group = group or resolve_group(self._default_group)
         dev = owned[0].device if owned else (replicated[0].device if replicated else torch.device("cpu"))
         if math.isinf(norm_type):
-            local = max([g.abs().max().float() for g in owned + replicated], default=torch.zeros((), device=dev))
+            local = torch.maximum(_norm(owned, norm_type, dev), _norm(replicated, norm_type, dev))
             total = _all_reduce_max(local, group) if any_sharded else local
         else:
-            part = sum((g.float().abs().pow(norm_type).sum() for g in owned), torch.zeros((), device=dev))
+            part = _norm(owned, norm_type, dev) ** norm_type
             summed = _all_reduce_scalar(part, group) if any_sharded else part
-            rep = sum((g.float().abs().pow(norm_type).sum() for g in replicated), torch.zeros((), device=dev))
+            rep = _norm(replicated, norm_type, dev) ** norm_type
             total = (summed + rep) ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if not self._defer_clip(coef, owned, replicated):
@@ -928,6 +928,18 @@ class ZeroOptimizer(Optimizer):
         opt.step()
         return {k for k in same_shape
                 if isinstance(opt.state[probe].get(k), torch.Tensor) and opt.state[probe][k].shape == probe.shape}
+
+
+def _norm(grads: list, norm_type: float, device) -> torch.Tensor:
+    """The ``norm_type``-norm of all of ``grads`` together, in float32 (one read of each: torch's
+    foreach norm for float32 tensors, ``vector_norm`` computing in float32 for the others)."""
+    f32 = [g for g in grads if g.dtype == torch.float32]
+    norms = [torch.nn.utils.get_total_norm(f32, norm_type, foreach=True).to(device)] if f32 else []
+    norms += [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device)
+              for g in grads if g.dtype != torch.float32]
+    if not norms:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
 def _apply_before_accumulate(opt_ref, key: int):
