@@ -120,18 +120,29 @@ def _error(err: OSError, path: str, what: str, nbytes: int = 0) -> SwapFileError
 
 def read_file(path: str, dst: torch.Tensor) -> None:
     """Fill contiguous CPU tensor ``dst`` with the first bytes of the file at ``path``."""
-    nbytes = dst.numel() * dst.element_size()
+    _transfer(path, dst, "read")
+
+
+def write_file(path: str, src: torch.Tensor) -> None:
+    """Write contiguous CPU tensor ``src`` to the start of the existing file at ``path``."""
+    _transfer(path, src, "write")
+
+
+def _transfer(path: str, t: torch.Tensor, what: str) -> None:
+    """Move the bytes of ``t`` from (``what="read"``) or to (``"write"``) the start of ``path``,
+    opening the file for this transfer only."""
+    nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return
-    view = _host_bytes(dst, nbytes)
+    view = _host_bytes(t, nbytes)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY if what == "read" else os.O_WRONLY)
     except OSError as err:
-        raise _error(err, path, "read") from None
+        raise _error(err, path, what) from None
     try:
         done = 0
         while done < nbytes:
-            n = os.preadv(fd, [view[done:]], done)
+            n = os.preadv(fd, [view[done:]], done) if what == "read" else os.pwrite(fd, view[done:], done)
             if n == 0:
                 raise SwapFileError(errno.EIO, f"zerocompile offload_param: {path!r} ended at byte {done} of "
                                                f"{nbytes}; it was changed outside zerocompile")
@@ -139,27 +150,7 @@ def read_file(path: str, dst: torch.Tensor) -> None:
     except SwapFileError:
         raise
     except OSError as err:
-        raise _error(err, path, "read", nbytes) from None
-    finally:
-        os.close(fd)
-
-
-def write_file(path: str, src: torch.Tensor) -> None:
-    """Write contiguous CPU tensor ``src`` to the start of the existing file at ``path``."""
-    nbytes = src.numel() * src.element_size()
-    if nbytes == 0:
-        return
-    view = _host_bytes(src, nbytes)
-    try:
-        fd = os.open(path, os.O_WRONLY)
-    except OSError as err:
-        raise _error(err, path, "write") from None
-    try:
-        done = 0
-        while done < nbytes:
-            done += os.pwrite(fd, view[done:], done)
-    except OSError as err:
-        raise _error(err, path, "write", nbytes) from None
+        raise _error(err, path, what, nbytes) from None
     finally:
         os.close(fd)
 

@@ -340,3 +340,36 @@ def test_param_files_are_deleted_when_the_process_exits(tmp_path):
     directory, files = out.stdout.strip().split(" ", 1)
     assert directory.startswith("zerocompile-params-") and len(eval(files)) == 2   # weight, bias
     assert os.listdir(tmp_path) == []
+
+
+def test_shard_files_say_what_went_wrong(tmp_path):
+    """A parameter file deleted or truncated outside zerocompile is an error naming it, not
+    garbage values; directories of ended processes on this host are removed, those of live
+    processes and of other hosts are not."""
+    from zerocompile.runtime import param_offload
+    from zerocompile.runtime.swap_file import SwapFileError
+
+    values = torch.arange(1000, dtype=torch.float32)
+    f = param_offload.ShardFile(str(tmp_path / "d"), "w", values)
+    out = torch.empty(1000)
+    f.read_into(out)
+    assert torch.equal(out, values)
+    with open(f.path, "r+b") as fh:
+        fh.truncate(100)
+    with pytest.raises(SwapFileError, match=r"ended at byte 100 of 4000; it was changed outside zerocompile"):
+        f.read_into(out)
+    os.remove(f.path)
+    with pytest.raises(SwapFileError, match=r"the parameter file .* is gone"):
+        f.read_into(out)
+    f.close()
+
+    mine = param_offload.param_directory(zerocompile.runtime.offload_settings.OffloadSettings(
+        device="nvme", nvme_path=str(tmp_path)))
+    prefix = os.path.basename(mine).rsplit("-pid", 1)[0]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name in (f"{prefix}-pid{dead.pid}", f"{prefix}-pid{os.getpid()}", "zerocompile-params-otherhost-pid1"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "shard-1.bin").write_bytes(b"x")
+    assert param_offload.remove_stale_directories(str(tmp_path)) == [str(tmp_path / f"{prefix}-pid{dead.pid}")]
+    assert sorted(os.listdir(tmp_path)) == sorted([f"{prefix}-pid{os.getpid()}", "zerocompile-params-otherhost-pid1"])
