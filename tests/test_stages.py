@@ -59,3 +59,33 @@ def test_write_full_reaches_every_copy(stage):
     if sp.param_is_master:
         with torch.no_grad():
             assert torch.equal(sp.param.detach().clone(), new)
+
+
+def test_stage_three_with_offload_param_keeps_the_shard_in_its_file(tmp_path):
+    """``Stage3Offload``: the shard keeps its identity and shape but no storage; its values are in
+    its file (rank 1's chunk); the graph inputs are the shard and the file's number; writing the
+    full parameter lands in the file; stage rules refuse offload below stage 3."""
+    from zerocompile.runtime.offload_settings import OffloadSettings
+    from zerocompile.runtime.param_offload import resident_shards
+    from zerocompile.runtime.stages import Stage3Offload
+
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(3, 5))
+    value = param.detach().clone()
+    sp = ShardedParam(param, "w", 3, GROUP, torch.float32,
+                      offload_param=OffloadSettings(device="nvme", nvme_path=str(tmp_path)))
+    assert isinstance(sp.rules, Stage3Offload) and sp.rules.input_suffixes == ("_shard", "_file")
+    shard, number = sp.graph_inputs()
+    assert shard is sp.shard and shard.shape == (4,) and shard.untyped_storage().nbytes() == 0
+    assert number.dtype == torch.int64 and int(number) == sp.shard_file.number
+    stored = torch.empty(4)
+    sp.shard_file.read_into(stored)
+    assert torch.equal(stored, value.reshape(-1)[4:8])
+    with resident_shards([sp]):
+        assert torch.equal(sp.shard.detach(), value.reshape(-1)[4:8])
+    assert sp.shard.untyped_storage().nbytes() == 0
+    sp.write_full(torch.arange(15.0).view(3, 5))
+    sp.shard_file.read_into(stored)
+    assert torch.equal(stored, torch.arange(4.0, 8.0)) and sp.shard.untyped_storage().nbytes() == 0
+    with pytest.raises(ValueError, match="offload_param needs stage 3"):
+        stage_rules(2, offload_param=True)
