@@ -45,7 +45,7 @@ import weakref
 import torch
 
 from zerocompile.runtime.offload_settings import OffloadSettings
-from zerocompile.runtime.swap_file import SwapFileError, _host_bytes
+from zerocompile.runtime.swap_file import SwapFileError, _host_bytes, move_all
 
 log = logging.getLogger("zerocompile")
 
@@ -140,13 +140,7 @@ def _transfer(path: str, t: torch.Tensor, what: str) -> None:
     except OSError as err:
         raise _error(err, path, what) from None
     try:
-        done = 0
-        while done < nbytes:
-            n = os.preadv(fd, [view[done:]], done) if what == "read" else os.pwrite(fd, view[done:], done)
-            if n == 0:
-                raise SwapFileError(errno.EIO, f"zerocompile offload_param: {path!r} ended at byte {done} of "
-                                               f"{nbytes}; it was changed outside zerocompile")
-            done += n
+        move_all(fd, view, 0, what == "write", path)
     except SwapFileError:
         raise
     except OSError as err:

@@ -51,6 +51,19 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin_memory: bool = False) -> t
     return raw[skip : skip + nbytes].view(dtype)[:numel]
 
 
+def move_all(fd: int, view: memoryview, offset: int, write: bool, path: str) -> None:
+    """Write ``view`` to (``write``) or read it from file descriptor ``fd`` at byte ``offset``,
+    looping over partial transfers. A transfer that moves nothing (a read past the end of the
+    file) raises ``SwapFileError(EIO)`` naming ``path``; other ``OSError``s are the caller's to explain."""
+    done, total = 0, len(view)
+    while done < total:
+        n = os.pwrite(fd, view[done:], offset + done) if write else os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise SwapFileError(errno.EIO, f"zerocompile offload: {path!r} ended at byte {offset + done} of "
+                                           f"{offset + total}; it was changed outside zerocompile")
+        done += n
+
+
 def _host_bytes(t: torch.Tensor, nbytes: int):
     """A writable buffer over the first ``nbytes`` of host tensor ``t``'s data (no copy)."""
     if t.device.type != "cpu" or not t.is_contiguous():
@@ -171,13 +184,13 @@ class SwapFile:
         ``start`` (a multiple of 4096 when ``O_DIRECT``) on; it must end at or before the
         region's end."""
         view, offset, pieces = self._plan(key, src, start, "writing")
-        futures = [self._pool.submit(self._pwrite, view[a : a + n], offset + a) for a, n in pieces]
+        futures = [self._pool.submit(self._move, view[a : a + n], offset + a, True) for a, n in pieces]
         return Transfer(futures, src)
 
     def read(self, key, dst: torch.Tensor, start: int = 0) -> Transfer:
         """Start reading ``key``'s region from byte ``start`` into host tensor ``dst`` (as ``write``)."""
         view, offset, pieces = self._plan(key, dst, start, "reading")
-        futures = [self._pool.submit(self._pread, view[a : a + n], offset + a) for a, n in pieces]
+        futures = [self._pool.submit(self._move, view[a : a + n], offset + a, False) for a, n in pieces]
         return Transfer(futures, dst)
 
     def _plan(self, key, t: torch.Tensor, start: int, what: str):
@@ -201,27 +214,13 @@ class SwapFile:
             raise ValueError("swap_file: O_DIRECT transfers need the buffer padded to whole pages (use aligned_empty)")
         return _host_bytes(t, span)
 
-    def _pwrite(self, view, offset: int) -> None:
-        done = 0
+    def _move(self, view, offset: int, write: bool) -> None:
         try:
-            while done < len(view):
-                done += os.pwrite(self.fd, view[done:], offset + done)
-        except OSError as err:
-            raise self._error(err, "write", len(view)) from None
-
-    def _pread(self, view, offset: int) -> None:
-        done = 0
-        try:
-            while done < len(view):
-                n = os.preadv(self.fd, [view[done:]], offset + done)
-                if n == 0:
-                    raise SwapFileError(errno.EIO, f"zerocompile offload: {self.path!r} ended at byte "
-                                                   f"{offset + done}; it was changed outside zerocompile")
-                done += n
+            move_all(self.fd, view, offset, write, self.path)
         except SwapFileError:
             raise
         except OSError as err:
-            raise self._error(err, "read", len(view)) from None
+            raise self._error(err, "write" if write else "read", len(view)) from None
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -6,6 +6,7 @@ between offloaded and resident runs; bad settings are clear errors."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -204,20 +205,29 @@ def test_offload_errors_and_the_cpu_no_op(tmp_path, caplog):
     torch.compiler.reset()
 
 
-def test_swap_file_is_deleted_when_the_process_exits(tmp_path):
+def test_offload_files_are_deleted_when_the_process_exits(tmp_path):
+    """The optimizer's swap file and the directory of parameter files exist while a process
+    trains with both offloads on NVMe, and nothing of them is left after it exits."""
     script = textwrap.dedent(f"""
-        import os, torch, zerocompile
+        import json, os, torch, zerocompile
         model = torch.nn.Linear(64, 64)
+        nvme = {{"device": "nvme", "nvme_path": {str(tmp_path)!r}}}
         c = torch.compile(model, backend="zero", options={{"stage": 3, "inner_compiler": "eager",
-            "offload_optimizer": {{"device": "nvme", "nvme_path": {str(tmp_path)!r}}}}})
+            "offload_optimizer": nvme, "offload_param": nvme}})
         c(torch.randn(2, 64)).sum().backward()
         opt = zerocompile.ZeroOptimizer(c.parameters(), torch.optim.AdamW)
         opt.step()
-        print(sorted(os.listdir({str(tmp_path)!r})))
+        names = sorted(os.listdir({str(tmp_path)!r}))
+        print(json.dumps({{n: sorted(os.listdir(os.path.join({str(tmp_path)!r}, n)))
+                          if os.path.isdir(os.path.join({str(tmp_path)!r}, n)) else None for n in names}}))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().startswith("['zerocompile-optimizer-rank0-pid")
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    (swap,) = [n for n, files in seen.items() if files is None]
+    (params,) = [n for n, files in seen.items() if files is not None]
+    assert swap.startswith("zerocompile-optimizer-rank0-pid")
+    assert params.startswith("zerocompile-params-") and len(seen[params]) == 2     # weight, bias
     assert os.listdir(tmp_path) == []
 
 
