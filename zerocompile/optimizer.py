@@ -546,14 +546,15 @@ class ZeroOptimizer(Optimizer):
         ``buffer_count * buffer_size`` elements of them at a time (each parameter's update
         depends on nothing else, so the numbers are those of one step of all); torch's
         optimizers update every tensor in one call, so all of them at once."""
-        offloaded = [sp for p in self._params() if (sp := get_state(p)) is not None and sp.shard_file is not None]
+        states = {id(self._target(p)): sp for p in self._params() if (sp := get_state(p)) is not None}
+        offloaded = [sp for sp in states.values() if sp.shard_file is not None]
         if not isinstance(self._inner, fused_adam.FusedAdam):
             with resident_shards(offloaded, write=True, threads=max((sp.offload_param.threads for sp in offloaded),
                                                                      default=1)):
                 self._inner.step()
             return
         in_files = {id(sp.shard) for sp in offloaded}
-        self._fused_step([t for g in self._inner.param_groups for t in g["params"] if id(t) not in in_files])
+        self._fused_step([t for g in self._inner.param_groups for t in g["params"] if id(t) not in in_files], states)
         if not offloaded:
             return
         settings = offloaded[0].offload_param
@@ -562,18 +563,18 @@ class ZeroOptimizer(Optimizer):
         for sp in offloaded + [None]:
             if part and (sp is None or size + sp.chunk > limit):
                 with resident_shards(part, write=True, threads=settings.threads):
-                    self._fused_step([s.shard for s in part])
+                    self._fused_step([s.shard for s in part], states)
                 part, size = [], 0
             if sp is not None:
                 part.append(sp)
                 size += sp.chunk
 
-    def _fused_step(self, targets: list) -> None:
+    def _fused_step(self, targets: list, states: dict) -> None:
         """The fused inner optimizer's update of ``targets``, the gradients still owed a deferred
         clipping coefficient multiplied by it inside the kernel, and (stages 1/2 with a
         ``param_dtype``) the shard's copy in the compute dtype, which the replica's all-gather
-        sends, written in the same pass (``self._step_copies``)."""
-        states = {id(self._target(p)): sp for p in self._params() if (sp := get_state(p)) is not None}
+        sends, written in the same pass (``self._step_copies``). ``states`` maps ``id`` of each
+        target to its parameter's shard state."""
         copies = {}
         for t in targets:
             sp = states.get(id(t))
