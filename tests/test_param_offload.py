@@ -141,10 +141,12 @@ def test_param_offload_leaves_only_gradients_resident(tmp_path):
     assert len(remove_stale_directories(str(tmp_path))) == 2 and os.listdir(tmp_path) == []
 
 
-def _tiny(tmp_path, offload, **options):
+def _tiny(tmp_path, offload, frozen=False, **options):
     torch.compiler.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Tanh(), torch.nn.Linear(300, 7))
+    if frozen:          # as in fine-tuning: the first layer's weight is not trained
+        model[0].weight.requires_grad_(False)
     if offload:
         options["offload_param"] = _nvme(tmp_path)
     compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager", **options})
@@ -181,6 +183,24 @@ def test_world_size_one_param_offload(tmp_path, options):
     for p in model.parameters():
         sp = get_state(p)
         assert sp.shard.untyped_storage().nbytes() == 0 and os.path.getsize(sp.shard_file.path) == 4 * sp.chunk
+
+
+def test_frozen_parameters_under_param_offload(tmp_path):
+    """A frozen parameter's shard lives in its file like the others and is read by every
+    forward; it gets no gradient, its file is left as it was, and the rest trains exactly as
+    without offload."""
+    _, plain = _tiny(tmp_path, False, frozen=True)
+    want = _train(plain)[0], zerocompile.full_state_dict(plain)
+    model, off = _tiny(tmp_path, True, frozen=True)
+    before = model[0].weight.detach().clone()
+    got = _train(off)[0], zerocompile.full_state_dict(off)
+    assert got[0] == want[0]
+    for key, value in want[1].items():
+        assert torch.equal(got[1][key], value), key
+    assert torch.equal(got[1]["0.weight"], before)
+    sp = get_state(model[0].weight)
+    assert sp.shard.grad is None and sp.shard.untyped_storage().nbytes() == 0
+    assert os.path.getsize(sp.shard_file.path) == 4 * sp.chunk
 
 
 class _ResidentAtEachUpdate(torch.utils._python_dispatch.TorchDispatchMode):
