@@ -28,10 +28,11 @@ Its limits:
   that the tracker sees reads them (which also records storages created before the
   tracker started, once an op uses them).
 - ``peak`` is sampled at op boundaries. By default it is kept incrementally (a storage adds
-  its size when recorded and removes it when it dies), which is cheap but does not see a
-  storage being resized between ops (``resize_`` on a storage is not an op); ``reset_peak()``
+  its size when recorded, follows a resize when an op next reads or writes it, and removes
+  its size when it dies), which is cheap but sees a storage resized outside any op
+  (``untyped_storage().resize_``) only once an op touches it again; ``reset_peak()``
   resynchronises. With ``exact_peak=True`` the tracker recomputes ``live_bytes()`` after
-  every op instead, which sees resizes but costs a pass over all recorded storages per op.
+  every op instead, which sees every resize but costs a pass over all recorded storages per op.
 - The dispatch mode adds Python overhead to every op, so do not time code under it.
 
 ``ignore_compile_internals()`` is True: Dynamo still compiles while the tracker is active,
@@ -50,17 +51,20 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["LiveStorageTracker"]
 
 
-def _plain_tensors(value):
-    """Yield the plain (storage-backed) tensors in ``value``, unwrapping traceable subclasses."""
+def _plain_tensors(value, fake_mode=None):
+    """Yield the plain (storage-backed) tensors in ``value``, unwrapping traceable subclasses;
+    with ``fake_mode``, also the fake tensors of that ``FakeTensorMode``."""
     if not isinstance(value, torch.Tensor):
         return
     if is_traceable_wrapper_subclass(value):
         inner_names, _ = value.__tensor_flatten__()
         for name in inner_names:
-            yield from _plain_tensors(getattr(value, name))
+            yield from _plain_tensors(getattr(value, name), fake_mode)
     elif type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
         if not value.is_meta:
             yield value
+    elif fake_mode is not None and getattr(value, "fake_mode", None) is fake_mode:
+        yield value
 
 
 def _written_arguments(func, args, kwargs) -> list:
@@ -103,12 +107,15 @@ class LiveStorageTracker(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self, exact_peak: bool = False, track_inputs: bool = False):
+    def __init__(self, exact_peak: bool = False, track_inputs: bool = False, fake_mode=None):
         """``exact_peak``: recompute live bytes after every op (sees storage resizes; slow).
-        ``track_inputs``: also record storages of op inputs, not just outputs."""
+        ``track_inputs``: also record storages of op inputs, not just outputs.
+        ``fake_mode``: also record the fake tensors of this ``FakeTensorMode`` (``zerocompile
+        plan`` runs a whole script under one), never those of Dynamo's own tracing."""
         super().__init__()
         self.exact_peak = exact_peak
         self.track_inputs = track_inputs
+        self.fake_mode = fake_mode
         self._refs: dict[int, weakref.ref] = {}
         """Recorded storages by address (``storage._cdata``)."""
         self._sizes: dict[int, int] = {}
@@ -125,12 +132,18 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def track(self, tensor: torch.Tensor) -> None:
         """Record the storage(s) behind ``tensor`` (a no-op for ones already recorded)."""
-        for t in _plain_tensors(tensor):
+        for t in _plain_tensors(tensor, self.fake_mode):
             storage = t.untyped_storage()
             key = storage._cdata
             old = self._refs.get(key)
             if old is not None:
                 if old() is not None:
+                    # recorded already: follow a resize an op made (resize_storage_bytes_)
+                    nbytes = storage.nbytes()
+                    if nbytes != self._sizes[key]:
+                        self.current += nbytes - self._sizes[key]
+                        self._sizes[key] = nbytes
+                        self.peak = max(self.peak, self.current)
                     continue
                 self.current -= self._sizes[key]          # a dead one at a reused address
             nbytes = storage.nbytes()

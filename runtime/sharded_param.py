@@ -106,7 +106,7 @@ class ShardedParam:
     # -- construction -----------------------------------------------------------------
     def _own_chunk(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         start = self.group.rank * self.chunk
-        out = torch.zeros(self.chunk, dtype=dtype, device=self.device)
+        out = flat.new_zeros(self.chunk, dtype=dtype)   # new_zeros: a fake parameter (plan) gets a fake shard
         stop = min(start + self.chunk, self.numel)
         if stop > start:
             out[: stop - start].copy_(flat[start:stop])
@@ -233,16 +233,18 @@ class ShardedParam:
 
     # -- accounting -------------------------------------------------------------------
     def storages(self) -> tuple[dict[int, int], dict[int, int]]:
-        """``({storage ptr: bytes})`` of parameter data and of gradients this state keeps alive."""
+        """``({storage key: bytes})`` of parameter data and of gradients this state keeps alive,
+        keyed by the storage object (``_cdata``, as ``LiveStorageTracker`` keys them), which fake
+        tensors (``zerocompile plan``) have too, unlike a data pointer."""
         params, grads = {}, {}
         for t in (self.param, self.replica, self.shard):
             if t is not None:
                 st = t.untyped_storage()
                 if st.nbytes() > 0:
-                    params[st.data_ptr()] = st.nbytes()
+                    params[st._cdata] = st.nbytes()
                 grad = raw_grad(t)
                 if grad is not None:
-                    grads[grad.untyped_storage().data_ptr()] = grad.untyped_storage().nbytes()
+                    grads[grad.untyped_storage()._cdata] = grad.untyped_storage().nbytes()
         return params, grads
 
 

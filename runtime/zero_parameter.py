@@ -188,6 +188,8 @@ def adopt(param: torch.nn.Parameter) -> None:
     """Make ``param`` a ``ZeroParameter`` in place (same object, same data)."""
     if type(param) is torch.nn.Parameter:
         param.__class__ = ZeroParameter
+    elif _torch_compat.is_fake_tensor(param):
+        return      # a fake parameter (``zerocompile plan``) has no values to guard and keeps its class
     elif not isinstance(param, ZeroParameter):
         raise TypeError(
             f"zerocompile: parameters of class {type(param).__name__} (a subclass of nn.Parameter) "

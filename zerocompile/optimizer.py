@@ -798,8 +798,8 @@ class ZeroOptimizer(Optimizer):
         storages = {}
         for st in self._inner.state.values():
             for v in st.values():
-                if isinstance(v, torch.Tensor) and v.numel() > 1:
-                    storages[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+                if isinstance(v, torch.Tensor) and v.dim() > 0:   # not 0-d step counters
+                    storages[v.untyped_storage()._cdata] = v.untyped_storage().nbytes()   # fake ones too
         return sum(storages.values())
 
     @property
