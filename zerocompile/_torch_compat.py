@@ -8,6 +8,7 @@ there, loudly, rather than somewhere deep in a training run.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
@@ -134,6 +135,17 @@ def is_traced_tensor(t: torch.Tensor) -> bool:
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
     return is_fake(t) or get_proxy_mode() is not None or torch.compiler.is_compiling()
+
+
+def is_fake_tensor(t) -> bool:
+    """Whether ``t`` is a ``FakeTensor`` made by a user's ``FakeTensorMode`` (``zerocompile plan``
+    runs a whole script under one): it has shapes and a storage size but no values.
+
+    Why private: ``torch._subclasses.fake_tensor.FakeTensor`` is the only class of such tensors.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 def pending_collectives() -> int:
@@ -299,6 +311,53 @@ def init_fake_process_group(world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+@contextlib.contextmanager
+def script_process_group(world_size: int):
+    """The fake group of ``world_size`` ranks (this process rank 0) for a user's script run in
+    this process (``zerocompile.script_runner``), destroyed on exit. While it is open,
+    ``torch.distributed.init_process_group`` joins the existing group instead of creating one
+    (its backend and init method are ignored; a ``world_size`` or ``rank`` that disagrees is an
+    error) and ``destroy_process_group()`` of the default group does nothing.
+
+    Why this replaces two public torch functions for the duration: an unmodified training
+    script (the one launched with torchrun) creates its own group with ``gloo`` or ``nccl``,
+    and torch has no setting that sends that call to the fake backend. The two names
+    (``torch.distributed.X`` and ``torch.distributed.distributed_c10d.X``, the same function)
+    are restored on exit; ``tests/test_torch_compat.py`` checks both.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    init_fake_process_group(world_size)
+    original_init, original_destroy = distributed_c10d.init_process_group, distributed_c10d.destroy_process_group
+
+    def init_process_group(*args, **kwargs):
+        asked = inspect.signature(original_init).bind(*args, **kwargs).arguments
+        asked_world, rank = asked.get("world_size", -1), asked.get("rank", -1)
+        if asked_world not in (-1, None, world_size) or rank not in (-1, None, 0):
+            raise ValueError(
+                f"the script asks for rank {rank} of {asked_world} ranks, but it runs as rank 0 of the "
+                f"fake process group of {world_size} ranks (--world-size {world_size}); take rank and world "
+                "size from the RANK and WORLD_SIZE environment variables, as under torchrun")
+
+    def destroy_process_group(group=None):
+        if group is not None and group is not dist.group.WORLD:
+            original_destroy(group)
+
+    names = ("init_process_group", "destroy_process_group")
+    saved = {(module, name): getattr(module, name) for module in (dist, distributed_c10d) for name in names}
+    for module in (dist, distributed_c10d):
+        module.init_process_group = init_process_group
+        module.destroy_process_group = destroy_process_group
+    try:
+        yield
+    finally:
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
+        if dist.is_initialized():
+            original_destroy()
 
 
 def plain_tensor_ops():
