@@ -11,7 +11,7 @@ from zerocompile.runtime.accounting import CollectiveSummary
 _c10d = torch.ops._c10d_functional
 
 # kind, and which tensor's size counts: the output of an all-gather, the input of the others
-_KINDS = {
+COLLECTIVE_KINDS_BY_OP = {
     _c10d.all_gather_into_tensor.default: ("all_gather", "out"),
     _c10d.all_gather_into_tensor_out.default: ("all_gather", "out"),
     _c10d.reduce_scatter_tensor.default: ("reduce_scatter", "in"),
@@ -24,9 +24,9 @@ def summarize_collectives(graph: torch.fx.Graph) -> CollectiveSummary:
     """Count and size every functional collective in ``graph`` (needs ``meta["val"]``)."""
     summary = CollectiveSummary()
     for node in graph.nodes:
-        if node.op != "call_function" or node.target not in _KINDS:
+        if node.op != "call_function" or node.target not in COLLECTIVE_KINDS_BY_OP:
             continue
-        kind, which = _KINDS[node.target]
+        kind, which = COLLECTIVE_KINDS_BY_OP[node.target]
         src = node if which == "out" else node.args[0]
         val = src.meta.get("val")
         if val is None:

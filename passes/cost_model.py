@@ -28,25 +28,25 @@ from zerocompile.passes.graph_utils import COLLECTIVE_OPS, concrete_int, tensor_
 from zerocompile.passes.liveness import is_view, tensors_of
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, is_fake_group
 
-_DEFAULTS = {"flops_per_s": 5e10, "alpha_us": 50.0, "bandwidth_gbps": 2.0, "memory_gbps": 10.0}
+DEFAULT_RATES = {"flops_per_s": 5e10, "alpha_us": 50.0, "bandwidth_gbps": 2.0, "memory_gbps": 10.0}
 
 
 @dataclass(frozen=True)
 class CostModel:
     """Rates of one rank (identical on every rank)."""
 
-    flops_per_s: float = _DEFAULTS["flops_per_s"]
+    flops_per_s: float = DEFAULT_RATES["flops_per_s"]
     """Floating-point operations per second of matmul-like ops."""
-    alpha_s: float = _DEFAULTS["alpha_us"] * 1e-6
+    alpha_s: float = DEFAULT_RATES["alpha_us"] * 1e-6
     """Latency of one collective, seconds."""
-    bandwidth: float = _DEFAULTS["bandwidth_gbps"] * 1e9
+    bandwidth: float = DEFAULT_RATES["bandwidth_gbps"] * 1e9
     """Bytes per second one rank sends in a collective."""
-    memory_bandwidth: float = _DEFAULTS["memory_gbps"] * 1e9
+    memory_bandwidth: float = DEFAULT_RATES["memory_gbps"] * 1e9
     """Bytes per second a memory-bound op reads and writes."""
 
     @classmethod
     def from_rates(cls, rates: dict) -> "CostModel":
-        r = {**_DEFAULTS, **rates}
+        r = {**DEFAULT_RATES, **rates}
         return cls(flops_per_s=float(r["flops_per_s"]), alpha_s=float(r["alpha_us"]) * 1e-6,
                    bandwidth=float(r["bandwidth_gbps"]) * 1e9, memory_bandwidth=float(r["memory_gbps"]) * 1e9)
 
@@ -69,14 +69,23 @@ class CostModel:
         flops = node_flops(node)
         moved = sum(tensor_nbytes(t) for a in node.all_input_nodes for t in tensors_of(a.meta.get("val")))
         moved += sum(tensor_nbytes(t) for t in tensors_of(node.meta.get("val")))
-        return max(flops / self.flops_per_s, moved / self.memory_bandwidth)
+        return self.compute_time(flops, moved)
+
+    def op_time(self, func, args, kwargs, out) -> float:
+        """Estimated compute seconds of one dispatched op on (fake or real) tensors, as
+        ``node_time`` estimates a node: its FLOPs, or the bytes of its tensor arguments and
+        outputs, whichever takes longer (``zerocompile plan`` times a whole step this way)."""
+        flops = op_flops(func, args, kwargs, out)
+        moved = sum(tensor_nbytes(t) for t in torch.utils._pytree.tree_leaves((args, kwargs, out))
+                    if isinstance(t, torch.Tensor))
+        return self.compute_time(flops, moved)
+
+    def compute_time(self, flops: int, moved_bytes: int) -> float:
+        return max(flops / self.flops_per_s, moved_bytes / self.memory_bandwidth)
 
 
 def node_flops(node: torch.fx.Node) -> int:
     """FLOPs of a node by ``torch.utils.flop_counter``'s formulas (0 for ops without one)."""
-    packet = getattr(node.target, "overloadpacket", None)
-    if packet not in flop_registry:
-        return 0
 
     def val(a):
         if isinstance(a, torch.fx.Node):
@@ -85,9 +94,18 @@ def node_flops(node: torch.fx.Node) -> int:
             return type(a)(val(x) for x in a)
         return a
 
+    return op_flops(node.target, val(node.args), {k: val(v) for k, v in node.kwargs.items()},
+                    node.meta.get("val"))
+
+
+def op_flops(func, args, kwargs, out) -> int:
+    """FLOPs of op ``func`` applied to ``args`` / ``kwargs`` giving ``out`` (tensors, fake
+    tensors or their metadata), by ``torch.utils.flop_counter``'s formulas; 0 without one."""
+    packet = getattr(func, "overloadpacket", None)
+    if packet not in flop_registry:
+        return 0
     try:
-        flops = flop_registry[packet](*val(node.args), **{k: val(v) for k, v in node.kwargs.items()},
-                                      out_val=node.meta.get("val"))
+        flops = flop_registry[packet](*args, **kwargs, out_val=out)
         return concrete_int(flops)  # symbolic shapes: their hints, without guarding on them
     except Exception:  # noqa: BLE001 - a formula that cannot read symbolic shapes: no estimate
         return 0
@@ -118,7 +136,7 @@ def probe(group: CommGroup, device=None, repeats: int = 3) -> CostModel:
         best_copy = min(best_copy, time.perf_counter() - t0)
     flops_per_s = 2 * n**3 / max(best_mm, 1e-9)
     memory_bandwidth = 2 * big.numel() * 4 / max(best_copy, 1e-9)
-    alpha, bandwidth = _DEFAULTS["alpha_us"] * 1e-6, _DEFAULTS["bandwidth_gbps"] * 1e9
+    alpha, bandwidth = DEFAULT_RATES["alpha_us"] * 1e-6, DEFAULT_RATES["bandwidth_gbps"] * 1e9
     if group.world > 1 and not is_fake_group(group):
         small_n, large_n = 256, 1 << 18  # elements per rank
         times = []

@@ -29,11 +29,9 @@ import json
 import logging
 import os
 import re
-import runpy
 import shutil
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 from rich.console import Console
@@ -41,6 +39,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from zerocompile.dump import DUMP_ENV, GRAPH_KINDS, INDEX_FILE
+from zerocompile.script_runner import ScriptRunError, run_script
 
 logger = logging.getLogger("zerocompile")
 
@@ -136,10 +135,17 @@ def read_dump(root: Path) -> dict:
 
 
 # ============================================================================ dump
-def _check_options(text: str | None) -> dict | None:
+def _check_options(text: str | None, command: str = "dump") -> dict | None:
     """Parse ``--options`` and validate it with ``ZeroConfig.from_options``."""
     if text is None:
         return None
+    try:
+        return _checked_options(text)
+    except CliError as exc:
+        raise CliError(str(exc).replace("zerocompile dump:", f"zerocompile {command}:", 1)) from None
+
+
+def _checked_options(text: str) -> dict:
     try:
         options = json.loads(text)
     except ValueError as exc:
@@ -195,50 +201,6 @@ def _run_subprocess(script: Path, script_args: list, env: dict, console: Console
     return 128 - code if code < 0 else code
 
 
-def _run_in_process(script: Path, script_args: list, env_updates: dict, world_size: int) -> int:
-    """Run SCRIPT as ``__main__`` in this process on a fake process group of ``world_size``
-    ranks (rank 0); return its exit code. Environment, ``sys.argv`` and ``sys.path`` are
-    restored and the group destroyed afterwards."""
-    import torch.distributed as dist
-
-    from zerocompile._torch_compat import init_fake_process_group
-
-    if dist.is_initialized():
-        raise CliError("zerocompile dump: error: a process group is already initialised in this process")
-    env_updates = {**env_updates, "WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"}
-    saved_env = {key: os.environ.get(key) for key in env_updates}
-    saved_argv, saved_path = sys.argv, list(sys.path)
-    os.environ.update(env_updates)
-    sys.argv = [str(script), *script_args]
-    sys.path.insert(0, str(script.parent))
-    code = 0
-    try:
-        init_fake_process_group(world_size)
-        runpy.run_path(str(script), run_name="__main__")
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
-            code = 1
-    except KeyboardInterrupt:
-        code = 130
-    except Exception:  # noqa: BLE001 - the script's own failure: show its traceback, as python would
-        traceback.print_exc()
-        code = 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.argv = saved_argv
-        sys.path[:] = saved_path
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return code
-
-
 def _summarize(out: Path, console: Console) -> None:
     """Print where the dump is and what each rank recorded."""
     indexes = read_dump(out) if out.is_dir() else {}
@@ -283,7 +245,10 @@ def cmd_dump(args) -> int:
     else:
         console.print(f"running {script} in this process on a fake process group of "
                       f"{args.world_size} ranks (rank 0)")
-        code = _run_in_process(script.resolve(), script_args, env_updates, args.world_size)
+        try:
+            code = run_script(script.resolve(), script_args, env_updates, args.world_size)
+        except ScriptRunError as exc:
+            raise CliError(f"zerocompile dump: error: {exc}") from None
     if code != 0:
         console.print(f"{script} exited with code {code}")
     _summarize(out, console)
@@ -609,14 +574,147 @@ def cmd_consolidate(args) -> int:
     return 0
 
 
+# ============================================================================ plan
+def _hardware_names() -> list:
+    from zerocompile.plan import HARDWARE
+
+    return list(HARDWARE)
+
+
+def cmd_plan(args) -> int:
+    """``zerocompile plan``: run SCRIPT on fake ranks with fake tensors; report per rank."""
+    from zerocompile.plan import hardware_from, plan_script
+    from zerocompile.script_runner import ScriptRunError
+
+    if args.world_size < 1:
+        raise CliError(f"zerocompile plan: error: --world-size must be >= 1, got {args.world_size}")
+    options = _check_options(args.options, "plan") or {}
+    for key in ("offload_optimizer", "offload_param"):
+        if key in options:
+            raise CliError(f"zerocompile plan: error: --options cannot set '{key}' yet: the offloaded state "
+                           "is moved with real I/O, which fake tensors cannot do; plan stage 3 without it "
+                           "(--compare prints what each offload would leave per rank)")
+    try:
+        hardware = hardware_from(args.hardware)
+    except ValueError as exc:
+        raise CliError(f"zerocompile plan: error: --hardware: {exc}") from None
+    if not args.command:
+        raise CliError("zerocompile plan: error: no script given; usage: zerocompile plan --world-size N "
+                       "[--options JSON] [--hardware NAME|FILE] [--json] [--compare] -- SCRIPT [ARGS...]")
+    script, script_args = Path(args.command[0]), list(args.command[1:])
+    if not script.is_file():
+        raise CliError(f"zerocompile plan: error: no such script: {script}")
+    status = _console(stderr=True)
+    try:
+        with status.status(f"planning {script.name} on {args.world_size} fake ranks"):
+            report = plan_script(script, script_args, args.world_size, options, hardware,
+                                 stdout=sys.stderr if args.json else None)
+    except ScriptRunError as exc:
+        raise CliError(f"zerocompile plan: error: {exc}") from None
+    if report.measured_step == 0:
+        ran = {0: "ran no optimizer step", 1: "ran only one optimizer step"}[report.steps_seen]
+        reason = f"exited with code {report.exit_code} after {report.steps_seen} optimizer step(s)" \
+            if report.exit_code != 0 else ran
+        print(f"zerocompile plan: error: {script} {reason}: plan measures the second training step "
+              "(forward, backward and optimizer.step()); the first compiles. Let the script run two steps",
+              file=sys.stderr)
+        return report.exit_code or 1
+    rows = [report]
+    if args.compare:
+        rows = _compare(args, options, script, script_args, status)
+    if args.json:
+        out = report.as_dict()
+        if args.compare:
+            out["compare"] = [r if isinstance(r, dict) else r.as_dict() for r in rows]
+        print(json.dumps(out))
+        return 0
+    _print_plan(report, script, _console())
+    if args.compare:
+        _print_compare(rows, _console())
+    return 0
+
+
+def _compare(args, options: dict, script: Path, script_args: list, status: Console) -> list:
+    """Plan stages 0-3 with the same options, each in a subprocess of its own (a fresh
+    process: nothing of one run's models or compiled frames is left to count in the next)."""
+    rows = []
+    for stage in (0, 1, 2, 3):
+        cmd = [sys.executable, "-m", "zerocompile", "plan", "--world-size", str(args.world_size),
+               "--hardware", args.hardware, "--json", "--options", json.dumps({**options, "stage": stage}),
+               "--", str(script), *script_args]
+        with status.status(f"planning stage {stage}"):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
+            rows.append({"options": {"stage": stage}, "error": tail[0]})
+            continue
+        rows.append(json.loads(done.stdout.strip().splitlines()[0]))
+    return rows
+
+
+def _print_plan(report, script: Path, console: Console) -> None:
+    r = report.as_dict()
+    hw = report.hardware
+    stages = ", ".join(map(str, report.stages)) or "?"
+    console.print(f"plan for {script} on {report.world_size} ranks, stage{'s' * (len(report.stages) > 1)} "
+                  f"{stages}, hardware {hw.name} "
+                  f"({hw.description}); measured: optimizer step {report.measured_step} of the script "
+                  f"({report.wall_s:.1f} s here)")
+    table = Table(title=f"per rank ({r['num_params']:,} parameters in compiled frames)", title_justify="left")
+    table.add_column("")
+    table.add_column("bytes", justify="right")
+    table.add_column("", justify="right")
+    for kind, nbytes in r["model_state_bytes_by_kind"].items():
+        if nbytes or not kind.startswith("offloaded"):
+            table.add_row(f"model state: {kind.replace('_', ' ')}", f"{nbytes:,}", human_bytes(nbytes))
+    table.add_row("model state on the device", f"{r['model_state_bytes_per_rank']:,}",
+                  human_bytes(r["model_state_bytes_per_rank"]))
+    table.add_row("peak live bytes in a step", f"{r['peak_bytes_per_rank']:,}", human_bytes(r["peak_bytes_per_rank"]))
+    console.print(table)
+    comm = Table(title="collectives per step (full buffers; wire: what each rank sends in a ring)",
+                 title_justify="left")
+    for column in ("kind", "count", "bytes", "size"):
+        comm.add_column(column, justify="left" if column == "kind" else "right")
+    for kind, v in r["comm_by_kind"].items():
+        comm.add_row(kind.replace("_", "-"), str(v["count"]), f"{v['bytes']:,}", human_bytes(v["bytes"]))
+    comm.add_row("total", "", f"{r['comm_bytes_per_rank_per_step']:,}", human_bytes(r["comm_bytes_per_rank_per_step"]))
+    comm.add_row("wire", "", f"{r['wire_bytes_per_rank_per_step']:,.0f}", human_bytes(r["wire_bytes_per_rank_per_step"]))
+    console.print(comm)
+    exposed = max(0.0, report.step_s - report.compute_s)
+    console.print(f"estimated step: {report.step_s * 1e3:,.1f} ms = compute {report.compute_s * 1e3:,.1f} ms "
+                  f"+ exposed communication {exposed * 1e3:,.1f} ms (communication {report.comm_s * 1e3:,.1f} ms "
+                  f"in all); {hw.flops_per_s / 1e12:g} TFLOP/s, {hw.memory_gbps:g} GB/s memory, "
+                  f"{hw.bandwidth_gbps:g} GB/s per rank in collectives, {hw.alpha_us:g} us latency")
+
+
+def _print_compare(rows: list, console: Console) -> None:
+    table = Table(title="stages side by side (per rank)", title_justify="left")
+    for column in ("stage", "model state", "peak", "bytes per step", "est. step"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    for r in rows:
+        stage = str(r["options"]["stage"])
+        if "error" in r:
+            table.add_row(stage, r["error"], "", "", "")
+            continue
+        table.add_row(stage, human_bytes(r["model_state_bytes_per_rank"]), human_bytes(r["peak_bytes_per_rank"]),
+                      human_bytes(r["comm_bytes_per_rank_per_step"]), f"{r['estimated_step_s'] * 1e3:,.1f} ms")
+        if r["options"].get("stage") == 3 and r["model_state_bytes_by_kind"].get("optimizer_state"):
+            opt = r["model_state_bytes_by_kind"]["optimizer_state"]
+            table.add_row("3 + offload_optimizer (derived)", human_bytes(r["model_state_bytes_per_rank"] - opt),
+                          human_bytes(r["peak_bytes_per_rank"] - opt), human_bytes(r["comm_bytes_per_rank_per_step"]), "")
+    console.print(table)
+    console.print("derived rows: the stage-3 figures less the optimizer state that offload_optimizer keeps "
+                  "in host memory or on NVMe (plus its staging buffers, not counted)")
+
+
 # ============================================================================ entry point
 def build_parser() -> argparse.ArgumentParser:
-    """The ``zerocompile`` argument parser (subcommands ``dump``, ``show`` and ``consolidate``)."""
+    """The ``zerocompile`` argument parser (subcommands ``dump``, ``show``, ``consolidate``, ``plan``)."""
     from zerocompile import __version__
 
     parser = _Parser(prog="zerocompile", description="Debugging tools for the zerocompile torch.compile backend.")
     parser.add_argument("--version", action="version", version=f"zerocompile {__version__}")
-    sub = parser.add_subparsers(dest="subcommand", metavar="{dump,show,consolidate}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="subcommand", metavar="{dump,show,consolidate,plan}", parser_class=_Parser)
 
     dump = sub.add_parser("dump", help="run a training script and dump every compiled graph",
                           description="Run SCRIPT with graph dumping on (ZEROCOMPILE_DUMP=DIR). Put the script "
@@ -662,13 +760,37 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate.add_argument("checkpoint", metavar="CKPT_DIR", help="a checkpoint directory")
     consolidate.add_argument("out", metavar="OUT", help="output file (.pt, .bin, ... or .safetensors)")
     consolidate.set_defaults(func=cmd_consolidate)
+
+    plan = sub.add_parser(
+        "plan", help="per-rank memory, communication and step time of a script at any world size",
+        description="Run SCRIPT unmodified in this process, as rank 0 of a fake process group of N ranks "
+                    "with fake tensors (nothing the size of the model is allocated), and report per rank "
+                    "the model-state bytes, the peak live bytes, the bytes each collective kind moves per "
+                    "step and an estimated step time, measured over the script's second optimizer step. "
+                    "Put the script and its arguments after --.",
+        usage="zerocompile plan --world-size N [--options JSON] [--hardware NAME|FILE] [--json] [--compare] "
+              "-- SCRIPT [ARGS...]")
+    plan.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks of the planned job")
+    plan.add_argument("--options", default=None, metavar="JSON",
+                      help="backend options as a JSON object, merged over the script's own (default: none)")
+    plan.add_argument("--hardware", default="h100", metavar="NAME|FILE",
+                      help="rates of the planned machine: " + ", ".join(_hardware_names())
+                           + ", or a JSON file with flops_per_s, memory_gbps, bandwidth_gbps, alpha_us "
+                           "(default: h100)")
+    plan.add_argument("--json", action="store_true",
+                      help="print the report as one JSON object on stdout (the script's output goes to stderr)")
+    plan.add_argument("--compare", action="store_true",
+                      help="also plan stages 0-3 (one run each, in subprocesses) and print them side by side")
+    plan.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...]")
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 
 def _split_script(argv: list) -> tuple:
-    """For ``dump``: everything after the first ``--`` is the script and its arguments, kept
-    out of argparse (whose handling of ``--`` before a remainder varies between versions)."""
-    if argv and argv[0] == "dump" and "--" in argv:
+    """For ``dump`` and ``plan``: everything after the first ``--`` is the script and its
+    arguments, kept out of argparse (whose handling of ``--`` before a remainder varies
+    between versions)."""
+    if argv and argv[0] in ("dump", "plan") and "--" in argv:
         cut = argv.index("--")
         return argv[:cut], argv[cut + 1:]
     return argv, None

@@ -1,0 +1,98 @@
+"""``zerocompile plan`` on Llama-3-70B for 1024 ranks, against the ZeRO-3 formulas and the
+planner's own targets (issue 10): model state and bytes per step within 2% of the formulas,
+in under 30 s of wall time on this machine, with a peak RSS under 8 GiB.
+
+    python benchmarks/plan_llama70b.py [--world-size 1024] [--hardware h100] [--out benchmarks/results]
+
+It runs ``zerocompile plan --json`` on ``benchmarks/train_llama.py --size 70b --steps 2`` (HF
+``LlamaForCausalLM``, bfloat16, stage 3, ``recompute="full"``, sequence 4096, one sequence per
+rank) in a subprocess, times it and reads its peak RSS, and compares the report with formulas
+computed from the model's shape alone (Psi = number of parameters, N = ranks):
+
+- parameters 2 Psi / N, gradients 2 Psi / N (bfloat16), AdamW's two moments 4 Psi / N
+  (bfloat16, like the parameters they update): model state 8 Psi / N;
+- all-gathers 2 x 2 Psi (every parameter in forward, and again in backward: the recompute
+  and the gradients use the same gather), reduce-scatters 4 Psi (gradients reduced in fp32).
+
+Results: ``<out>/plan_llama70b.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from train_llama import SIZES  # noqa: E402
+
+
+def llama_params(shape: dict) -> int:
+    """Parameters of HF LlamaForCausalLM with this shape (untied head, no biases)."""
+    h, f, v, layers = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"], shape["num_hidden_layers"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h      # q, o; k, v; gate, up, down; 2 norms
+    return 2 * v * h + layers * per_layer + h                    # embedding, head; final norm
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=1024)
+    parser.add_argument("--hardware", default="h100")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = parser.parse_args()
+
+    cmd = [sys.executable, "-m", "zerocompile", "plan", "--world-size", str(args.world_size), "--hardware",
+           args.hardware, "--json", "--", str(REPO / "benchmarks" / "train_llama.py"), "--size", "70b", "--steps", "2"]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    wall = time.perf_counter() - start
+    rss_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20     # ru_maxrss is in KiB
+    if done.returncode != 0:
+        print(done.stderr[-4000:], file=sys.stderr)
+        return 1
+    report = json.loads(done.stdout.splitlines()[0])
+
+    psi, n = llama_params(SIZES["70b"]), args.world_size
+    by_kind, comm = report["model_state_bytes_by_kind"], report["comm_by_kind"]
+    rows = [
+        ("parameters", report["num_params"], psi),
+        ("model state per rank, bytes", report["model_state_bytes_per_rank"], 8 * psi / n),
+        ("  parameters", by_kind["params"], 2 * psi / n),
+        ("  gradients", by_kind["grads"], 2 * psi / n),
+        ("  optimizer state", by_kind["optimizer_state"], 4 * psi / n),
+        ("all-gather bytes per step", comm["all_gather"]["bytes"], 2 * 2 * psi),
+        ("reduce-scatter bytes per step", comm["reduce_scatter"]["bytes"], 4 * psi),
+    ]
+    within = all(abs(got / want - 1) <= 0.02 for _, got, want in rows)
+    lines = [f"# zerocompile plan: Llama-3-70B on {n} ranks ({args.hardware})", "",
+             f"`zerocompile plan --world-size {n} --hardware {args.hardware} --json -- benchmarks/train_llama.py "
+             "--size 70b --steps 2`", "",
+             "| figure | plan | formula | plan / formula |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {got:,.0f} | {want:,.0f} | {got / want:.4f} |" for name, got, want in rows]
+    lines += ["", "| target | measured | met |", "|---|---:|---|",
+              f"| within 2% of the formulas | {max(abs(g / w - 1) for _, g, w in rows):.2%} | {within} |",
+              f"| wall time < 30 s | {wall:.1f} s | {wall < 30} |",
+              f"| peak RSS < 8 GiB | {rss_gib:.2f} GiB | {rss_gib < 8} |", "",
+              f"peak live bytes per rank: {report['peak_bytes_per_rank'] / 2**30:.2f} GiB; estimated step "
+              f"{report['estimated_step_s']:.2f} s (compute {report['estimated_compute_s']:.2f} s, communication "
+              f"{report['estimated_comm_s']:.2f} s); the script ran {report['wall_s']:.1f} s of the {wall:.1f} s."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan_llama70b.md").write_text(text)
+    (out / "plan_llama70b.json").write_text(json.dumps(
+        {"command": cmd[1:], "wall_s": wall, "peak_rss_gib": rss_gib, "report": report,
+         "formulas": {name: want for name, _, want in rows}}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""``zerocompile plan`` (zerocompile/plan.py): its figures against a real 2-rank run of the same
+unmodified script, the step-time model on a hand-timed sequence, hardware profiles, and every
+error path of the command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import free_port
+from zerocompile.passes.cost_model import CostModel
+from zerocompile.plan import HARDWARE, ScalarReadsAreZero, StepTimer, hardware_from
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT = 600
+
+# A torchrun-style training script: it creates its own gloo group, as users' scripts do. With
+# PLAN_TEST_MEASURE set (the real run), rank 0 measures its second step as plan does: a
+# LiveStorageTracker from before the model is built (exact peak, reset after the first step)
+# and zerocompile.stats() right after the step.
+SCRIPT = textwrap.dedent("""
+    import datetime, json, os, sys
+    import torch, torch.distributed as dist
+    import zerocompile
+    from zerocompile.runtime.memory_tracker import LiveStorageTracker
+
+    sys.path.insert(0, os.path.join({repo!r}, "benchmarks"))
+    torch.set_num_threads(1)
+    kind, options = sys.argv[1], json.loads(sys.argv[2])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    measure = os.environ.get("PLAN_TEST_MEASURE")
+    tracker = LiveStorageTracker(exact_peak=True, track_inputs=True) if measure else None
+    if tracker is not None:
+        tracker.__enter__()
+    torch.manual_seed(0)
+    options = {{"inner_compiler": "eager", **options}}
+    if kind == "mlp":
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.up, self.down = torch.nn.Linear(32, 96), torch.nn.Linear(96, 32)
+            def forward(self, x):
+                return x + self.down(torch.relu(self.up(x)))
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inp = torch.nn.Linear(12, 32)
+                self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+                self.out = torch.nn.Linear(32, 5)
+            def forward(self, x):
+                x = self.inp(x)
+                for block in self.blocks:
+                    x = block(x)
+                return self.out(x).square().mean()
+        model = Net()
+        loss_of = torch.compile(model, backend="zero", options=options)
+        batch = lambda g: torch.randn(6, 12, generator=g)
+    else:   # the tiny Llama of benchmarks/train_llama.py, bf16, compiled block by block
+        import transformers
+        from train_llama import SIZES, compile_by_blocks
+        torch.set_default_dtype(torch.bfloat16)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES["tiny"], use_cache=False,
+                                                                         attn_implementation="sdpa"))
+        torch.set_default_dtype(torch.float32)
+        loss_of = compile_by_blocks(model, options)
+        batch = lambda g: torch.randint(0, 512, (1, 32), generator=g)
+    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        loss = loss_of(batch(g))
+        loss.backward()
+        opt.step()
+        if tracker is not None and step == 0:
+            tracker.reset_peak()
+            zerocompile.reset_stats()
+        if tracker is not None and step == 1 and rank == 0:
+            with open(measure, "w") as f:
+                json.dump({{"peak": tracker.peak, "stats": zerocompile.stats().as_dict()}}, f)
+        opt.zero_grad()
+        print(f"step {{step}} loss {{loss.item():.4f}}")
+    dist.barrier()
+    dist.destroy_process_group()
+""").format(repo=str(REPO))
+
+
+def _script(tmp_path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def _real_run(script: Path, kind: str, options: dict, out: Path) -> dict:
+    env = {**os.environ, "PLAN_TEST_MEASURE": str(out), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(script), kind, json.dumps(options)],
+                          capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _plan(script: Path, *args, world: int = 2, hardware: str = "cpu") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zerocompile", "plan", "--world-size", str(world),
+                           "--hardware", hardware, *args, "--", str(script)] if script else
+                          [sys.executable, "-m", "zerocompile", "plan", *args],
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+
+
+@pytest.mark.parametrize("kind, options", [
+    ("mlp", {"stage": 3}),
+    ("mlp", {"stage": 1, "param_dtype": "bfloat16"}),
+    ("llama", {"stage": 3, "recompute": "full"}),
+], ids=["mlp-stage3", "mlp-stage1-bf16", "llama-bf16-stage3-recompute"])
+def test_plan_equals_a_real_two_rank_run(tmp_path, kind, options):
+    """Plan on 2 fake ranks with fake tensors gives, byte for byte, what rank 0 of a real
+    2-rank run of the same script measures: peak live bytes, model state by kind, and the
+    count and bytes of every collective kind in a step."""
+    script = _script(tmp_path)
+    real = _real_run(script, kind, options, tmp_path / "real.json")
+    done = subprocess.run([sys.executable, "-m", "zerocompile", "plan", "--world-size", "2", "--hardware", "cpu",
+                           "--json", "--", str(script), kind, json.dumps(options)],
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = json.loads(done.stdout.splitlines()[0])        # the first line: the script printed to stderr
+    assert "step 0 loss 0.0000" in done.stderr           # .item() on fake tensors reads 0
+    assert got["measured_step"] == 2 and got["world_size"] == 2
+    stats = real["stats"]
+    assert got["peak_bytes_per_rank"] == real["peak"]
+    assert got["model_state_bytes_by_kind"]["params"] == stats["param_bytes"]
+    assert got["model_state_bytes_by_kind"]["grads"] == stats["grad_bytes"]
+    assert got["model_state_bytes_by_kind"]["optimizer_state"] == stats["optimizer_state_bytes"]
+    assert got["model_state_bytes_per_rank"] == stats["param_bytes"] + stats["grad_bytes"] + stats[
+        "optimizer_state_bytes"]
+    for kind_ in ("all_gather", "reduce_scatter", "all_reduce"):
+        assert got["comm_by_kind"][kind_] == stats[kind_], kind_
+    assert got["comm_bytes_per_rank_per_step"] == sum(stats[k]["bytes"] for k in ("all_gather", "reduce_scatter",
+                                                                                   "all_reduce"))
+    assert got["estimated_step_s"] >= got["estimated_compute_s"] > 0
+
+
+def test_plan_at_a_large_world_size_follows_the_formulas(tmp_path):
+    """Stage 3 on 64 fake ranks: each rank holds 1/64 of the (padded) parameters, their
+    gradients and two AdamW moments; a step all-gathers every parameter in forward, again in
+    backward those whose values the backward reads (the weights, but not the first layer's,
+    whose input needs no gradient, and no bias), and reduce-scatters every gradient."""
+    script = _script(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "zerocompile", "plan", "--world-size", "64", "--hardware", "h100",
+                           "--json", "--", str(script), "mlp", json.dumps({"stage": 3})],
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = json.loads(done.stdout.splitlines()[0])
+    sizes = [12 * 32, 32] + [32 * 96, 96, 96 * 32, 32] * 3 + [32 * 5, 5]
+    chunks = [-(-n // 64) for n in sizes]           # each rank's padded share of each parameter
+    assert got["num_params"] == sum(sizes)
+    assert got["model_state_bytes_by_kind"] == {"params": 4 * sum(chunks), "grads": 4 * sum(chunks),
+                                                "optimizer_state": 8 * sum(chunks),
+                                                "offloaded_optimizer_state": 0, "offloaded_params": 0}
+    read_in_backward = [c for i, c in enumerate(chunks) if i % 2 == 0 and i > 0]     # weights but the first
+    assert got["comm_by_kind"]["all_gather"]["bytes"] == 4 * 64 * (sum(chunks) + sum(read_in_backward))
+    assert got["comm_by_kind"]["reduce_scatter"]["bytes"] == 4 * 64 * sum(chunks)
+    assert got["hardware"]["name"] == "h100" and got["options"]["cost_model"] == HARDWARE["h100"].cost_model()
+
+
+def test_plan_prints_tables(tmp_path):
+    script = _script(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "zerocompile", "plan", "--world-size", "8", "--", str(script),
+                           "mlp", json.dumps({"stage": 2})], capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = done.stdout
+    assert "on 8 ranks, stage 2" in out and "hardware h100" in out
+    for text in ("model state: params", "peak live bytes in a step", "reduce-scatter", "estimated step:"):
+        assert text in out, text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--world-size", "0", "--", "x.py"], "--world-size must be >= 1"),
+    (["--", "x.py"], "the following arguments are required: --world-size"),
+    (["--world-size", "2", "--hardware", "tpu", "--", "x.py"], "unknown hardware 'tpu'"),
+    (["--world-size", "2", "--options", '{"stage": 7}', "--", "x.py"], "zerocompile plan: error: --options"),
+    (["--world-size", "2", "--options", '{"offload_optimizer": {"device": "cpu"}}', "--", "x.py"],
+     "cannot set 'offload_optimizer' yet"),
+    (["--world-size", "2"], "no script given"),
+    (["--world-size", "2", "--", "no_such_script.py"], "no such script: no_such_script.py"),
+])
+def test_plan_errors_are_one_line(args, message):
+    done = subprocess.run([sys.executable, "-m", "zerocompile", "plan", *args], capture_output=True, text=True,
+                          timeout=TIMEOUT, cwd=REPO)
+    assert done.returncode == 2
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_plan_of_a_script_without_a_step_says_so(tmp_path):
+    script = tmp_path / "no_step.py"
+    script.write_text("import torch\nprint(torch.ones(2).sum().item())\n")
+    done = subprocess.run([sys.executable, "-m", "zerocompile", "plan", "--world-size", "2", "--", str(script)],
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+    assert done.returncode == 1
+    assert "ran no optimizer step" in done.stderr
+    assert "0.0" in done.stdout                    # its .item() on a fake tensor read 0
+
+
+def test_hardware_profiles_and_files(tmp_path):
+    assert hardware_from("h100") is HARDWARE["h100"]
+    good = tmp_path / "mine.json"
+    good.write_text(json.dumps({"flops_per_s": 1e15, "memory_gbps": 5000, "bandwidth_gbps": 100, "alpha_us": 10}))
+    mine = hardware_from(str(good))
+    assert (mine.name, mine.flops_per_s, mine.bandwidth_gbps) == ("mine", 1e15, 100.0)
+    for body, message in [("{", "cannot read it as JSON"), ('{"flops_per_s": 1}', "needs exactly the keys"),
+                          (json.dumps({"flops_per_s": -1, "memory_gbps": 1, "bandwidth_gbps": 1, "alpha_us": 1}),
+                           "flops_per_s = -1; it must be a finite number > 0")]:
+        bad = tmp_path / "bad.json"
+        bad.write_text(body)
+        with pytest.raises(ValueError, match=message):
+            hardware_from(str(bad))
+
+
+def test_step_timer_overlaps_collectives_with_compute(fake_world):
+    """On 4 ranks at 1 TFLOP/s and 1 GB/s per rank: an all-gather of 4 MB (3 MB on the wire,
+    3 ms) starts before a 2 ms matmul, so its wait holds compute for 1 ms more; a second
+    matmul (2 ms), then a reduce-scatter of 4 MB (3 ms) that nothing overlaps: 8 ms in all,
+    4 ms of it compute and 6 ms communication."""
+    import torch.distributed as dist
+
+    c10d = torch.ops._c10d_functional
+    group = dist.group.WORLD.group_name
+    timer = StepTimer(CostModel(flops_per_s=1e12, alpha_s=0.0, bandwidth=1e9, memory_bandwidth=1e30), world=4)
+    a, shard = torch.randn(1000, 1000), torch.randn(250_000)
+    with timer:
+        full = c10d.all_gather_into_tensor(shard, 4, group)
+        y = a @ a
+        full = c10d.wait_tensor(full)
+        z = y @ y
+        c10d.wait_tensor(c10d.reduce_scatter_tensor(full, "sum", 4, group))
+    assert z.shape == (1000, 1000)
+    assert timer.compute_s == pytest.approx(4e-3, rel=1e-6)
+    assert timer.comm_s == pytest.approx(6e-3, rel=1e-6)
+    assert timer.step_s == pytest.approx(8e-3, rel=1e-6)
+
+
+def test_scalar_reads_of_fake_tensors_are_zero():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), ScalarReadsAreZero():
+        x = torch.randn(3)
+        assert x.sum().item() == 0.0
+        assert bool((x > 0).any()) is False
+        assert int(torch.tensor(5)) == 0

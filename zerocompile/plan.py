@@ -1,0 +1,366 @@
+"""``zerocompile plan``: what each rank of an N-rank job would hold, move and spend per step,
+measured from the real graphs in one process on this machine.
+
+The training script runs unmodified in this process, as rank 0 of torch's fake process group
+of N ranks (``zerocompile.script_runner``), under a ``FakeTensorMode``: every tensor it creates
+is fake (shape, dtype and storage size, no values), so nothing the size of the model is
+allocated. The backend shards, compiles and runs every frame as rank 0 of a real job would:
+the same shards, passes and collectives. The inner compiler is the eager one (inductor's
+kernels need real data) and the passes decide with the hardware profile's rates.
+
+Plan watches the script's optimizer steps and measures the second one (the first compiles and
+creates the optimizer state), then stops the script. At the end of the first step every live
+fake tensor is recorded, and from then on:
+
+- model-state bytes by kind: ``zerocompile.stats()`` right after the step;
+- peak live bytes: a ``LiveStorageTracker`` over the step, as the tests and benchmarks measure
+  a real run (every storage created, freed or resized);
+- bytes per collective kind: ``stats()``'s counters over the step;
+- estimated step time: every op the step dispatches, timed by the cost model at the profile's
+  rates; collectives run one at a time on a stream of their own, and a ``wait_tensor`` holds
+  the compute stream until its collective is done.
+
+Values the script reads (``loss.item()``, ``if torch.isnan(loss):``) are 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from zerocompile.passes.collective_summary import COLLECTIVE_KINDS_BY_OP
+from zerocompile.passes.cost_model import DEFAULT_RATES, CostModel
+from zerocompile.runtime import accounting
+from zerocompile.runtime.memory_tracker import LiveStorageTracker
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Sustained rates of one rank of the machine the job is planned for."""
+
+    name: str
+    description: str
+    flops_per_s: float
+    """Matmul FLOP/s a rank sustains (about 70% of the dense bf16 peak on GPUs)."""
+    memory_gbps: float
+    """GB/s a memory-bound op reads plus writes."""
+    bandwidth_gbps: float
+    """GB/s one rank sends in a collective: the slowest link of the ring (the network
+    interface between nodes of a multi-node job)."""
+    alpha_us: float
+    """Latency of one collective, microseconds."""
+
+    def cost_model(self) -> dict:
+        """The ``cost_model`` option with these rates."""
+        return {"flops_per_s": self.flops_per_s, "memory_gbps": self.memory_gbps,
+                "bandwidth_gbps": self.bandwidth_gbps, "alpha_us": self.alpha_us}
+
+
+HARDWARE = MappingProxyType({
+    h.name: h for h in (
+        Hardware("h100", "NVIDIA H100 SXM nodes, 8 GPUs each, 400 Gb/s InfiniBand per GPU",
+                 flops_per_s=700e12, memory_gbps=3000.0, bandwidth_gbps=45.0, alpha_us=30.0),
+        Hardware("h200", "NVIDIA H200 SXM nodes, 8 GPUs each, 400 Gb/s InfiniBand per GPU",
+                 flops_per_s=700e12, memory_gbps=4300.0, bandwidth_gbps=45.0, alpha_us=30.0),
+        Hardware("a100", "NVIDIA A100 SXM nodes, 8 GPUs each, 200 Gb/s InfiniBand per GPU",
+                 flops_per_s=220e12, memory_gbps=1800.0, bandwidth_gbps=22.0, alpha_us=30.0),
+        Hardware("cpu", "the cost model's defaults: a small CPU machine over gloo",
+                 **DEFAULT_RATES),
+    )
+})
+"""Built-in ``--hardware`` profiles (a JSON file with the four rates gives any other)."""
+
+
+def hardware_from(value: str) -> Hardware:
+    """A profile by name, or from a JSON file holding ``flops_per_s``, ``memory_gbps``,
+    ``bandwidth_gbps`` and ``alpha_us`` (and optionally ``name`` and ``description``)."""
+    if value in HARDWARE:
+        return HARDWARE[value]
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"unknown hardware {value!r}: give one of {', '.join(HARDWARE)} or a JSON file "
+                         "with flops_per_s, memory_gbps, bandwidth_gbps and alpha_us")
+    try:
+        rates = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"hardware file {path}: cannot read it as JSON: {exc}") from None
+    needed = ("flops_per_s", "memory_gbps", "bandwidth_gbps", "alpha_us")
+    if not isinstance(rates, dict) or set(rates) - {*needed, "name", "description"} or not set(needed) <= set(rates):
+        raise ValueError(f"hardware file {path}: needs exactly the keys {', '.join(needed)} "
+                         "(and optionally name, description)")
+    for key in needed:
+        v = rates[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"hardware file {path}: {key} = {v!r}; it must be a finite number > 0")
+    return Hardware(name=str(rates.get("name", path.stem)), description=str(rates.get("description", str(path))),
+                    **{k: float(rates[k]) for k in needed})
+
+
+# ------------------------------------------------------------------------------- dispatch modes
+class ScalarReadsAreZero(TorchDispatchMode):
+    """Fake tensors have no values: a read of one (``.item()``, ``bool(t)``, ``float(t)``)
+    gives 0 of its dtype, so a script's logging and checks run on."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:      # compiled code stays compiled under it
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            dtype = args[0].dtype
+            return False if dtype is torch.bool else (0.0 if dtype.is_floating_point or dtype.is_complex else 0)
+        return func(*args, **(kwargs or {}))
+
+
+class StepTimer(TorchDispatchMode):
+    """Times every dispatched op with a ``CostModel``: compute ops one after another; each
+    collective on the communication stream, which starts it once both the op that issued it
+    and the previous collective are done; ``wait_tensor`` holds compute until its collective
+    is done. ``now`` is the compute stream's clock."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, model: CostModel, world: int):
+        super().__init__()
+        self.model = model
+        self.world = world
+        self.reset()
+
+    def reset(self) -> None:
+        self.now = 0.0
+        self.compute_s = 0.0
+        self.comm_s = 0.0
+        self.comm_free = 0.0
+        self._done: dict[int, float] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in COLLECTIVE_KINDS_BY_OP:
+            kind, which = COLLECTIVE_KINDS_BY_OP[func]
+            full = out if which == "out" else args[0]
+            seconds = self.model.collective_time(kind, full.numel() * full.element_size(), self.world)
+            finish = max(self.now, self.comm_free) + seconds
+            self.comm_free = finish
+            self.comm_s += seconds
+            self._done[out.untyped_storage()._cdata] = finish
+        elif func is torch.ops._c10d_functional.wait_tensor.default:
+            self.now = max(self.now, self._done.pop(args[0].untyped_storage()._cdata, self.now))
+        elif not (func.is_view or func in _FREE_OPS):
+            seconds = self.model.op_time(func, args, kwargs, out)
+            self.now += seconds
+            self.compute_s += seconds
+        return out
+
+    @property
+    def step_s(self) -> float:
+        """The step's estimated seconds: compute, plus the communication nothing overlapped."""
+        return max(self.now, self.comm_free)
+
+
+# ops that move no data (their cost is the allocator's or nothing)
+_FREE_OPS = frozenset({
+    torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+    torch.ops.aten.detach.default, torch.ops.aten.set_.source_Storage,
+    torch.ops.aten.set_.source_Storage_storage_offset, torch.ops.aten.lift_fresh.default,
+    torch.ops.aten._local_scalar_dense.default,
+})
+
+
+class _StepWatcher:
+    """Counts the script's optimizer steps (a ``ZeroOptimizer``'s inner optimizer is not a
+    step of its own) and calls ``on_step(n)`` after each."""
+
+    def __init__(self, on_step):
+        self.on_step = on_step
+        self.steps = 0
+        self._handle = None
+
+    def __enter__(self):
+        self._handle = register_optimizer_step_post_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        self._handle.remove()
+
+    def _hook(self, optimizer, args, kwargs) -> None:
+        if any(getattr(z, "_inner", None) is optimizer for z in list(accounting.ACCOUNTING.optimizers)):
+            return
+        self.steps += 1
+        self.on_step(self.steps)
+
+
+class PlanFinished(BaseException):
+    """Raised after the measured step to end the script (a ``BaseException``, so the script's
+    own ``except Exception`` does not catch it)."""
+
+
+# ------------------------------------------------------------------------------------- report
+@dataclass
+class PlanReport:
+    """Per-rank figures of one planned run; ``as_dict()`` is what ``--json`` prints."""
+
+    world_size: int
+    hardware: Hardware
+    options: dict
+    num_params: int = 0
+    """Elements of the parameters the compiled frames shard (each parameter once)."""
+    model_state_bytes: dict = field(default_factory=dict)
+    """Bytes held after the step, by kind: params, grads, optimizer_state (on the device),
+    offloaded_optimizer_state, offloaded_params."""
+    peak_bytes: int = 0
+    """Largest live bytes during the measured step (every storage the process holds)."""
+    comm: dict = field(default_factory=dict)
+    """Per collective kind: ``{"count", "bytes"}`` over the step (full buffers, as ``stats()``)."""
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    step_s: float = 0.0
+    steps_seen: int = 0
+    measured_step: int = 0
+    """2 once the second step was measured; 0 when the script ran fewer steps (no figures)."""
+    frames: int = 0
+    stages: list = field(default_factory=list)
+    """The ZeRO stages the compiled frames ran with (one, unless the script mixes them)."""
+    simulated_peak_bytes: int = 0
+    """The largest transient peak the pass pipeline simulated for one frame's graphs."""
+    wall_s: float = 0.0
+    exit_code: int = 0
+
+    @property
+    def model_state_bytes_per_rank(self) -> int:
+        return sum(v for k, v in self.model_state_bytes.items() if not k.startswith("offloaded"))
+
+    @property
+    def comm_bytes_per_rank_per_step(self) -> int:
+        return sum(v["bytes"] for v in self.comm.values())
+
+    @property
+    def wire_bytes_per_rank_per_step(self) -> float:
+        """Bytes each rank sends with ring algorithms (an all-reduce counts twice)."""
+        n = self.world_size
+        if n <= 1:
+            return 0.0
+        return (n - 1) / n * sum(v["bytes"] * (2 if k == "all_reduce" else 1) for k, v in self.comm.items())
+
+    def as_dict(self) -> dict:
+        return {
+            "num_params": self.num_params,
+            "world_size": self.world_size,
+            "model_state_bytes_per_rank": self.model_state_bytes_per_rank,
+            "model_state_bytes_by_kind": dict(self.model_state_bytes),
+            "peak_bytes_per_rank": self.peak_bytes,
+            "comm_bytes_per_rank_per_step": self.comm_bytes_per_rank_per_step,
+            "comm_by_kind": {k: dict(v) for k, v in self.comm.items()},
+            "wire_bytes_per_rank_per_step": self.wire_bytes_per_rank_per_step,
+            "estimated_step_s": self.step_s,
+            "estimated_compute_s": self.compute_s,
+            "estimated_comm_s": self.comm_s,
+            "hardware": dataclasses.asdict(self.hardware),
+            "options": self.options,
+            "frames": self.frames,
+            "stages": list(self.stages),
+            "simulated_peak_bytes": self.simulated_peak_bytes,
+            "measured_step": self.measured_step,
+            "steps_seen": self.steps_seen,
+            "wall_s": self.wall_s,
+            "exit_code": self.exit_code,
+        }
+
+
+def plan_options(options: dict | None, hardware: Hardware) -> dict:
+    """The options plan runs the script with: the user's, over which the eager inner compiler
+    and (unless given) the hardware's rates as ``cost_model``."""
+    out = dict(options or {})
+    out["inner_compiler"] = "eager"
+    out.setdefault("cost_model", hardware.cost_model())
+    return out
+
+
+def plan_script(script: Path, script_args: list, world_size: int, options: dict | None = None,
+                hardware: Hardware = HARDWARE["h100"], stdout=None) -> PlanReport:
+    """Run ``script`` as rank 0 of ``world_size`` fake ranks with fake tensors and measure its
+    second optimizer step. ``stdout``: where the script's own output goes (``--json`` sends it
+    to stderr). ``report.measured_step`` is 0 when the script ran fewer than two steps."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zerocompile.cli import OPTIONS_ENV
+    from zerocompile.script_runner import run_script
+
+    options = plan_options(options, hardware)
+    report = PlanReport(world_size=world_size, hardware=hardware, options=options)
+    timer = StepTimer(CostModel.from_rates(hardware.cost_model()), world_size)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # incremental peak: the resizes of a step are ops the tracker sees (resize_storage_bytes_)
+    tracker = LiveStorageTracker(track_inputs=True, fake_mode=fake_mode)
+    measuring = contextlib.ExitStack()
+
+    def measure(step: int) -> None:
+        report.steps_seen = step
+        if step == 1:
+            # the tracker and the timer watch the second step only (they would slow the first,
+            # which compiles, for nothing): every fake tensor alive now is recorded first
+            _track_live_tensors(tracker, fake_mode)
+            measuring.enter_context(tracker)
+            measuring.enter_context(timer)
+            tracker.reset_peak()
+            accounting.reset_stats()
+            return
+        _record(report, tracker, timer, step)
+        raise PlanFinished
+
+    @contextlib.contextmanager
+    def around():
+        with fake_mode, ScalarReadsAreZero(), _StepWatcher(measure), \
+                contextlib.redirect_stdout(stdout or sys.stdout):
+            try:
+                yield
+            finally:
+                measuring.close()       # the modes pushed at the first step, innermost first
+
+    start = time.perf_counter()
+    report.exit_code = run_script(Path(script).resolve(), script_args, {OPTIONS_ENV: json.dumps(options)},
+                                  world_size, around=around(), stop=PlanFinished)
+    report.wall_s = time.perf_counter() - start
+    return report
+
+
+def _track_live_tensors(tracker: LiveStorageTracker, fake_mode) -> None:
+    """Record the storage of every live fake tensor of ``fake_mode`` (parameters, shards,
+    gradients, optimizer state, the script's own tensors) in ``tracker``."""
+    for obj in gc.get_objects():
+        # type(), not isinstance(): gc also holds weak proxies, which raise once their object is gone
+        if issubclass(type(obj), torch.Tensor) and getattr(obj, "fake_mode", None) is fake_mode:
+            tracker.track(obj)
+
+
+def _record(report: PlanReport, tracker: LiveStorageTracker, timer: StepTimer, step: int) -> None:
+    """The figures of the step that just ended."""
+    stats = accounting.stats()
+    report.measured_step = step
+    report.peak_bytes = tracker.peak
+    report.model_state_bytes = {
+        "params": stats.param_bytes, "grads": stats.grad_bytes, "optimizer_state": stats.optimizer_state_bytes,
+        "offloaded_optimizer_state": stats.offloaded_bytes, "offloaded_params": stats.offloaded_param_bytes}
+    report.comm = {k: {"count": getattr(stats, k).count, "bytes": getattr(stats, k).bytes}
+                   for k in accounting.COLLECTIVE_KINDS}
+    report.compute_s, report.comm_s, report.step_s = timer.compute_s, timer.comm_s, timer.step_s
+    states = {id(s): s for s in list(accounting.ACCOUNTING.states)}
+    report.num_params = sum(s.numel for s in states.values())
+    frames = accounting.frame_reports()
+    report.frames = len(frames)
+    report.stages = sorted({f["stage"] for f in frames})
+    report.simulated_peak_bytes = max((f["results"].get("simulated_peak_bytes", 0) for f in frames), default=0)
