@@ -121,7 +121,7 @@ class _Replicated(Stage):
     keeps_replica = True
 
     def build(self, sp, flat):
-        buf = torch.zeros(sp.padded_numel, dtype=sp.compute_dtype, device=sp.device)
+        buf = flat.new_zeros(sp.padded_numel, dtype=sp.compute_dtype)   # fake for a fake parameter (plan)
         buf[: sp.numel].copy_(flat)
         full = buf[: sp.numel].view(sp.shape)
         start = sp.group.rank * sp.chunk

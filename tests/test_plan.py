@@ -179,6 +179,26 @@ def test_plan_prints_tables(tmp_path):
         assert text in out, text
 
 
+def test_plan_compare_runs_every_stage(tmp_path):
+    """``--compare`` plans stages 0-3 in subprocesses: the model state per rank falls from
+    stage 0 (everything whole) to stage 3 (everything sharded) as the formulas say."""
+    script = _script(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "zerocompile", "plan", "--world-size", "4", "--json", "--compare",
+                           "--", str(script), "mlp", "{}"], capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads(done.stdout.splitlines()[0])["compare"]
+    assert [r["stages"] for r in rows] == [[0], [1], [2], [3]], rows
+    sizes = [12 * 32, 32] + [32 * 96, 96, 96 * 32, 32] * 3 + [32 * 5, 5]
+    psi, shard = sum(sizes), sum(-(-n // 4) for n in sizes)
+    state = [r["model_state_bytes_by_kind"] for r in rows]
+    assert state[0] == {"params": 4 * psi, "grads": 4 * psi, "optimizer_state": 8 * psi,
+                        "offloaded_optimizer_state": 0, "offloaded_params": 0}
+    assert state[1]["optimizer_state"] == 8 * shard and state[1]["grads"] == 4 * psi
+    assert state[2]["grads"] == 4 * shard and state[2]["params"] >= 4 * psi
+    assert state[3] == {"params": 4 * shard, "grads": 4 * shard, "optimizer_state": 8 * shard,
+                        "offloaded_optimizer_state": 0, "offloaded_params": 0}
+
+
 @pytest.mark.parametrize("args, message", [
     (["--world-size", "0", "--", "x.py"], "--world-size must be >= 1"),
     (["--", "x.py"], "the following arguments are required: --world-size"),
