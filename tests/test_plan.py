@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dist_utils import free_port
+from zerocompile.cli import main
 from zerocompile.passes.cost_model import CostModel
 from zerocompile.plan import HARDWARE, ScalarReadsAreZero, StepTimer, hardware_from
 
@@ -104,13 +105,6 @@ def _real_run(script: Path, kind: str, options: dict, out: Path) -> dict:
                           capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())
-
-
-def _plan(script: Path, *args, world: int = 2, hardware: str = "cpu") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zerocompile", "plan", "--world-size", str(world),
-                           "--hardware", hardware, *args, "--", str(script)] if script else
-                          [sys.executable, "-m", "zerocompile", "plan", *args],
-                          capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
 
 
 @pytest.mark.parametrize("kind, options", [
@@ -209,21 +203,20 @@ def test_plan_compare_runs_every_stage(tmp_path):
     (["--world-size", "2"], "no script given"),
     (["--world-size", "2", "--", "no_such_script.py"], "no such script: no_such_script.py"),
 ])
-def test_plan_errors_are_one_line(args, message):
-    done = subprocess.run([sys.executable, "-m", "zerocompile", "plan", *args], capture_output=True, text=True,
-                          timeout=TIMEOUT, cwd=REPO)
-    assert done.returncode == 2
-    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+def test_plan_errors_are_one_line(capsys, args, message):
+    code = main(["plan", *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_plan_of_a_script_without_a_step_says_so(tmp_path):
+def test_plan_of_a_script_without_a_step_says_so(capsys, tmp_path):
     script = tmp_path / "no_step.py"
     script.write_text("import torch\nprint(torch.ones(2).sum().item())\n")
-    done = subprocess.run([sys.executable, "-m", "zerocompile", "plan", "--world-size", "2", "--", str(script)],
-                          capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
-    assert done.returncode == 1
-    assert "ran no optimizer step" in done.stderr
-    assert "0.0" in done.stdout                    # its .item() on a fake tensor read 0
+    assert main(["plan", "--world-size", "2", "--", str(script)]) == 1
+    out, err = capsys.readouterr()
+    assert "ran no optimizer step" in err
+    assert "0.0" in out                            # its .item() on a fake tensor read 0
 
 
 def test_hardware_profiles_and_files(tmp_path):
