@@ -17,6 +17,7 @@ group (``zerocompile dump --world-size N``) the communication rates keep their d
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ from torch.utils.flop_counter import flop_registry
 from zerocompile.passes.graph_utils import COLLECTIVE_OPS, concrete_int, tensor_nbytes
 from zerocompile.passes.liveness import is_view, tensors_of
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, is_fake_group
+
+log = logging.getLogger("zerocompile")
 
 DEFAULT_RATES = {"flops_per_s": 5e10, "alpha_us": 50.0, "bandwidth_gbps": 2.0, "memory_gbps": 10.0}
 
@@ -171,5 +174,9 @@ def cost_model_for(config_value, group: CommGroup, device=None) -> CostModel:
     """The cost model the config asks for: probed on ``device`` (``"probe"``) or from the
     given rates."""
     if config_value == "probe":
+        if device is not None and torch.device(device).type == "meta":
+            log.info("cost model: the parameters are on the meta device, where nothing can be timed; "
+                     "the default rates are used (set the cost_model option to give others)")
+            return CostModel()
         return probe(group, device)
     return CostModel.from_rates(config_value)

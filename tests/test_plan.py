@@ -162,6 +162,49 @@ def test_plan_at_a_large_world_size_follows_the_formulas(tmp_path):
     assert got["hardware"]["name"] == "h100" and got["options"]["cost_model"] == HARDWARE["h100"].cost_model()
 
 
+def test_stats_of_a_model_on_the_meta_device():
+    """A model built on the meta device trains through every sharded stage on 4 fake ranks
+    (the cost model falls back to its default rates: nothing can be timed on meta), and
+    stats() counts its shards, gradients and optimizer state as on real tensors."""
+    script = textwrap.dedent("""
+        import gc, json, torch, zerocompile
+        from zerocompile._torch_compat import init_fake_process_group
+        init_fake_process_group(4)
+        out = {}
+        for stage in (1, 2, 3):
+            torch.compiler.reset()
+            before = zerocompile.stats()      # the earlier stages' models may still be alive
+            with torch.device("meta"):
+                model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+            class Loss(torch.nn.Module):
+                def __init__(self, m):
+                    super().__init__()
+                    self.m = m
+                def forward(self, x):
+                    return self.m(x).square().mean()
+            c = torch.compile(Loss(model), backend="zero", options={"stage": stage, "inner_compiler": "eager"})
+            c(torch.randn(4, 8, device="meta")).backward()
+            opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW)
+            opt.step()
+            now = zerocompile.stats()
+            out[stage] = {k: getattr(now, k) - getattr(before, k)
+                          for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes")}
+            del c, opt, model
+            gc.collect()
+        print(json.dumps(out))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = {int(k): v for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
+    psi, shard = 8 * 8 + 8 + 8 * 4 + 4, 16 + 2 + 8 + 1       # elements; one rank's padded share
+    assert (got[1]["param_bytes"], got[1]["grad_bytes"], got[1]["optimizer_state_bytes"]) == (4 * psi, 4 * psi,
+                                                                                              8 * shard)
+    assert (got[2]["param_bytes"], got[2]["grad_bytes"], got[2]["optimizer_state_bytes"]) == (4 * psi, 4 * shard,
+                                                                                              8 * shard)
+    assert (got[3]["param_bytes"], got[3]["grad_bytes"], got[3]["optimizer_state_bytes"]) == (4 * shard, 4 * shard,
+                                                                                              8 * shard)
+
+
 def test_plan_prints_tables(tmp_path):
     script = _script(tmp_path)
     done = subprocess.run([sys.executable, "-m", "zerocompile", "plan", "--world-size", "8", "--", str(script),
