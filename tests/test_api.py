@@ -331,3 +331,30 @@ def test_ranks_with_different_collective_sequences_fail_loudly():
         assert "collective #1 differs" in msg
         assert "ranks [0] have all_gather of 64 bytes (float32) in the forward graph" in msg
         assert "ranks [1] have all_gather of 128 bytes (float32) in the forward graph" in msg
+
+
+def test_parameters_no_compiled_frame_used_get_one_warning(fake_world, caplog):
+    """A head applied outside the compiled body (as when Dynamo skips the forward of an
+    nn.Linear compiled on its own): its parameters are kept whole on every rank, their
+    gradients all-reduced; one warning names how many, their shapes and what to do, once."""
+
+    class Body(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(6, 6)
+
+        def forward(self, x):
+            return torch.relu(self.inner(x))
+
+    body, head = Body(), torch.nn.Linear(6, 3)
+    compiled = torch.compile(body, backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer([*body.parameters(), *head.parameters()], torch.optim.AdamW, lr=1e-2)
+    with caplog.at_level("WARNING", logger="zerocompile"):
+        for _ in range(2):
+            head(compiled(torch.randn(4, 6))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    warnings = [r.getMessage() for r in caplog.records if "used by no frame compiled" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "2 parameter(s) (21 elements; shapes [3, 6], [3])" in warnings[0]
+    assert "every rank keeps them whole" in warnings[0]

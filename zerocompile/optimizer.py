@@ -107,6 +107,7 @@ class ZeroOptimizer(Optimizer):
         self._pending_state: dict | None = None
         self._grads_reduced = False
         self._default_group = process_group
+        self._warned_unsharded = False   # the warning about parameters no compiled frame used, given
         self._scaler = loss_scale.LossScaler()   # the loss_scale option's, configured by the first frame
         self._clipped_scaled = False     # clip_grad_norm_ ran without knowing of a GradScaler
         self._deferred_scale: float | None = None
@@ -362,6 +363,7 @@ class ZeroOptimizer(Optimizer):
             if own is not None:      # stages 2/3: a gradient from eager use of the parameter
                 to_scatter[key].append((sp, own, True, None))
                 set_raw_grad(p, None)
+        self._warn_unsharded([g for items in full.values() for sp, g in items if sp is None], full)
         for (group, rd), items in full.items():
             all_reduce_mean_([g for _, g in items], group, self._bucket_bytes([s for s, _ in items]), rd)
             for sp, _ in items:
@@ -613,6 +615,20 @@ class ZeroOptimizer(Optimizer):
                 gathered = all_gather_concat(shards, group, self._bucket_bytes([sp for sp, _ in items]))
                 for (_, write), flat in zip(items, gathered):
                     write(flat)
+
+    def _warn_unsharded(self, grads: list, full: dict) -> None:
+        """Warn once when parameters that no compiled frame has used get gradients on several
+        ranks: they are kept whole everywhere, as DDP keeps them (exact, but not sharded)."""
+        if self._warned_unsharded or not grads or all(group.world <= 1 for group, _ in full):
+            return
+        self._warned_unsharded = True
+        shapes = ", ".join(str(list(g.shape)) for g in grads[:4]) + (", ..." if len(grads) > 4 else "")
+        log.warning(
+            "ZeroOptimizer: %d parameter(s) (%s elements; shapes %s) were used by no frame compiled with "
+            "backend='zero', so every rank keeps them whole, with whole gradients (all-reduced) and optimizer "
+            "state. Run the code that uses them inside a compiled frame; note that Dynamo does not compile the "
+            "forward of a torch.nn module (nn.Linear, nn.Embedding...) as a frame of its own: compile the module "
+            "that calls it", len(grads), f"{sum(g.numel() for g in grads):,}", shapes)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients wherever zerocompile keeps them (parameters, replicas, shards)."""
