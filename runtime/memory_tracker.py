@@ -33,6 +33,16 @@ Its limits:
   (``untyped_storage().resize_``) only once an op touches it again; ``reset_peak()``
   resynchronises. With ``exact_peak=True`` the tracker recomputes ``live_bytes()`` after
   every op instead, which sees every resize but costs a pass over all recorded storages per op.
+- A collective's buffers can outlive its ``wait_tensor`` for a moment: gloo's worker thread
+  drops its reference to the finished work (which holds the input and output tensors) after
+  it has woken the waiting thread, and later still on a loaded machine. A peak sampled in that
+  moment counts a buffer the program has let go of, so two runs of the same program can
+  report different peaks. With ``settle_collectives=S`` (seconds) the tracker waits, after
+  each functional ``wait_tensor``, until the live bytes have not changed for ``S`` seconds
+  (``settled_live_bytes``) before it samples. This makes a real run's peak repeatable (it
+  is the figure ``zerocompile plan`` computes); it costs at least ``S`` per collective. Waits on c10d ``Work`` objects
+  (``dist.all_gather(..., async_op=True).wait()``, as FSDP2 uses) are not dispatched ops
+  and are not settled.
 - The dispatch mode adds Python overhead to every op, so do not time code under it.
 
 ``ignore_compile_internals()`` is True: Dynamo still compiles while the tracker is active,
@@ -107,15 +117,20 @@ class LiveStorageTracker(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self, exact_peak: bool = False, track_inputs: bool = False, fake_mode=None):
+    def __init__(self, exact_peak: bool = False, track_inputs: bool = False, fake_mode=None,
+                 settle_collectives: float = 0.0):
         """``exact_peak``: recompute live bytes after every op (sees storage resizes; slow).
         ``track_inputs``: also record storages of op inputs, not just outputs.
+        ``settle_collectives``: after each functional ``wait_tensor``, wait until the live
+        bytes have not changed for this many seconds before sampling (0: do not wait; see the
+        module docstring).
         ``fake_mode``: also record the fake tensors of this ``FakeTensorMode`` (``zerocompile
         plan`` runs a whole script under one), never those of Dynamo's own tracing."""
         super().__init__()
         self.exact_peak = exact_peak
         self.track_inputs = track_inputs
         self.fake_mode = fake_mode
+        self.settle_collectives = settle_collectives
         self._refs: dict[int, weakref.ref] = {}
         """Recorded storages by address (``storage._cdata``)."""
         self._sizes: dict[int, int] = {}
@@ -198,6 +213,9 @@ class LiveStorageTracker(TorchDispatchMode):
             for value in tree_flatten((args, kwargs))[0]:
                 self.track(value)
         out = func(*args, **kwargs)
+        if self.settle_collectives > 0 and func is torch.ops._c10d_functional.wait_tensor.default:
+            self.settled_live_bytes(quiet_s=self.settle_collectives, timeout_s=10 * self.settle_collectives + 1.0,
+                                    poll_s=min(0.001, self.settle_collectives))
         for value in tree_flatten(out)[0]:
             self.track(value)
         for value in _written_arguments(func, args, kwargs):

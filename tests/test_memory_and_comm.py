@@ -149,3 +149,31 @@ def test_settled_live_bytes_waits_for_a_buffer_another_thread_lets_go_of_late():
     assert census.settled_live_bytes() == 4 * 1000
     release.join()
     del kept
+
+
+def test_settle_collectives_samples_after_another_thread_lets_go_of_a_buffer():
+    """The same late release around a ``wait_tensor`` (as gloo's worker does it): without
+    ``settle_collectives`` the sample after the wait still counts the buffer; with it, the
+    tracker waits for the release and the peak is what the program itself holds."""
+    import threading
+
+    from zerocompile.runtime.memory_tracker import LiveStorageTracker
+
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default
+    for settle in (0.0, 0.5):
+        tracker = LiveStorageTracker(exact_peak=True, settle_collectives=settle)
+        go = threading.Event()
+        with tracker:
+            kept = torch.zeros(1000)
+            held = [torch.zeros(4000)]
+            if settle:      # released 20 ms into the settling window
+                threading.Timer(0.02, go.set).start()
+            release = threading.Thread(target=lambda: (go.wait(), held.clear()))
+            release.start()
+            tracker.reset_peak()
+            wait_tensor(kept)
+            after_wait = tracker.current
+        go.set()
+        release.join()
+        assert after_wait == (4 * 5000 if settle == 0 else 4 * 1000), (settle, after_wait)
+        del kept
