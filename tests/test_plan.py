@@ -251,6 +251,7 @@ def test_plan_compare_runs_every_stage(tmp_path):
     (["--world-size", "2", "--options", '{"stage": 7}', "--", "x.py"], "zerocompile plan: error: --options"),
     (["--world-size", "2", "--options", '{"offload_optimizer": {"device": "cpu"}}', "--", "x.py"],
      "cannot set 'offload_optimizer' yet"),
+    (["--world-size", "2", "--options", '{"dump": "d"}', "--", "x.py"], "cannot set 'dump'; use zerocompile dump"),
     (["--world-size", "2"], "no script given"),
     (["--world-size", "2", "--", "no_such_script.py"], "no such script: no_such_script.py"),
 ])

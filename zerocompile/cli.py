@@ -136,38 +136,43 @@ def read_dump(root: Path) -> dict:
 
 # ============================================================================ dump
 def _check_options(text: str | None, command: str = "dump") -> dict | None:
-    """Parse ``--options`` and validate it with ``ZeroConfig.from_options``."""
+    """Parse ``--options`` of ``zerocompile COMMAND`` and validate it with
+    ``ZeroConfig.from_options``; ``None`` when it was not given."""
     if text is None:
         return None
-    try:
-        return _checked_options(text)
-    except CliError as exc:
-        raise CliError(str(exc).replace("zerocompile dump:", f"zerocompile {command}:", 1)) from None
-
-
-def _checked_options(text: str) -> dict:
+    where = f"zerocompile {command}: error: --options"
     try:
         options = json.loads(text)
     except ValueError as exc:
-        raise CliError(f"zerocompile dump: error: --options is not valid JSON ({exc}): {text}") from None
+        raise CliError(f"{where} is not valid JSON ({exc}): {text}") from None
     if not isinstance(options, dict):
-        raise CliError(f"zerocompile dump: error: --options must be a JSON object such as '{{\"stage\": 3}}', "
-                       f"got {text}")
+        raise CliError(f"{where} must be a JSON object such as '{{\"stage\": 3}}', got {text}")
     if "process_group" in options:
-        raise CliError("zerocompile dump: error: --options cannot set 'process_group' (a process group is "
-                       "not JSON); the script's default group is used")
+        raise CliError(f"{where} cannot set 'process_group' (a process group is not JSON); the script's "
+                       "default group is used")
     if "dump" in options:
-        raise CliError("zerocompile dump: error: --options cannot set 'dump'; give the directory with --out")
+        raise CliError(f"{where} cannot set 'dump'; " + ("give the directory with --out" if command == "dump"
+                                                         else "use zerocompile dump to write graphs"))
     from zerocompile.config import ZeroConfig, ZeroConfigError
 
     try:
         ZeroConfig.from_options(options)
     except ZeroConfigError as exc:
-        raise CliError(f"zerocompile dump: error: --options: {exc}") from None
+        raise CliError(f"{where}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - report, as one line, whatever validation raised
-        raise CliError(f"zerocompile dump: error: --options could not be checked: "
-                       f"{type(exc).__name__}: {exc}") from None
+        raise CliError(f"{where} could not be checked: {type(exc).__name__}: {exc}") from None
     return options
+
+
+def _script_of(args, command: str, usage: str) -> tuple[Path, list]:
+    """The script and its arguments after ``--`` (checked to exist) of ``zerocompile COMMAND``."""
+    if not args.command:
+        raise CliError(f"zerocompile {command}: error: no script given; usage: zerocompile {command} {usage} "
+                       "-- SCRIPT [ARGS...]")
+    script, script_args = Path(args.command[0]), list(args.command[1:])
+    if not script.is_file():
+        raise CliError(f"zerocompile {command}: error: no such script: {script}")
+    return script, script_args
 
 
 def _prepare_out(out: Path, console: Console) -> None:
@@ -226,12 +231,7 @@ def cmd_dump(args) -> int:
     if args.world_size is not None and args.world_size < 1:
         raise CliError(f"zerocompile dump: error: --world-size must be >= 1, got {args.world_size}")
     options = _check_options(args.options)
-    if not args.command:
-        raise CliError("zerocompile dump: error: no script given; usage: zerocompile dump [--out DIR] "
-                       "[--world-size N] [--options JSON] -- SCRIPT [ARGS...]")
-    script, script_args = Path(args.command[0]), list(args.command[1:])
-    if not script.is_file():
-        raise CliError(f"zerocompile dump: error: no such script: {script}")
+    script, script_args = _script_of(args, "dump", "[--out DIR] [--world-size N] [--options JSON]")
     out = Path(args.out).expanduser().resolve()
     _prepare_out(out, console)
 
@@ -584,26 +584,21 @@ def _hardware_names() -> list:
 def cmd_plan(args) -> int:
     """``zerocompile plan``: run SCRIPT on fake ranks with fake tensors; report per rank."""
     from zerocompile.plan import hardware_from, plan_script
-    from zerocompile.script_runner import ScriptRunError
 
     if args.world_size < 1:
         raise CliError(f"zerocompile plan: error: --world-size must be >= 1, got {args.world_size}")
     options = _check_options(args.options, "plan") or {}
     for key in ("offload_optimizer", "offload_param"):
         if key in options:
-            raise CliError(f"zerocompile plan: error: --options cannot set '{key}' yet: the offloaded state "
-                           "is moved with real I/O, which fake tensors cannot do; plan stage 3 without it "
-                           "(--compare prints what each offload would leave per rank)")
+            raise CliError(f"zerocompile plan: error: --options cannot set '{key}' yet: offloaded state "
+                           "is moved with real I/O, which fake tensors cannot do; plan without it (with "
+                           "--compare, plan also prints a stage-3 row with the optimizer state offloaded)")
     try:
         hardware = hardware_from(args.hardware)
     except ValueError as exc:
         raise CliError(f"zerocompile plan: error: --hardware: {exc}") from None
-    if not args.command:
-        raise CliError("zerocompile plan: error: no script given; usage: zerocompile plan --world-size N "
-                       "[--options JSON] [--hardware NAME|FILE] [--json] [--compare] -- SCRIPT [ARGS...]")
-    script, script_args = Path(args.command[0]), list(args.command[1:])
-    if not script.is_file():
-        raise CliError(f"zerocompile plan: error: no such script: {script}")
+    script, script_args = _script_of(args, "plan", "--world-size N [--options JSON] [--hardware NAME|FILE] "
+                                                    "[--json] [--compare]")
     status = _console(stderr=True)
     try:
         with status.status(f"planning {script.name} on {args.world_size} fake ranks"):

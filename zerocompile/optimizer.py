@@ -363,7 +363,7 @@ class ZeroOptimizer(Optimizer):
             if own is not None:      # stages 2/3: a gradient from eager use of the parameter
                 to_scatter[key].append((sp, own, True, None))
                 set_raw_grad(p, None)
-        self._warn_unsharded([g for items in full.values() for sp, g in items if sp is None], full)
+        self._warn_unsharded(full)
         for (group, rd), items in full.items():
             all_reduce_mean_([g for _, g in items], group, self._bucket_bytes([s for s, _ in items]), rd)
             for sp, _ in items:
@@ -616,10 +616,14 @@ class ZeroOptimizer(Optimizer):
                 for (_, write), flat in zip(items, gathered):
                     write(flat)
 
-    def _warn_unsharded(self, grads: list, full: dict) -> None:
-        """Warn once when parameters that no compiled frame has used get gradients on several
-        ranks: they are kept whole everywhere, as DDP keeps them (exact, but not sharded)."""
-        if self._warned_unsharded or not grads or all(group.world <= 1 for group, _ in full):
+    def _warn_unsharded(self, full: dict) -> None:
+        """Warn once when parameters that no compiled frame has used (no ``ShardedParam``) get
+        gradients on several ranks: they are kept whole everywhere, as DDP keeps them (exact,
+        but not sharded). ``full``: the gradients to all-reduce whole, by (group, reduce dtype)."""
+        if self._warned_unsharded or all(group.world <= 1 for group, _ in full):
+            return
+        grads = [g for items in full.values() for sp, g in items if sp is None]
+        if not grads:
             return
         self._warned_unsharded = True
         shapes = ", ".join(str(list(g.shape)) for g in grads[:4]) + (", ..." if len(grads) > 4 else "")
