@@ -5,14 +5,17 @@ pass merges runs of consecutive tagged collectives of the same kind, dtype and g
 into one collective on a flat bucket of at most ``bucket_mb``:
 
 - parameter all-gathers (``param_gather``: forward, and backward re-gathers): the
-  shards are concatenated (``cat``), gathered once, and each parameter's full flat
-  tensor is copied out of the ``[world, bucket]`` result (``bucket_unpack``). The
+  shards are concatenated (``zerocompile::pack_shards``), gathered once, and each parameter's full flat
+  tensor is copied out of the ``[world, bucket]`` result by one op
+  (``zerocompile::unpack_gathered_bucket``, role ``bucket_unpack``; runtime/bucket_ops.py
+  says why it is not slices and clones). The
   bucket is gathered where its first member was, so later members arrive early. The
   first bucket of a graph holds at most an eighth of ``bucket_mb`` (and at least one
   parameter), so the first wait, which nothing can overlap, is short.
 - gradient reduce-scatters (``grad_reduce_scatter``): each padded flat gradient is
-  viewed as ``[world, chunk]``, the rows are concatenated along dim 1, reduced once,
-  and each parameter's chunk is a slice of the result. The bucket is reduced where its
+  viewed as ``[world, chunk]``, the rows are concatenated along dim 1
+  (``zerocompile::pack_gradients``), reduced once, divided by the world size once (where
+  each member was), and each parameter's chunk is a slice of the result. The bucket is reduced where its
   last member's gradient is ready.
 
 Members keep graph order (in forward that is first-use order, the same on every rank).
@@ -22,6 +25,7 @@ slicing copy elements, and each element is reduced over the same ranks.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -29,9 +33,13 @@ import torch.fx
 
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.graph_utils import call, set_tag, stable_topological_sort, tag, tensor_nbytes
+from zerocompile.runtime import bucket_ops  # noqa: F401 - registers zerocompile::unpack_gathered_bucket
 
 _c10d = torch.ops._c10d_functional
 _aten = torch.ops.aten
+_UNPACK = torch.ops.zerocompile.unpack_gathered_bucket.default
+_PACK_SHARDS = torch.ops.zerocompile.pack_shards.default
+_PACK_GRADIENTS = torch.ops.zerocompile.pack_gradients.default
 _MB = 2**20
 FIRST_BUCKET_FRACTION = 1 / 8
 
@@ -109,26 +117,32 @@ def _bucket_gathers(graph: torch.fx.Graph, bucket: Bucket, bucket_id: str) -> No
     world, group_name = first.args[1], first.args[2]
     names = [tag(m.coll).get("param") for m in members]
     with graph.inserting_before(first):
-        packed = call(graph, _aten.cat.default, ([m.inp for m in members],), role="bucket_pack", bucket=bucket_id)
+        packed = call(graph, _PACK_SHARDS, ([m.inp for m in members],), role="bucket_pack", bucket=bucket_id)
         gathered = call(graph, _c10d.all_gather_into_tensor.default, (packed, world, group_name),
                         role="bucket_gather", params=names, bucket=bucket_id)
         waited = call(graph, _c10d.wait_tensor.default, (gathered,), role="bucket_gather_wait", bucket=bucket_id)
-        total = packed.meta["val"].shape[0]
-        rows = call(graph, _aten.view.default, (waited, [world, total]), role="bucket_rows", bucket=bucket_id)
-        offset = 0
-        for m, name in zip(members, names):
-            chunk = m.inp.meta["val"].shape[0]
-            part = call(graph, _aten.slice.Tensor, (rows, 1, offset, offset + chunk), role="bucket_rows",
-                        bucket=bucket_id)
-            copy = call(graph, _aten.clone.default, (part,), {"memory_format": torch.contiguous_format},
-                        role="bucket_unpack", param=name, bucket=bucket_id)
-            flat = call(graph, _aten.view.default, (copy, [world * chunk]), role="bucket_unpack", param=name,
-                        bucket=bucket_id)
+        chunks = [m.inp.meta["val"].shape[0] for m in members]
+        # one opaque op for the copies (runtime/bucket_ops.py says why not slices and clones)
+        unpacked = call(graph, _UNPACK, (waited, world, chunks), role="bucket_unpack",
+                        params=names, bucket=bucket_id)
+        for i, (m, name) in enumerate(zip(members, names)):
+            flat = call(graph, operator.getitem, (unpacked, i), role="bucket_unpack", param=name, bucket=bucket_id)
             m.wait.replace_all_uses_with(flat)
-            offset += chunk
     for m in members:
         graph.erase_node(m.wait)
         graph.erase_node(m.coll)
+
+
+def _common_divisor(members: list[Member]):
+    """The number every member's reduced chunk is divided by and nothing else reads, or None."""
+    divisors = set()
+    for m in members:
+        users = list(m.wait.users)
+        if (len(users) != 1 or users[0].target is not _aten.div.Tensor or users[0].args[0] is not m.wait
+                or not isinstance(users[0].args[1], (int, float)) or users[0].kwargs):
+            return None
+        divisors.add(users[0].args[1])
+    return divisors.pop() if len(divisors) == 1 else None
 
 
 def _bucket_reduce_scatters(graph: torch.fx.Graph, bucket: Bucket, bucket_id: str) -> None:
@@ -137,21 +151,27 @@ def _bucket_reduce_scatters(graph: torch.fx.Graph, bucket: Bucket, bucket_id: st
     _, reduce_op, world, group_name = last.args
     names = [tag(m.coll).get("param") for m in members]
     with graph.inserting_before(last):
-        rows = [call(graph, _aten.view.default, (m.inp, [world, m.inp.meta["val"].shape[0] // world]),
-                     role="bucket_pack", bucket=bucket_id) for m in members]
-        packed = call(graph, _aten.cat.default, (rows, 1), role="bucket_pack", bucket=bucket_id)
-        total = packed.meta["val"].shape[1]
-        flat = call(graph, _aten.view.default, (packed, [world * total]), role="bucket_pack", bucket=bucket_id)
+        flat = call(graph, _PACK_GRADIENTS, ([m.inp for m in members], world), role="bucket_pack", bucket=bucket_id)
         reduced = call(graph, _c10d.reduce_scatter_tensor.default, (flat, reduce_op, world, group_name),
                        role="bucket_reduce_scatter", params=names, bucket=bucket_id)
         waited = call(graph, _c10d.wait_tensor.default, (reduced,), role="bucket_reduce_scatter_wait",
                       bucket=bucket_id)
+        # the average over ranks: one division of the bucket rather than one per parameter
+        # (a kernel with a loop per parameter), where every member is divided by the same number
+        divisor = _common_divisor(members)
+        if divisor is not None:
+            waited = call(graph, _aten.div.Tensor, (waited, divisor), role="bucket_unpack", bucket=bucket_id)
         offset = 0
         for m, name in zip(members, names):
             chunk = m.inp.meta["val"].shape[0] // world
             part = call(graph, _aten.slice.Tensor, (waited, 0, offset, offset + chunk), role="bucket_unpack",
                         param=name, bucket=bucket_id)
-            m.wait.replace_all_uses_with(part)
+            if divisor is not None:
+                divided = next(iter(m.wait.users))
+                divided.replace_all_uses_with(part)
+                graph.erase_node(divided)
+            else:
+                m.wait.replace_all_uses_with(part)
             offset += chunk
     for m in members:
         graph.erase_node(m.wait)

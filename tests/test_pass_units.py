@@ -125,6 +125,11 @@ def test_bucketing_gathers_keeps_numbers_bitwise(cap, expected):
     if expected == 2:
         assert tag(gathers[1])["params"] == ["p1", "p2"] and tag(gathers[1])["role"] == "bucket_gather"
         assert gathers[1].meta["val"].shape == (2 * (4 + 8),)
+        # the copies in and out are one op each: no compute node reads the bucket at an offset
+        # (which would make the kernels of every block different; runtime/bucket_ops.py)
+        (wait,) = gathers[1].users
+        assert [u.target for u in wait.users] == [torch.ops.zerocompile.unpack_gathered_bucket.default]
+        assert gathers[1].args[0].target is torch.ops.zerocompile.pack_shards.default
     assert torch.equal(_run(gm, *inputs), before)
 
 
@@ -136,15 +141,28 @@ def _backward_like(g1, g2, g3):
     return a, b, c
 
 
-def test_bucketing_reduce_scatters_keeps_numbers_bitwise():
+def _backward_like_one_not_averaged(g1, g2, g3):
+    """As ``_backward_like``, but the second gradient is summed, not averaged."""
+    a = _reduce(torch.tanh(g1))
+    b = c10d.wait_tensor(c10d.reduce_scatter_tensor((g2 * 2).reshape(-1), "sum", WORLD, "fake"))
+    c = _reduce(g3 + 1)
+    return a, b, c
+
+
+@pytest.mark.parametrize("fn, divisions", [(_backward_like, 1), (_backward_like_one_not_averaged, 2)])
+def test_bucketing_reduce_scatters_keeps_numbers_bitwise(fn, divisions):
+    """One reduce-scatter for the three gradients; when every member is averaged, one division
+    of the whole bucket replaces the three, otherwise each member keeps its own."""
     g = torch.Generator().manual_seed(1)
     inputs = [torch.randn(6, generator=g), torch.randn(2, 2, generator=g), torch.randn(8, generator=g)]
-    gm = _tagged(_backward_like, inputs)
+    gm = _tagged(fn, inputs)
     before = _run(gm, *inputs)
     report = bucket_collectives(gm.graph, 10**6, "bw.")
     gm.graph.lint()
     gm.recompile()
     assert _count(gm, c10d.reduce_scatter_tensor.default) == 1
+    assert _count(gm, torch.ops.zerocompile.pack_gradients.default) == 1
+    assert _count(gm, aten.div.Tensor) == divisions
     assert report["reduce_scatter"]["after"] == 1
     after = _run(gm, *inputs)
     for x, y in zip(after, before):
