@@ -1,4 +1,4 @@
-"""The benchmarks (``stage3_vs_fsdp2.py``, ``run.py``, ``optimizer_step.py``: what ``make bench``
+"""The benchmarks (``stage3_vs_fsdp2.py``, ``run.py``, ``optimizer_step.py``, ``first_step.py``: what ``make bench``
 runs) and ``gpu_check.py`` (``make gpu-check``) run end to end in their quick modes and write sane
 figures."""
 
@@ -123,3 +123,23 @@ def test_gpu_check_says_there_is_no_gpu_and_its_cpu_dry_run_passes(tmp_path):
     stage3 = result["stage3_step"]
     assert stage3["ok"] and stage3["max_loss_diff"] < 1e-3 and len(stage3["zerocompile_stage3"]["losses"]) == 3
     assert stage3["offload_bitwise_equal"] and stage3["zerocompile_stage3_offload_all"]["offload"] == "nvme"
+
+
+FIRST_STEP = Path(__file__).resolve().parent.parent / "benchmarks" / "first_step.py"
+
+
+def test_first_step_benchmark_quick(tmp_path):
+    """benchmarks/first_step.py --quick: plain torch.compile and zerocompile stage 3 each in a
+    fresh process on a cold cache, the ratio of the two first steps, and the report files."""
+    proc = subprocess.run([sys.executable, str(FIRST_STEP), "--quick", "--world-sizes", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "first_step.json").read_text())
+    plain, zero = result["rows"]
+    assert (plain["stage"], plain["world_size"]) == (0, 1) and (zero["stage"], zero["world_size"]) == (3, 2)
+    for row in (plain, zero):
+        assert math.isfinite(row["first_step_s"]) and row["first_step_s"] > row["step_s"] > 0, row
+    assert zero["ratio"] == zero["first_step_s"] / plain["first_step_s"] == result["worst_ratio"]
+    md = (tmp_path / "first_step.md").read_text()
+    assert "| plain torch.compile | 1 |" in md and "| zerocompile stage 3 | 2 |" in md
+    assert "target: every zerocompile first step at most ×1.3" in md
