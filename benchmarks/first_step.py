@@ -118,14 +118,18 @@ def parse_args(argv=None):
     p.add_argument("--inner-compiler", default="inductor", choices=("inductor", "eager"),
                    help="inductor, or eager (aot_eager for plain torch.compile)")
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], choices=(1, 2, 3))
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 8, 64],
-                   help="ranks of the fake process group; stage 3 runs at every size, stages 1-2 at the first")
-    p.add_argument("--quick", action="store_true", help="gpt-tiny, eager, stage 3 at world sizes 2 and 4")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=None,
+                   help="ranks of the fake process group; stage 3 runs at every size, stages 1-2 at the first "
+                        "(default: 2 8 64; with --quick: 2 4)")
+    p.add_argument("--quick", action="store_true", help="gpt-tiny, eager, stage 3 only (at world sizes 2 and 4 "
+                                                        "unless --world-sizes says otherwise)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for first_step.json and first_step.md")
     args = p.parse_args(argv)
     if args.quick:
-        args.workload, args.inner_compiler, args.stages, args.world_sizes = "gpt-tiny", "eager", [3], [2, 4]
+        args.workload, args.inner_compiler, args.stages = "gpt-tiny", "eager", [3]
+    if args.world_sizes is None:
+        args.world_sizes = [2, 4] if args.quick else [2, 8, 64]
     if any(w < 1 for w in args.world_sizes):
         p.error("--world-sizes must be >= 1")
     return args
