@@ -3,7 +3,10 @@
 ``load(name)`` compiles ``csrc/<name>.cpp`` with ``torch.utils.cpp_extension.load`` (ninja,
 the C++ compiler torch uses, ``-O3 -march=native -fopenmp``) into torch's extension cache
 (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``; a rebuild happens only
-when the source or the flags change), and returns the module. Where the build cannot run (no
+when the source or the flags change), and returns the module. The compiler is given a copy of
+the source at a path named by its content (``stable_source``), not the file in the package:
+torch's build file records the source's path, so every checkout or virtual environment of the
+same code would otherwise rebuild the extension (half a minute on two cores). Where the build cannot run (no
 compiler, no ninja, a compile error), it logs one warning naming the cause and returns None;
 callers then use torch's own kernels. ``ZEROCOMPILE_CPP_KERNELS=0`` skips the build.
 """
@@ -11,10 +14,12 @@ callers then use torch's own kernels. ``ZEROCOMPILE_CPP_KERNELS=0`` skips the bu
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.resources
 import logging
 import os
 import time
+from pathlib import Path
 
 log = logging.getLogger("zerocompile")
 
@@ -27,21 +32,32 @@ LDFLAGS = ("-fopenmp",)
 DISABLE_ENV = "ZEROCOMPILE_CPP_KERNELS"
 
 
+def stable_source(name: str) -> Path:
+    """A copy of ``csrc/<name>.cpp`` at a path that depends only on its content:
+    ``$XDG_CACHE_HOME/zerocompile/csrc/<sha256>/<name>.cpp`` (``~/.cache`` by default)."""
+    text = (importlib.resources.files("zerocompile.csrc") / f"{name}.cpp").read_bytes()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = cache / "zerocompile" / "csrc" / hashlib.sha256(text).hexdigest()[:16] / f"{name}.cpp"
+    if not path.is_file() or path.read_bytes() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_bytes(text)
+        os.replace(partial, path)           # atomic: a concurrent build never reads half a file
+    return path
+
+
 @functools.cache
 def load(name: str):
     """The built extension ``csrc/<name>.cpp``, or None (logged once) where it cannot be built."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         log.info("zerocompile: C++ kernels disabled by %s=0; using torch's kernels", DISABLE_ENV)
         return None
-    source = importlib.resources.files("zerocompile.csrc") / f"{name}.cpp"
     started = time.monotonic()
     try:
         from torch.utils import cpp_extension
 
-        with importlib.resources.as_file(source) as path:
-            module = cpp_extension.load(name=f"zerocompile_{name}", sources=[str(path)],
-                                         extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-                                         verbose=False)
+        module = cpp_extension.load(name=f"zerocompile_{name}", sources=[str(stable_source(name))],
+                                     extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False)
     except Exception as err:  # noqa: BLE001 - any build failure means: use the fallback
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         log.warning("zerocompile: could not build the C++ kernel csrc/%s.cpp (%s: %s); using torch's "

@@ -455,3 +455,19 @@ def test_a_group_is_checked_again_when_it_changes():
     opt.param_groups[0]["params"].append(q)
     with pytest.raises(RuntimeError, match="a parameter has dtype torch.float64"):
         opt.step()
+
+
+def test_the_compiler_gets_the_source_at_a_path_named_by_its_content(tmp_path, monkeypatch):
+    """torch's build file records the source's path: the copy the extension is built from lives
+    at a path that depends only on the source's bytes, so another checkout (or virtual
+    environment) of the same code reuses the build instead of compiling again."""
+    import hashlib
+    import importlib.resources
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    text = (importlib.resources.files("zerocompile.csrc") / "fused_adam.cpp").read_bytes()
+    path = cpu_extension.stable_source("fused_adam")
+    assert path == tmp_path / "zerocompile" / "csrc" / hashlib.sha256(text).hexdigest()[:16] / "fused_adam.cpp"
+    assert path.read_bytes() == text
+    path.write_bytes(b"// damaged")               # a damaged copy is rewritten, at the same path
+    assert cpu_extension.stable_source("fused_adam") == path and path.read_bytes() == text
