@@ -5,8 +5,10 @@ the C++ compiler torch uses, ``-O3 -march=native -fopenmp``) into torch's extens
 (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``; a rebuild happens only
 when the source or the flags change), and returns the module. The compiler is given a copy of
 the source at a path named by its content (``stable_source``), not the file in the package:
-torch's build file records the source's path, so every checkout or virtual environment of the
-same code would otherwise rebuild the extension (half a minute on two cores). Where the build cannot run (no
+torch's build file records the source's path, so a moved or re-cloned checkout on the same
+environment would otherwise rebuild the extension (half a minute on two cores). The build file
+also records the environment's torch headers: two virtual environments still share torch's
+build directory for the extension and rebuild it whenever the other one built last. Where the build cannot run (no
 compiler, no ninja, a compile error), it logs one warning naming the cause and returns None;
 callers then use torch's own kernels. ``ZEROCOMPILE_CPP_KERNELS=0`` skips the build.
 """

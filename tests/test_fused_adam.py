@@ -459,8 +459,8 @@ def test_a_group_is_checked_again_when_it_changes():
 
 def test_the_compiler_gets_the_source_at_a_path_named_by_its_content(tmp_path, monkeypatch):
     """torch's build file records the source's path: the copy the extension is built from lives
-    at a path that depends only on the source's bytes, so another checkout (or virtual
-    environment) of the same code reuses the build instead of compiling again."""
+    at a path that depends only on the source's bytes, so another checkout of the same code on
+    the same environment reuses the build instead of compiling again."""
     import hashlib
     import importlib.resources
 
