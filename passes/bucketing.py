@@ -33,7 +33,7 @@ import torch.fx
 
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.graph_utils import call, set_tag, stable_topological_sort, tag, tensor_nbytes
-from zerocompile.runtime import bucket_ops  # noqa: F401 - registers zerocompile::unpack_gathered_bucket
+from zerocompile.runtime import bucket_ops  # noqa: F401 - registers the zerocompile:: bucket ops below
 
 _c10d = torch.ops._c10d_functional
 _aten = torch.ops.aten
@@ -133,16 +133,18 @@ def _bucket_gathers(graph: torch.fx.Graph, bucket: Bucket, bucket_id: str) -> No
         graph.erase_node(m.coll)
 
 
-def _common_divisor(members: list[Member]):
-    """The number every member's reduced chunk is divided by and nothing else reads, or None."""
-    divisors = set()
+def _common_division(members: list[Member]) -> tuple | None:
+    """``(divisor, divisions)`` when every member's reduced chunk is read only by a division by
+    the same number (``divisions``: those nodes, in member order), else None."""
+    divisions = []
     for m in members:
         users = list(m.wait.users)
         if (len(users) != 1 or users[0].target is not _aten.div.Tensor or users[0].args[0] is not m.wait
                 or not isinstance(users[0].args[1], (int, float)) or users[0].kwargs):
             return None
-        divisors.add(users[0].args[1])
-    return divisors.pop() if len(divisors) == 1 else None
+        divisions.append(users[0])
+    divisors = {d.args[1] for d in divisions}
+    return (divisors.pop(), divisions) if len(divisors) == 1 else None
 
 
 def _bucket_reduce_scatters(graph: torch.fx.Graph, bucket: Bucket, bucket_id: str) -> None:
@@ -158,20 +160,19 @@ def _bucket_reduce_scatters(graph: torch.fx.Graph, bucket: Bucket, bucket_id: st
                       bucket=bucket_id)
         # the average over ranks: one division of the bucket rather than one per parameter
         # (a kernel with a loop per parameter), where every member is divided by the same number
-        divisor = _common_divisor(members)
-        if divisor is not None:
-            waited = call(graph, _aten.div.Tensor, (waited, divisor), role="bucket_unpack", bucket=bucket_id)
+        division = _common_division(members)
+        if division is not None:
+            waited = call(graph, _aten.div.Tensor, (waited, division[0]), role="bucket_unpack", bucket=bucket_id)
+        # what each member's slice replaces: its division when the bucket was divided, else its wait
+        replaced = division[1] if division is not None else [m.wait for m in members]
         offset = 0
-        for m, name in zip(members, names):
+        for m, name, old in zip(members, names, replaced):
             chunk = m.inp.meta["val"].shape[0] // world
             part = call(graph, _aten.slice.Tensor, (waited, 0, offset, offset + chunk), role="bucket_unpack",
                         param=name, bucket=bucket_id)
-            if divisor is not None:
-                divided = next(iter(m.wait.users))
-                divided.replace_all_uses_with(part)
-                graph.erase_node(divided)
-            else:
-                m.wait.replace_all_uses_with(part)
+            old.replace_all_uses_with(part)
+            if division is not None:
+                graph.erase_node(old)
             offset += chunk
     for m in members:
         graph.erase_node(m.wait)
