@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -303,7 +304,7 @@ def test_without_the_cpp_kernel_zero_optimizer_falls_back_to_torch_fused(tmp_pat
             opt.step(); ref.step()
         print(json.dumps({"kernel": opt.kernel, "equal": torch.allclose(p, q)}))
     """)
-    run_env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), **env}
+    run_env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env}   # no finished build to import
     out = subprocess.run([sys.executable, "-c", script], env=run_env, capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
@@ -471,3 +472,32 @@ def test_the_compiler_gets_the_source_at_a_path_named_by_its_content(tmp_path, m
     assert path.read_bytes() == text
     path.write_bytes(b"// damaged")               # a damaged copy is rewritten, at the same path
     assert cpu_extension.stable_source("fused_adam") == path and path.read_bytes() == text
+
+
+def test_a_finished_build_is_imported_by_a_fresh_process_without_building(monkeypatch):
+    """Builds live in a folder named by the source, flags, torch, Python and CPU; a fresh process
+    (another checkout or virtual environment of the same code) imports the finished build
+    without going through torch's builder, which would compile again. Changing any input of the
+    binary names another folder."""
+    module = cpu_extension.load("fused_adam")
+    assert module is not None, "the C++ kernel could not be built here"
+    folder = cpu_extension._cache_root() / "build" / cpu_extension.build_key("fused_adam")
+    assert Path(module.__file__).parent == folder
+    assert (folder / "complete").read_text().strip() == Path(module.__file__).name
+    # a fresh process whose torch builder would fail: it is never called
+    code = ("import torch.utils.cpp_extension as ce\n"
+            "def refuse(*a, **k): raise RuntimeError('the builder was called')\n"
+            "ce.load = refuse\n"
+            "from zerocompile.runtime import cpu_extension\n"
+            "m = cpu_extension.load('fused_adam')\n"
+            "print(m.__file__ if m is not None else 'None')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == module.__file__, done.stderr[-3000:]
+    key = cpu_extension.build_key("fused_adam")
+    assert cpu_extension.build_key("fused_adam") == key
+    monkeypatch.setattr(cpu_extension, "CFLAGS", cpu_extension.CFLAGS + ("-DOTHER",))
+    assert cpu_extension.build_key("fused_adam") != key
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+    assert cpu_extension.build_key("fused_adam") != key
