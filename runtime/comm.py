@@ -76,12 +76,21 @@ def all_gather_flat(x: torch.Tensor, world: int, group_name: str) -> torch.Tenso
     """Concatenate the equal-size 1-D ``x`` of every rank (rank order)."""
     if world == 1:
         return x
+    return _c10d.wait_tensor(start_all_gather_flat(x, world, group_name))
+
+
+def start_all_gather_flat(x: torch.Tensor, world: int, group_name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Start the all-gather of ``all_gather_flat`` (``world`` > 1) and return its result
+    without waiting for it: ``torch.ops._c10d_functional.wait_tensor`` it before reading. With
+    ``out`` (eager only: ``world * len(x)`` elements), the result is written there, so a caller
+    can reuse one buffer for many gathers; ``x`` must stay unchanged until the wait."""
     x = x.contiguous()
+    if out is not None:
+        return _c10d.all_gather_into_tensor_out(x, world, group_name, out=out)
     if not _torch_compat.is_traced_tensor(x) and gathers_need_out_variant(group_name, x.device):
-        out = _c10d.all_gather_into_tensor_out(x, world, group_name, out=x.new_empty((world * x.shape[0],)))
-    else:  # traced into a graph: passes see the functional op; lowered before it runs
-        out = _c10d.all_gather_into_tensor(x, world, group_name)
-    return _c10d.wait_tensor(out)
+        return _c10d.all_gather_into_tensor_out(x, world, group_name, out=x.new_empty((world * x.shape[0],)))
+    # traced into a graph: passes see the functional op; lowered before it runs
+    return _c10d.all_gather_into_tensor(x, world, group_name)
 
 
 def gathers_need_out_variant(group_name: str, device) -> bool:

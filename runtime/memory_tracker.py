@@ -43,6 +43,9 @@ Its limits:
   is the figure ``zerocompile plan`` computes); it costs at least ``S`` per collective. Waits on c10d ``Work`` objects
   (``dist.all_gather(..., async_op=True).wait()``, as FSDP2 uses) are not dispatched ops
   and are not settled.
+- A functional ``wait_tensor`` returns its argument, so the two are one storage. Under a
+  ``FakeTensorMode`` (``zerocompile plan``) it returns a new fake tensor instead; the tracker
+  counts that tensor as the storage it stands for, alive while either is, as in the real run.
 - The dispatch mode adds Python overhead to every op, so do not time code under it.
 
 ``ignore_compile_internals()`` is True: Dynamo still compiles while the tracker is active,
@@ -135,6 +138,9 @@ class LiveStorageTracker(TorchDispatchMode):
         """Recorded storages by address (``storage._cdata``)."""
         self._sizes: dict[int, int] = {}
         """The size each recorded storage had when it was recorded (for ``current``)."""
+        self._aliases: dict[int, tuple[weakref.ref, torch.UntypedStorage]] = {}
+        """Storages that stand for another one (a fake ``wait_tensor``'s result), by address:
+        a weak reference to each and the storage it keeps alive (counted in its place)."""
         self.current = 0
         self.peak = 0
 
@@ -150,6 +156,8 @@ class LiveStorageTracker(TorchDispatchMode):
         for t in _plain_tensors(tensor, self.fake_mode):
             storage = t.untyped_storage()
             key = storage._cdata
+            if key in self._aliases:
+                continue
             old = self._refs.get(key)
             if old is not None:
                 if old() is not None:
@@ -167,6 +175,18 @@ class LiveStorageTracker(TorchDispatchMode):
             self.current += nbytes
             if self.current > self.peak:
                 self.peak = self.current
+
+    def _alias(self, result: torch.Tensor, argument: torch.Tensor) -> None:
+        """Count ``result`` as the storage of ``argument`` (a ``wait_tensor`` that did not
+        return its argument itself): that storage stays counted while ``result`` lives."""
+        if not isinstance(result, torch.Tensor) or not isinstance(argument, torch.Tensor):
+            return
+        storage, stands_for = result.untyped_storage(), argument.untyped_storage()
+        if storage._cdata == stands_for._cdata:
+            return
+        self.track(argument)
+        key = storage._cdata
+        self._aliases[key] = (weakref.ref(storage, lambda ref, key=key: self._aliases.pop(key, None)), stands_for)
 
     def live_bytes(self) -> int:
         """Current bytes of every recorded storage that is still alive."""
@@ -216,6 +236,8 @@ class LiveStorageTracker(TorchDispatchMode):
         if self.settle_collectives > 0 and func is torch.ops._c10d_functional.wait_tensor.default:
             self.settled_live_bytes(quiet_s=self.settle_collectives, timeout_s=10 * self.settle_collectives + 1.0,
                                     poll_s=min(0.001, self.settle_collectives))
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            self._alias(out, args[0])
         for value in tree_flatten(out)[0]:
             self.track(value)
         for value in _written_arguments(func, args, kwargs):

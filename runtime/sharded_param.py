@@ -135,10 +135,11 @@ class ShardedParam:
         return self.keep_full and not self.param_is_master
 
     @_on_plain_tensors
-    def refresh_param(self, gathered_flat: torch.Tensor) -> None:
-        """Write all-gathered master values (padded flat, parameter dtype) into the parameter."""
+    def refresh_param(self, gathered: torch.Tensor) -> None:
+        """Write all-gathered master values (parameter dtype; every rank's chunk, in rank order:
+        padded flat or a ``(world, chunk)`` view) into the parameter."""
         with torch.no_grad():
-            self.param.copy_(gathered_flat[: self.numel].view(self.shape))
+            self.param.copy_(gathered.reshape(-1)[: self.numel].view(self.shape))
 
     # -- what the compiled graph receives ---------------------------------------------
     def graph_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -159,11 +160,12 @@ class ShardedParam:
             return gathered[: self.numel].view(self.shape).clone()
 
     @_on_plain_tensors
-    def refresh_replica(self, gathered_flat: torch.Tensor) -> None:
-        """Write all-gathered updated values (padded flat, compute dtype) into the replica."""
-        self._flat_replica.copy_(gathered_flat)
+    def refresh_replica(self, gathered: torch.Tensor) -> None:
+        """Write all-gathered updated values (compute dtype; every rank's chunk, in rank order:
+        padded flat or a ``(world, chunk)`` view, copied without an intermediate) into the replica."""
+        self._flat_replica.view(gathered.shape).copy_(gathered)
         if self.materialized:
-            self.param.data.copy_(gathered_flat[: self.numel].view(self.shape).to(self.dtype))
+            self.param.data.copy_(self._flat_replica[: self.numel].view(self.shape).to(self.dtype))
 
     # -- eager access to a parameter whose storage was freed ----------------------------
     @_on_plain_tensors

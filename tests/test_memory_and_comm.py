@@ -177,3 +177,26 @@ def test_settle_collectives_samples_after_another_thread_lets_go_of_a_buffer():
         release.join()
         assert after_wait == (4 * 5000 if settle == 0 else 4 * 1000), (settle, after_wait)
         del kept
+
+
+def test_a_fake_wait_tensor_result_counts_as_the_storage_it_waited_for():
+    """Under a FakeTensorMode (``zerocompile plan``) ``wait_tensor`` returns a new fake tensor,
+    where a real run gets its argument back: the tracker counts the two as one storage, alive
+    while either is, so plan's peak is the real run's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zerocompile.runtime.memory_tracker import LiveStorageTracker
+
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default
+    fake_mode = FakeTensorMode()
+    tracker = LiveStorageTracker(track_inputs=True, fake_mode=fake_mode)
+    with fake_mode, tracker:
+        sent = torch.empty(1000)
+        done = wait_tensor(sent)
+        assert tracker.current == tracker.peak == 4 * 1000
+        other = done + 1                  # reading the result does not count it a second time
+        assert tracker.current == 4 * 2000
+        del other, sent                   # the storage lives on in the result
+        assert tracker.current == 4 * 1000
+        del done
+        assert tracker.current == 0

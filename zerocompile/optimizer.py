@@ -612,9 +612,8 @@ class ZeroOptimizer(Optimizer):
                 shards = [self._step_copies.get(id(sp.shard)) if dtype == sp.compute_dtype else None
                           for sp, _ in items]
                 shards = [c if c is not None else sp.shard.detach().to(dtype) for c, (sp, _) in zip(shards, items)]
-                gathered = all_gather_concat(shards, group, self._bucket_bytes([sp for sp, _ in items]))
-                for (_, write), flat in zip(items, gathered):
-                    write(flat)
+                all_gather_concat(shards, group, self._bucket_bytes([sp for sp, _ in items]),
+                                  lambda i, rows: items[i][1](rows))
 
     def _warn_unsharded(self, full: dict) -> None:
         """Warn once when parameters that no compiled frame has used (no ``ShardedParam``) get
