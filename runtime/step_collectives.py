@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime.comm import CommGroup, all_reduce_sum, pad_flat, reduce_scatter_flat, start_all_gather_flat
+from zerocompile.runtime.comm import CommGroup, pad_flat, start_all_gather_flat
 
 _c10d = torch.ops._c10d_functional
 
@@ -116,17 +116,34 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
 
 def all_reduce_mean_(tensors: list[torch.Tensor], group: CommGroup, bucket_bytes: int,
                      reduce_dtype: torch.dtype) -> None:
-    """Average each tensor over ranks, in place, reducing in ``reduce_dtype``."""
+    """Average each tensor over ranks, in place, reducing in ``reduce_dtype``: buckets go through
+    two buffers allocated once per call, reduced in place, the next one in flight while the
+    previous one is copied back."""
     world = group.world
     if world == 1:
         return
-    sizes = [t.numel() * torch.empty((), dtype=reduce_dtype).element_size() for t in tensors]
-    for bucket in _buckets(sizes, bucket_bytes):
-        flat = torch.cat([tensors[i].reshape(-1).to(reduce_dtype) for i in bucket])
-        ACCOUNTING.record("all_reduce", flat.numel() * flat.element_size())
-        total = all_reduce_sum(flat, world, group.name) / world
-        offset = 0
-        for i in bucket:
-            n = tensors[i].numel()
-            tensors[i].copy_(total[offset : offset + n].view_as(tensors[i]))
-            offset += n
+    buckets = _buckets([t.numel() * torch.empty((), dtype=reduce_dtype).element_size() for t in tensors],
+                       bucket_bytes)
+    cap = max(sum(tensors[i].numel() for i in bucket) for bucket in buckets)
+    slots = [torch.empty(cap, dtype=reduce_dtype, device=tensors[0].device) for _ in range(min(2, len(buckets)))]
+    pending = None
+    for k, bucket in enumerate([*buckets, None]):
+        started = None
+        if bucket is not None:
+            n = sum(tensors[i].numel() for i in bucket)
+            flat = slots[k % len(slots)][:n]
+            offset = 0
+            for i in bucket:
+                flat[offset : offset + tensors[i].numel()].copy_(tensors[i].reshape(-1))   # casts
+                offset += tensors[i].numel()
+            ACCOUNTING.record("all_reduce", n * flat.element_size())
+            started = (bucket, _c10d.all_reduce_(flat, "sum", group.name))
+        if pending is not None:       # the previous bucket, while this one travels
+            done, out = pending
+            total = _c10d.wait_tensor(out).div_(world)
+            offset = 0
+            for i in done:
+                n = tensors[i].numel()
+                tensors[i].copy_(total[offset : offset + n].view_as(tensors[i]))
+                offset += n
+        pending = started

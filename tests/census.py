@@ -46,6 +46,7 @@ _KINDS = {
     _c10d.all_gather_into_tensor_out.default: ("all_gather", "out"),
     _c10d.reduce_scatter_tensor.default: ("reduce_scatter", "in"),
     _c10d.all_reduce.default: ("all_reduce", "in"),
+    _c10d.all_reduce_.default: ("all_reduce", "in"),   # in place: the optimizer step's buckets
 }
 
 
