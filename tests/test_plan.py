@@ -246,6 +246,7 @@ def test_plan_compare_runs_every_stage(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--world-size", "0", "--", "x.py"], "--world-size must be >= 1"),
+    (["--world-size", "2", "--compare", "--jobs", "0", "--", "x.py"], "--jobs must be >= 1"),
     (["--", "x.py"], "the following arguments are required: --world-size"),
     (["--world-size", "2", "--hardware", "tpu", "--", "x.py"], "unknown hardware 'tpu'"),
     (["--world-size", "2", "--options", '{"stage": 7}', "--", "x.py"], "zerocompile plan: error: --options"),

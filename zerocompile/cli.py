@@ -24,6 +24,7 @@ tool (graphviz, matplotlib) is a one-line error with exit code 1. See docs/cli.m
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import difflib
 import json
 import logging
@@ -587,6 +588,8 @@ def cmd_plan(args) -> int:
 
     if args.world_size < 1:
         raise CliError(f"zerocompile plan: error: --world-size must be >= 1, got {args.world_size}")
+    if args.jobs < 1:
+        raise CliError(f"zerocompile plan: error: --jobs must be >= 1, got {args.jobs}")
     options = _check_options(args.options, "plan") or {}
     for key in ("offload_optimizer", "offload_param"):
         if key in options:
@@ -598,7 +601,7 @@ def cmd_plan(args) -> int:
     except ValueError as exc:
         raise CliError(f"zerocompile plan: error: --hardware: {exc}") from None
     script, script_args = _script_of(args, "plan", "--world-size N [--options JSON] [--hardware NAME|FILE] "
-                                                    "[--json] [--compare]")
+                                                    "[--json] [--compare [--jobs J]]")
     status = _console(stderr=True)
     try:
         with status.status(f"planning {script.name} on {args.world_size} fake ranks"):
@@ -631,20 +634,22 @@ def cmd_plan(args) -> int:
 
 def _compare(args, options: dict, script: Path, script_args: list, status: Console) -> list:
     """Plan stages 0-3 with the same options, each in a subprocess of its own (a fresh
-    process: nothing of one run's models or compiled frames is left to count in the next)."""
-    rows = []
-    for stage in (0, 1, 2, 3):
+    process: nothing of one run's models or compiled frames is left to count in the next),
+    ``args.jobs`` of them at a time."""
+    def plan_stage(stage: int) -> dict:
         cmd = [sys.executable, "-m", "zerocompile", "plan", "--world-size", str(args.world_size),
                "--hardware", args.hardware, "--json", "--options", json.dumps({**options, "stage": stage}),
                "--", str(script), *script_args]
-        with status.status(f"planning stage {stage}"):
-            done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
-            rows.append({"options": {"stage": stage}, "error": tail[0]})
-            continue
-        rows.append(json.loads(done.stdout.strip().splitlines()[0]))
-    return rows
+            return {"options": {"stage": stage}, "error": tail[0]}
+        return json.loads(done.stdout.strip().splitlines()[0])
+
+    stages = (0, 1, 2, 3)
+    with status.status(f"planning stages 0-3, {min(args.jobs, len(stages))} at a time"):
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            return list(pool.map(plan_stage, stages))
 
 
 def _print_plan(report, script: Path, console: Console) -> None:
@@ -763,7 +768,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "the model-state bytes, the peak live bytes, the bytes each collective kind moves per "
                     "step and an estimated step time, measured over the script's second optimizer step. "
                     "Put the script and its arguments after --.",
-        usage="zerocompile plan --world-size N [--options JSON] [--hardware NAME|FILE] [--json] [--compare] "
+        usage="zerocompile plan --world-size N [--options JSON] [--hardware NAME|FILE] [--json] [--compare [--jobs J]] "
               "-- SCRIPT [ARGS...]")
     plan.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks of the planned job")
     plan.add_argument("--options", default=None, metavar="JSON",
@@ -776,6 +781,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print the report as one JSON object on stdout (the script's output goes to stderr)")
     plan.add_argument("--compare", action="store_true",
                       help="also plan stages 0-3 (one run each, in subprocesses) and print them side by side")
+    plan.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), metavar="J",
+                      help="with --compare: how many of its plans run at once; each holds a fake model "
+                           "and its own Python process (default: min(4, CPUs), here %(default)s)")
     plan.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...]")
     plan.set_defaults(func=cmd_plan)
     return parser
