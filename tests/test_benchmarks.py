@@ -1,5 +1,5 @@
-"""The benchmarks (``stage3_vs_fsdp2.py``, ``run.py``, ``optimizer_step.py``, ``first_step.py``: what ``make bench``
-runs) and ``gpu_check.py`` (``make gpu-check``) run end to end in their quick modes and write sane
+"""The benchmarks (``stage3_vs_fsdp2.py``, ``run.py``, ``optimizer_step.py``, ``first_step.py``, ``collectives.py``:
+what ``make bench`` runs) and ``gpu_check.py`` (``make gpu-check``) run end to end in their quick modes and write sane
 figures."""
 
 from __future__ import annotations
@@ -143,3 +143,22 @@ def test_first_step_benchmark_quick(tmp_path):
     md = (tmp_path / "first_step.md").read_text()
     assert "| plain torch.compile | 1 |" in md and "| zerocompile stage 3 | 2 |" in md
     assert "target: every zerocompile first step at most ×1.3" in md
+
+
+COLLECTIVES = Path(__file__).resolve().parent.parent / "benchmarks" / "collectives.py"
+
+
+def test_collectives_benchmark_small(tmp_path):
+    """benchmarks/collectives.py on a small buffer: every kind timed on 2 gloo ranks, the ratios
+    to the all-reduce and the stages-1/2 sum written out."""
+    out = tmp_path / "coll.json"
+    proc = subprocess.run([sys.executable, str(COLLECTIVES), "--numel", "300000", "--bucket-mb", "1", "--reps", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert set(result["ms"]) == {"all_reduce", "reduce_scatter", "all_gather"}
+    assert all(v > 0 and math.isfinite(v) for v in result["ms"].values())
+    assert result["x_all_reduce"]["all_reduce"] == 1.0
+    total = result["ms"]["reduce_scatter"] + result["ms"]["all_gather"]
+    assert math.isclose(result["stages_1_2_x_all_reduce"], total / result["ms"]["all_reduce"])
+    assert "| reduce-scatter |" in proc.stdout and "ZeRO stages 1-2" in proc.stdout

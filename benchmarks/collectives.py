@@ -1,0 +1,97 @@
+"""What each collective costs on this machine's process group, for one gradient-sized buffer.
+
+ZeRO stages 1 and 2 replace DDP's all-reduce of the gradients by a reduce-scatter (before the
+optimizer step) and an all-gather of the updated parameters (after it). With ring algorithms the
+two move the same bytes as the one all-reduce, so where the backend implements them as rings
+(NCCL) the stages cost DDP's communication. This script measures whether the backend at hand
+does: each collective on the same number of gradient elements, in buckets of ``--bucket-mb``
+(as zerocompile's optimizer step issues them, into buffers allocated once), timed from a
+barrier, median of ``--reps``::
+
+    python benchmarks/collectives.py                  # 2 gloo ranks, 42M fp32 elements
+    python benchmarks/collectives.py --numel 4200000 --world-size 4
+
+It prints ms per collective kind and the ratio to the all-reduce, and writes
+``results/collectives.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, spawn_ranks  # noqa: E402
+
+
+def rank_main(rank: int, world: int, args) -> dict:
+    per_bucket = max(world, args.bucket_mb * 2**20 // 4 // world * world)
+    buckets = [torch.randn(min(per_bucket, args.numel - start)) for start in range(0, args.numel, per_bucket)]
+    buckets = [b[: b.numel() // world * world] for b in buckets if b.numel() >= world]
+    shards = [b.new_empty(b.numel() // world) for b in buckets]
+
+    def all_reduce():
+        for b in buckets:
+            dist.all_reduce(b)
+
+    def reduce_scatter():
+        for b, s in zip(buckets, shards):
+            dist.reduce_scatter_tensor(s, b)
+
+    def all_gather():
+        for b, s in zip(buckets, shards):
+            dist.all_gather_into_tensor(b, s)
+
+    kinds = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather}
+    times = {k: [] for k in kinds}
+    for rep in range(args.reps + 1):                  # the first round warms up
+        for name, fn in kinds.items():
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            if rep:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--world-size", type=int, default=2, help="gloo ranks to spawn")
+    p.add_argument("--numel", type=int, default=42_090_000, help="fp32 gradient elements (the 42M bench GPT)")
+    p.add_argument("--bucket-mb", type=int, default=25, help="bucket size, zerocompile's default bucket_mb")
+    p.add_argument("--reps", type=int, default=4, help="timed rounds (median)")
+    p.add_argument("--out", type=Path, default=RESULTS / "collectives.json")
+    args = p.parse_args(argv)
+    per_rank = spawn_ranks(args.world_size, rank_main, (args,))
+    slowest = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    ratio = {k: v / slowest["all_reduce"] for k, v in slowest.items()}
+    mib = args.numel * 4 / 2**20
+    print(f"{args.world_size} gloo ranks, {args.numel:,} fp32 elements ({mib:.0f} MiB) in {args.bucket_mb} MiB "
+          f"buckets, median of {args.reps}, slowest rank; torch {torch.__version__}, {os.cpu_count()} CPUs")
+    print("| collective | ms | × all-reduce |\n|---|---|---|")
+    for k in slowest:
+        print(f"| {k.replace('_', '-')} | {slowest[k]:.1f} | ×{ratio[k]:.2f} |")
+    stages = slowest["reduce_scatter"] + slowest["all_gather"]
+    print(f"ZeRO stages 1-2 (reduce-scatter + all-gather): {stages:.1f} ms = ×{stages / slowest['all_reduce']:.2f} "
+          "DDP's all-reduce (a ring implementation of both: ×1.00)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                                    "torch": torch.__version__, "cpu_count": os.cpu_count(),
+                                    "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                    "ms": slowest, "x_all_reduce": ratio, "stages_1_2_x_all_reduce":
+                                    stages / slowest["all_reduce"]}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
