@@ -45,6 +45,8 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
             results[i] = pad_flat(g.to(reduce_dtype), padded)
         return results
     buckets = _buckets([padded * elem for _, padded in grads], bucket_bytes)
+    if not buckets:
+        return results
     cap = max(sum(grads[i][1] for i in bucket) for bucket in buckets)
     device = grads[0][0].device
     slots = [torch.empty(cap, dtype=reduce_dtype, device=device) for _ in range(min(2, len(buckets)))]
@@ -91,6 +93,8 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
             write(i, t.reshape(1, -1))
         return
     buckets = _buckets([t.numel() * t.element_size() * world for t in shards], bucket_bytes)
+    if not buckets:
+        return
     cap = max(sum(shards[i].numel() for i in bucket) for bucket in buckets)
     first = shards[buckets[0][0]]
     slots = [(first.new_empty(cap), first.new_empty(world * cap)) for _ in range(min(2, len(buckets)))]
@@ -124,6 +128,8 @@ def all_reduce_mean_(tensors: list[torch.Tensor], group: CommGroup, bucket_bytes
         return
     buckets = _buckets([t.numel() * torch.empty((), dtype=reduce_dtype).element_size() for t in tensors],
                        bucket_bytes)
+    if not buckets:
+        return
     cap = max(sum(tensors[i].numel() for i in bucket) for bucket in buckets)
     slots = [torch.empty(cap, dtype=reduce_dtype, device=tensors[0].device) for _ in range(min(2, len(buckets)))]
     pending = None

@@ -1,0 +1,55 @@
+"""The optimizer step's bucketed collectives (``runtime/step_collectives.py``) against the same
+reductions computed in one process from every rank's tensors: many buckets (two buffers taking
+turns), sizes that need padding, a tensor larger than the bucket cap, and a cast to the reduce
+dtype."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+
+SIZES = [7, 1, 30, 5, 64, 3, 11]
+WORLD = 3
+
+
+def _tensors(rank: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(n, generator=g).to(dtype) for n in SIZES]
+
+
+def _worker(rank, world):
+    from zerocompile.runtime.comm import resolve_group
+    from zerocompile.runtime.step_collectives import all_gather_concat, all_reduce_mean_, reduce_scatter_mean
+
+    group = resolve_group(dist.group.WORLD)
+    out = {}
+    for cap in (1, 40 * 4, 10**9):                     # bytes: one tensor per bucket, several, one bucket
+        grads = _tensors(rank, torch.bfloat16)
+        padded = [-(-n // world) * world for n in SIZES]
+        out[("rs", cap)] = reduce_scatter_mean(list(zip(grads, padded)), group, cap, torch.float32)
+        shards = [torch.full((n // world,), float(rank * 100 + i)) for i, n in enumerate(padded)]
+        seen = {}
+        all_gather_concat(shards, group, cap, lambda i, rows: seen.__setitem__(i, rows.clone()))
+        out[("ag", cap)] = [seen[i] for i in range(len(shards))]
+        full = _tensors(rank, torch.float32)
+        all_reduce_mean_(full, group, cap, torch.float32)
+        out[("ar", cap)] = full
+    return out
+
+
+def test_bucketed_step_collectives_match_a_one_process_reduction():
+    results = run_ranks(_worker, WORLD)
+    every = [_tensors(r, torch.bfloat16) for r in range(WORLD)]
+    for rank, res in enumerate(results):
+        for cap in (1, 40 * 4, 10**9):
+            for i, n in enumerate(SIZES):
+                chunk = -(-n // WORLD)
+                total = torch.stack([torch.nn.functional.pad(t[i].float(), (0, chunk * WORLD - n)) for t in every])
+                mean = total.sum(0) / WORLD
+                assert torch.equal(res[("rs", cap)][i], mean[rank * chunk:(rank + 1) * chunk]), (cap, i)
+                rows = res[("ag", cap)][i]
+                assert rows.shape == (WORLD, chunk)
+                assert torch.equal(rows, torch.tensor([[float(r * 100 + i)] * chunk for r in range(WORLD)])), (cap, i)
+                full = torch.stack([_tensors(r, torch.float32)[i] for r in range(WORLD)]).sum(0) / WORLD
+                assert torch.allclose(res[("ar", cap)][i], full, rtol=0, atol=1e-6), (cap, i)
