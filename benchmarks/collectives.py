@@ -44,11 +44,11 @@ def rank_main(rank: int, world: int, args) -> dict:
 
     def reduce_scatter():
         for b, s in zip(buckets, shards):
-            dist.reduce_scatter_tensor(s, b)
+            dist.reduce_scatter_single(s, b)
 
     def all_gather():
         for b, s in zip(buckets, shards):
-            dist.all_gather_into_tensor(b, s)
+            dist.all_gather_single(b, s)
 
     kinds = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather}
     times = {k: [] for k in kinds}
