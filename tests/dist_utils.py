@@ -61,7 +61,21 @@ def _entry(rank, world, port, fn, args, outdir, environ, cwd):
 
 
 def run_ranks(fn, world: int, *args) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result."""
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result.
+
+    A free port can be taken by another process between ``free_port()`` and rank 0's store
+    listening on it (tests running in parallel, gloo's own connections): a launch whose ranks
+    fail with "address already in use" (EADDRINUSE) is retried on a new port, twice at most."""
+    for attempt in range(3):
+        try:
+            return _run_ranks_once(fn, world, args)
+        except AssertionError as err:
+            text = str(err).lower()
+            if attempt == 2 or not ("address already in use" in text or "eaddrinuse" in text):
+                raise
+
+
+def _run_ranks_once(fn, world: int, args: tuple) -> list:
     with tempfile.TemporaryDirectory() as outdir:
         try:
             mp.start_processes(_entry, args=(world, free_port(), fn, args, outdir, dict(os.environ), os.getcwd()),
