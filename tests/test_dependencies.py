@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 INSTALLED = [ROOT / "zerocompile", ROOT / "passes", ROOT / "runtime"]
 TESTS = ROOT / "tests"
 NOT_FEATURE_EXTRAS = ("test", "bench")
+TEST_PLUGINS = {"pytest-xdist"}
+"""Pytest plugins the test command loads (``make test`` runs ``pytest -n``), which no test imports."""
 """Every other extra serves an optional feature of the installed code (``plot``): its packages are
 imported inside functions only, and a missing one is a one-line error that names the extra."""
 
@@ -110,7 +112,10 @@ def test_test_extra_is_what_the_tests_import():
     needed = set(imported) - base
     test = extras["test"]
     assert not needed - test, f"imported by tests but not in the test extra: {_report(imported, needed - test)}"
-    assert not test - needed, f"declared in the test extra but never imported by tests: {sorted(test - needed)}"
+    assert not test - needed - TEST_PLUGINS, (
+        f"declared in the test extra but never imported by tests: {sorted(test - needed - TEST_PLUGINS)}")
+    makefile = (ROOT / "Makefile").read_text()
+    assert "-n $(TEST_WORKERS)" in makefile, "pytest-xdist is in the test extra for make test's -n"
 
 
 def _closure(dists: set) -> set:
