@@ -30,6 +30,23 @@ def _buckets(sizes: list[int], cap: int) -> list[list[int]]:
     return out
 
 
+def _two_in_flight(buckets: list[list[int]], start: Callable, finish: Callable) -> None:
+    """For each bucket ``k``, ``start(k, bucket)`` (fill buffer ``k % 2``, issue the collective,
+    return a handle), then ``finish(handle)`` of the bucket before it: the next bucket travels
+    while the previous one is read out, and a buffer is refilled only after its bucket finished."""
+    pending = None
+    for k, bucket in enumerate([*buckets, None]):
+        started = start(k, bucket) if bucket is not None else None
+        if pending is not None:
+            finish(*pending)
+        pending = started
+
+
+def _slots(count: int, numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Bucket buffers allocated once per call: two, or one for a single bucket."""
+    return [torch.empty(numel, dtype=dtype or like.dtype, device=like.device) for _ in range(min(2, count))]
+
+
 def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup, bucket_bytes: int,
                         reduce_dtype: torch.dtype) -> list[torch.Tensor]:
     """Average over ranks each ``(gradient, padded_numel)``; return this rank's chunks.
@@ -47,34 +64,31 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
     buckets = _buckets([padded * elem for _, padded in grads], bucket_bytes)
     if not buckets:
         return results
-    cap = max(sum(grads[i][1] for i in bucket) for bucket in buckets)
-    device = grads[0][0].device
-    slots = [torch.empty(cap, dtype=reduce_dtype, device=device) for _ in range(min(2, len(buckets)))]
-    pending = None
-    for k, bucket in enumerate([*buckets, None]):
-        started = None
-        if bucket is not None:
-            n = sum(grads[i][1] for i in bucket)
-            rows = slots[k % len(slots)][:n].view(world, n // world)
-            offset = 0
-            for i in bucket:                 # each gradient's chunk of every rank, in its column range
-                chunk = grads[i][1] // world
-                g = grads[i][0].reshape(-1)
-                if g.numel() != world * chunk:
-                    g = pad_flat(g.to(reduce_dtype), world * chunk)
-                rows[:, offset : offset + chunk].copy_(g.view(world, chunk))   # casts to reduce_dtype
-                offset += chunk
-            ACCOUNTING.record("reduce_scatter", n * elem)
-            started = (bucket, _c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", world, group.name))
-        if pending is not None:          # the previous bucket, while this one travels
-            done, out = pending
-            mine = _c10d.wait_tensor(out).div_(world)
-            offset = 0
-            for i in done:
-                chunk = grads[i][1] // world
-                results[i] = mine[offset : offset + chunk]
-                offset += chunk
-        pending = started
+    slots = _slots(len(buckets), max(sum(grads[i][1] for i in b) for b in buckets), grads[0][0], reduce_dtype)
+
+    def start(k, bucket):
+        n = sum(grads[i][1] for i in bucket)
+        rows = slots[k % len(slots)][:n].view(world, n // world)
+        offset = 0
+        for i in bucket:                 # each gradient's chunk of every rank, in its column range
+            chunk = grads[i][1] // world
+            g = grads[i][0].reshape(-1)
+            if g.numel() != world * chunk:
+                g = pad_flat(g.to(reduce_dtype), world * chunk)
+            rows[:, offset : offset + chunk].copy_(g.view(world, chunk))   # casts to reduce_dtype
+            offset += chunk
+        ACCOUNTING.record("reduce_scatter", n * elem)
+        return bucket, _c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", world, group.name)
+
+    def finish(bucket, out):
+        mine = _c10d.wait_tensor(out).div_(world)
+        offset = 0
+        for i in bucket:
+            chunk = grads[i][1] // world
+            results[i] = mine[offset : offset + chunk]
+            offset += chunk
+
+    _two_in_flight(buckets, start, finish)
     return results
 
 
@@ -95,27 +109,25 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
     buckets = _buckets([t.numel() * t.element_size() * world for t in shards], bucket_bytes)
     if not buckets:
         return
-    cap = max(sum(shards[i].numel() for i in bucket) for bucket in buckets)
+    cap = max(sum(shards[i].numel() for i in b) for b in buckets)
     first = shards[buckets[0][0]]
-    slots = [(first.new_empty(cap), first.new_empty(world * cap)) for _ in range(min(2, len(buckets)))]
-    pending = None
-    for k, bucket in enumerate([*buckets, None]):
-        started = None
-        if bucket is not None:
-            mine, gathered = slots[k % len(slots)]
-            n = sum(shards[i].numel() for i in bucket)
-            torch.cat([shards[i].reshape(-1) for i in bucket], out=mine[:n])
-            ACCOUNTING.record("all_gather", world * n * first.element_size())
-            started = (bucket, n, start_all_gather_flat(mine[:n], world, group.name, out=gathered[: world * n]))
-        if pending is not None:       # the previous bucket, while this one travels
-            done, n, out = pending
-            rows = _c10d.wait_tensor(out).view(world, n)
-            offset = 0
-            for i in done:
-                chunk = shards[i].numel()
-                write(i, rows[:, offset : offset + chunk])
-                offset += chunk
-        pending = started
+    mines, gathers = _slots(len(buckets), cap, first), _slots(len(buckets), world * cap, first)
+
+    def start(k, bucket):
+        n = sum(shards[i].numel() for i in bucket)
+        mine = torch.cat([shards[i].reshape(-1) for i in bucket], out=mines[k % len(mines)][:n])
+        ACCOUNTING.record("all_gather", world * n * first.element_size())
+        return bucket, n, start_all_gather_flat(mine, world, group.name, out=gathers[k % len(gathers)][: world * n])
+
+    def finish(bucket, n, out):
+        rows = _c10d.wait_tensor(out).view(world, n)
+        offset = 0
+        for i in bucket:
+            chunk = shards[i].numel()
+            write(i, rows[:, offset : offset + chunk])
+            offset += chunk
+
+    _two_in_flight(buckets, start, finish)
 
 
 def all_reduce_mean_(tensors: list[torch.Tensor], group: CommGroup, bucket_bytes: int,
@@ -130,26 +142,24 @@ def all_reduce_mean_(tensors: list[torch.Tensor], group: CommGroup, bucket_bytes
                        bucket_bytes)
     if not buckets:
         return
-    cap = max(sum(tensors[i].numel() for i in bucket) for bucket in buckets)
-    slots = [torch.empty(cap, dtype=reduce_dtype, device=tensors[0].device) for _ in range(min(2, len(buckets)))]
-    pending = None
-    for k, bucket in enumerate([*buckets, None]):
-        started = None
-        if bucket is not None:
-            n = sum(tensors[i].numel() for i in bucket)
-            flat = slots[k % len(slots)][:n]
-            offset = 0
-            for i in bucket:
-                flat[offset : offset + tensors[i].numel()].copy_(tensors[i].reshape(-1))   # casts
-                offset += tensors[i].numel()
-            ACCOUNTING.record("all_reduce", n * flat.element_size())
-            started = (bucket, _c10d.all_reduce_(flat, "sum", group.name))
-        if pending is not None:       # the previous bucket, while this one travels
-            done, out = pending
-            total = _c10d.wait_tensor(out).div_(world)
-            offset = 0
-            for i in done:
-                n = tensors[i].numel()
-                tensors[i].copy_(total[offset : offset + n].view_as(tensors[i]))
-                offset += n
-        pending = started
+    slots = _slots(len(buckets), max(sum(tensors[i].numel() for i in b) for b in buckets), tensors[0], reduce_dtype)
+
+    def start(k, bucket):
+        n = sum(tensors[i].numel() for i in bucket)
+        flat = slots[k % len(slots)][:n]
+        offset = 0
+        for i in bucket:
+            flat[offset : offset + tensors[i].numel()].copy_(tensors[i].reshape(-1))   # casts
+            offset += tensors[i].numel()
+        ACCOUNTING.record("all_reduce", n * flat.element_size())
+        return bucket, _c10d.all_reduce_(flat, "sum", group.name)
+
+    def finish(bucket, out):
+        total = _c10d.wait_tensor(out).div_(world)
+        offset = 0
+        for i in bucket:
+            n = tensors[i].numel()
+            tensors[i].copy_(total[offset : offset + n].view_as(tensors[i]))
+            offset += n
+
+    _two_in_flight(buckets, start, finish)
