@@ -20,6 +20,8 @@ torch optimizer themselves (DDP, FSDP2, DeepSpeed with a client optimizer) use i
   a client AdamW (skipped, with the reason, if DeepSpeed is missing or fails to initialise);
 - ``zero1`` / ``zero2`` / ``zero3``: ``torch.compile(model, backend="zero", options={"stage": k})``
   with the default passes and ``zerocompile.ZeroOptimizer(AdamW)``;
+- ``zero3-profile``: stage 3 with ``profile=True``: the passes weigh times measured on the
+  frame's graph when it compiles, not the estimates;
 - ``zero3-nopass``: stage 3 with every optional pass of the registry disabled (except
   ``cast_forward_inputs``, which fp32 does not run anyway);
 - ``zero3-offload``: stage 3 with ``offload_optimizer={"device": "nvme", ...}`` into a
@@ -72,20 +74,22 @@ from common import (MiB, RESULTS, CollectiveBytes, all_ranks_ok, error_line,  # 
                     load_example, optional_pass_names, quantile, spawn_ranks)
 
 SYSTEMS = ("ddp", "fsdp2", "fsdp2-compile", "ds-zero1", "ds-zero2", "ds-zero3", "ds-zero3-offload",
-           "ds-zero3-infinity", "zero1", "zero2", "zero3", "zero3-nopass", "zero3-offload", "zero3-infinity")
+           "ds-zero3-infinity", "zero1", "zero2", "zero3", "zero3-profile", "zero3-nopass", "zero3-offload",
+           "zero3-infinity")
 LABELS = {
     "ddp": "DDP", "fsdp2": "FSDP2 eager", "fsdp2-compile": "FSDP2 + per-block compile",
     "ds-zero1": "DeepSpeed ZeRO-1", "ds-zero2": "DeepSpeed ZeRO-2", "ds-zero3": "DeepSpeed ZeRO-3",
     "ds-zero3-offload": "DeepSpeed ZeRO-3 + ZeRO-Offload (CPU Adam)",
     "ds-zero3-infinity": "DeepSpeed ZeRO-3 + ZeRO-Infinity (NVMe)",
     "zero1": "zerocompile stage 1", "zero2": "zerocompile stage 2", "zero3": "zerocompile stage 3",
+    "zero3-profile": "zerocompile stage 3, profile=True",
     "zero3-nopass": "zerocompile stage 3, no opt. passes",
     "zero3-offload": "zerocompile stage 3, NVMe optimizer offload",
     "zero3-infinity": "zerocompile stage 3, NVMe optimizer + parameter offload",
 }
 STAGE = {"ddp": 0, "fsdp2": 3, "fsdp2-compile": 3, "ds-zero1": 1, "ds-zero2": 2, "ds-zero3": 3,
          "ds-zero3-offload": 3, "ds-zero3-infinity": 3,
-         "zero1": 1, "zero2": 2, "zero3": 3, "zero3-nopass": 3, "zero3-offload": 3, "zero3-infinity": 3}
+         "zero1": 1, "zero2": 2, "zero3": 3, "zero3-profile": 3, "zero3-nopass": 3, "zero3-offload": 3, "zero3-infinity": 3}
 OFFLOADED = ("zero3-offload", "ds-zero3-infinity", "zero3-infinity")
 PARAMS_OFFLOADED = ("zero3-infinity",)
 """Systems whose optimizer state lives in a swap file (a temporary directory per rank): their
@@ -249,6 +253,8 @@ def build_system(name: str, args, spec: dict, example, device: torch.device, dis
             options = {"stage": STAGE[name], "inner_compiler": inner}
             if name == "zero3-nopass":
                 options["passes"] = {"disable": list(disabled)}
+            if name == "zero3-profile":
+                options["profile"] = True
             if name in OFFLOADED:
                 system.swap_dir = tempfile.mkdtemp(prefix="zerocompile-bench-swap-")
                 options["offload_optimizer"] = {"device": "nvme", "nvme_path": system.swap_dir}

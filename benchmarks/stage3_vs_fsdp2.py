@@ -11,6 +11,8 @@ every rank:
 
 - ``zero3``: ``torch.compile(model, backend="zero", options={"stage": 3, ...})`` with the
   default pass pipeline, optimizer wrapped in ``zerocompile.ZeroOptimizer``;
+- ``zero3-profile``: the same with ``profile=True`` (the passes decide from times measured
+  on the frame's graph at compile time instead of the estimates);
 - ``zero3-nopass``: the same with every optional pass disabled (the list is read from the
   pass registry, minus ``cast_forward_inputs``, which fp32 does not run anyway);
 - ``fsdp2``: ``fully_shard`` on each block and then on the root module, eager, no compile,
@@ -62,8 +64,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (MiB, RESULTS, CollectiveBytes, all_ranks_ok, error_line,  # noqa: E402
                     load_example, optional_pass_names, quantile, spawn_ranks)
 
-SYSTEMS = ("zero3", "zero3-nopass", "fsdp2")
-LABELS = {"zero3": "zerocompile stage 3", "zero3-nopass": "zerocompile stage 3, no optional passes",
+SYSTEMS = ("zero3", "zero3-profile", "zero3-nopass", "fsdp2")
+LABELS = {"zero3": "zerocompile stage 3", "zero3-profile": "zerocompile stage 3, profile=True",
+          "zero3-nopass": "zerocompile stage 3, no optional passes",
           "fsdp2": "FSDP2 eager"}
 REFERENCE = "fsdp2"
 MEASURE_ROUNDS = 2
@@ -121,6 +124,8 @@ def build_system(name: str, args, example, disabled: list[str]) -> System:
             options = {"stage": 3, "inner_compiler": args.inner_compiler}
             if name == "zero3-nopass":
                 options["passes"] = {"disable": list(disabled)}
+            if name == "zero3-profile":
+                options["profile"] = True
             system.model = torch.compile(model, backend="zero", options=options)
             system.opt = zerocompile.ZeroOptimizer(system.model.parameters(), optimizer_class=torch.optim.AdamW,
                                                    lr=args.lr, weight_decay=args.weight_decay)

@@ -30,6 +30,8 @@ class PassContext:
     ``ShardedParam`` whose shard or replica it is, or None."""
     num_fwd_outputs: int = 0
     """Number of real outputs of the forward (the rest of the joint outputs are gradients)."""
+    device: object = None
+    """The ``torch.device`` of the frame's parameters (where its collectives run)."""
     cost_model: object = None
     """The ``CostModel`` (``zerocompile.passes.cost_model``) the passes weigh decisions with."""
     recorder: object = None

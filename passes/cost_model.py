@@ -114,7 +114,8 @@ def op_flops(func, args, kwargs, out) -> int:
         return 0
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a timing must not end before it)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -128,14 +129,14 @@ def probe(group: CommGroup, device=None, repeats: int = 3) -> CostModel:
     best_mm = best_copy = float("inf")
     big = torch.randn(1 << 22, device=device)
     for _ in range(repeats + 1):  # the first round warms up
-        _synchronize(device)
+        synchronize(device)
         t0 = time.perf_counter()
         a @ a
-        _synchronize(device)
+        synchronize(device)
         best_mm = min(best_mm, time.perf_counter() - t0)
         t0 = time.perf_counter()
         big.clone()
-        _synchronize(device)
+        synchronize(device)
         best_copy = min(best_copy, time.perf_counter() - t0)
     flops_per_s = 2 * n**3 / max(best_mm, 1e-9)
     memory_bandwidth = 2 * big.numel() * 4 / max(best_copy, 1e-9)
@@ -148,10 +149,10 @@ def probe(group: CommGroup, device=None, repeats: int = 3) -> CostModel:
             all_gather_flat(x, group.world, group.name)  # warm-up
             best = float("inf")
             for _ in range(repeats):
-                _synchronize(device)
+                synchronize(device)
                 t0 = time.perf_counter()
                 all_gather_flat(x, group.world, group.name)
-                _synchronize(device)
+                synchronize(device)
                 best = min(best, time.perf_counter() - t0)
             times.append(best)
         frac = (group.world - 1) / group.world

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "stage3_vs_fsdp2.py"
-SYSTEMS = ("zero3", "zero3-nopass", "fsdp2")
+SYSTEMS = ("zero3", "zero3-profile", "zero3-nopass", "fsdp2")
 
 
 def test_stage3_vs_fsdp2_quick(tmp_path):
@@ -54,7 +54,7 @@ def test_make_bench_quick(tmp_path):
     workload = result["workloads"]["gpt-tiny"]
     assert workload["reference"] == "fsdp2" and workload["psi"] > 0
     systems = workload["systems"]
-    assert len(systems) == 14
+    assert len(systems) == 15
     for name, entry in systems.items():
         if name.startswith("ds-") and entry["status"] == "skipped":
             continue

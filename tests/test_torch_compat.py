@@ -309,3 +309,16 @@ def test_unscale_and_check_and_compiled_backward_node():
     out = aot_function(lambda x: (x * 2).sum(), fw_compiler=nop)(torch.ones(2, requires_grad=True))
     assert _torch_compat.is_compiled_backward_node(out.grad_fn), out.grad_fn.name()
     assert not _torch_compat.is_compiled_backward_node((torch.ones(1, requires_grad=True) * 2).grad_fn)
+
+
+def test_real_tensors_steps_out_of_an_active_fake_mode():
+    """The profile times ops inside AOTAutograd's partitioner, which runs under a FakeTensorMode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert _torch_compat.is_fake_tensor(torch.empty(2))
+        with _torch_compat.real_tensors():
+            t = torch.ones(2) * 3
+            assert not _torch_compat.is_fake_tensor(t), "unset_fake_temporarily no longer leaves the fake mode"
+            assert t.tolist() == [3.0, 3.0]
+        assert _torch_compat.is_fake_tensor(torch.empty(2))                # and the mode is back

@@ -137,6 +137,20 @@ def is_traced_tensor(t: torch.Tensor) -> bool:
     return is_fake(t) or get_proxy_mode() is not None or torch.compiler.is_compiling()
 
 
+@contextlib.contextmanager
+def real_tensors():
+    """Step out of an active ``FakeTensorMode`` (AOTAutograd's, around the partitioner), so
+    that tensors made inside are real (the profile times ops on them).
+
+    Why private: ``torch._subclasses.fake_tensor.unset_fake_temporarily`` is the only way
+    out of a fake mode a caller entered; no public API leaves one.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        yield
+
+
 def is_fake_tensor(t) -> bool:
     """Whether ``t`` is a ``FakeTensor`` made by a user's ``FakeTensorMode`` (``zerocompile plan``
     runs a whole script under one): it has shapes and a storage size but no values.

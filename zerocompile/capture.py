@@ -32,6 +32,7 @@ from zerocompile.passes.context import PassContext
 from zerocompile.passes.cost_model import cost_model_for
 from zerocompile.passes.liveness import saved_activation_bytes, simulate
 from zerocompile.passes.manager import pipeline, run_passes
+from zerocompile.passes.profiler import profile_graph
 from zerocompile.runtime.accounting import ACCOUNTING, CollectiveSummary
 from zerocompile.runtime.comm import CommGroup, resolve_group
 from zerocompile.runtime.eager_fallback import eager_only_parameters, install_eager_fallback
@@ -53,6 +54,7 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
 
     def __call__(self, gm, joint_inputs, **kwargs):
         self.ctx.num_fwd_outputs = kwargs.get("num_fwd_outputs", 0)
+        self._profile(gm.graph)
         gm = run_passes(gm, self.ctx, "joint")
         fw, bw = _torch_compat.min_cut_partition(gm, joint_inputs, **kwargs)
         self.ctx.results["saved_activation_bytes"] = saved_activation_bytes(fw.graph, self.ctx.num_fwd_outputs)
@@ -72,9 +74,22 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         """Passes on the graph of a frame run without autograd (AOTAutograd compiles one
         inference graph and calls no partitioner): tagging, then the forward passes."""
         self.ctx.num_fwd_outputs = len(next(iter(gm.graph.find_nodes(op="output"))).args[0])
+        self._profile(gm.graph)
         gm = run_passes(gm, self.ctx, "inference")
         self.inference_summary = summarize_collectives(gm.graph)
         return gm
+
+    def _profile(self, graph: torch.fx.Graph) -> None:
+        """With ``profile=True``: replace the estimated cost model by one measured on this
+        graph (passes/profiler.py), before any pass weighs a cost."""
+        ctx = self.ctx
+        if not ctx.config.profile or ctx.cost_model is None:
+            return
+        bucket_bytes = int(ctx.config.bucket_mb * (1 << 20)) if ctx.config.stage in (2, 3) else 0
+        fake = any(_torch_compat.is_fake_tensor(sp.param) for sp in ctx.primal_params if sp is not None)
+        ctx.cost_model, ctx.results["profile"] = profile_graph(
+            graph, ctx.cost_model, ctx.group, ctx.device or torch.device("cpu"), bucket_bytes, ctx.frame,
+            fake_params=fake)
 
     def __deepcopy__(self, memo):
         # inductor deep-copies its config (which holds this object) when it snapshots it;
@@ -290,9 +305,10 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     if cfg.offload_param.device == "cpu" and any(sp is not None and sp.device.type == "cpu" for sp in plans):
         log.info("[%s] offload_param device 'cpu': the parameters are on the CPU, so their shards already "
                  "live in host memory; nothing to offload", frame)
-    ctx = PassContext(config=cfg, group=group, frame=frame, recorder=recorder_for(cfg, group))
+    ctx = PassContext(config=cfg, group=group, frame=frame, recorder=recorder_for(cfg, group),
+                      device=_frame_device(plans))
     if _needs_cost_model(ctx):
-        ctx.cost_model = cost_model_for(cfg.cost_model, group, _frame_device(plans))
+        ctx.cost_model = cost_model_for(cfg.cost_model, group, ctx.device)
         log.debug("[%s] cost model: %s", frame, ctx.cost_model)
     kinds = [_torch_compat.input_kind(source, ex) for source, ex in zip(sources, example_inputs)]
     gm = run_passes(gm, ctx, "dynamo", plans=plans, input_kinds=kinds)

@@ -114,6 +114,14 @@ class ZeroConfig:
     every rank), or a dict ``{"flops_per_s": ..., "alpha_us": ..., "bandwidth_gbps": ...,
     "memory_gbps": ...}`` (missing keys take defaults) for reproducible decisions."""
 
+    profile: bool = False
+    """Measure instead of estimate: once per compiled frame, before the passes decide, time
+    each distinct op of the frame's graph on its device (on made-up inputs of the real shapes)
+    and each distinct all-gather size on the real group, keep the slowest rank's figures, and
+    let ``selective_unshard``, ``recompute`` and ``prefetch`` weigh those (unmeasured sizes
+    and ops keep the ``cost_model`` estimates). Costs one-off time in the first step; see
+    docs/passes.md."""
+
     dump: str | None = None
     """Directory to write every frame's graphs (before the pipeline and after each pass)
     and per-pass summaries to; read them with ``zerocompile show DIR``. The environment
@@ -213,6 +221,8 @@ class ZeroConfig:
                 "allowed: True, False")
         if not isinstance(self.prefetch, bool):
             raise ZeroConfigError(f"option 'prefetch' = {self.prefetch!r} is invalid; allowed: True, False")
+        if not isinstance(self.profile, bool):
+            raise ZeroConfigError(f"option 'profile' = {self.profile!r} is invalid; allowed: True, False")
         if not isinstance(self.debug_checks, bool):
             raise ZeroConfigError(f"option 'debug_checks' = {self.debug_checks!r} is invalid; allowed: True, False")
         _check_mb("prefetch_mb", self.prefetch_mb)
