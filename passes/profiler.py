@@ -53,7 +53,6 @@ from zerocompile.runtime.comm import CommGroup, is_fake_group
 log = logging.getLogger("zerocompile")
 
 _c10d = torch.ops._c10d_functional
-_MB = 1 << 20
 MAX_GATHER_SIZES = 12
 """At most this many distinct all-gather sizes are timed per frame (spread over the range)."""
 _SLOW_OP_S = 0.1
@@ -96,7 +95,7 @@ def _arg_signature(a):
         return None  # a value with no metadata: the op cannot be reproduced
     if isinstance(a, (list, tuple)):
         parts = tuple(_arg_signature(x) for x in a)
-        return None if any(p is None for p in parts) and any(isinstance(x, torch.fx.Node) for x in a) else parts
+        return None if any(p is None for p in parts) else parts  # None: a node without metadata inside
     if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return repr(_concrete(a))
     return repr(a)
