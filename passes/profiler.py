@@ -49,6 +49,7 @@ from zerocompile.passes.cost_model import CostModel, synchronize
 from zerocompile.passes.graph_utils import COLLECTIVE_OPS, concrete_int, tensor_nbytes
 from zerocompile.passes.liveness import is_view, tensors_of
 from zerocompile.runtime.comm import CommGroup, is_fake_group
+from zerocompile.runtime.fingerprint import fingerprint
 
 log = logging.getLogger("zerocompile")
 
@@ -323,8 +324,7 @@ def _profile(graph, base, group, device, bucket_bytes, frame, repeats) -> tuple[
     sizes = gather_sizes(graph, bucket_bytes) if group.world > 1 else []
     multi = group.world > 1
     if multi:
-        key = hashlib.sha256(repr((signatures, sizes)).encode()).hexdigest()
-        _same_on_all_ranks(int(key[:15], 16), group, device, frame, works)
+        _same_on_all_ranks(fingerprint([signatures, sizes]), group, device, frame, works)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         op_times = [time_op(first[s], repeats) for s in signatures]
     gather_times = [time_gather(n, group, device, repeats, works) for n in sizes]
