@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
-from harness import Run, assert_matches, reference, zero_train
+from harness import Run, assert_matches, reference, zero_train, zero_train_many
 from test_pass_units import WORLD, _forward_inputs, _tagged, _with_compute_between
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -144,6 +144,20 @@ def test_profiled_stage3_training_is_exact_and_every_rank_has_the_same_figures()
     decisions = [(r["reports"][0]["results"]["recompute"], r["reports"][0]["results"]["selective_unshard"])
                  for r in results]
     assert decisions[0] == decisions[1]
+
+
+ZOO = [Run(model="tied", stage=3, steps=3, options=(("profile", True),)),             # tied embedding / head
+       Run(model="frozen", stage=2, steps=3, options=(("profile", True),)),           # frozen parameters
+       Run(model="eager_head", stage=3, steps=3, accum=2,                             # a graph break, two frames
+           options=(("profile", True), ("recompute", "full")))]
+
+
+def test_profiled_training_is_exact_on_tied_frozen_and_graph_broken_models():
+    results = run_ranks(zero_train_many, 2, ZOO)
+    for run, result in zip(ZOO, results[0]):
+        assert_matches(result, reference(run))
+        profiled = [r["results"]["profile"] for r in result["reports"] if "profile" in r["results"]]
+        assert profiled and all(p["ops_timed"] > 0 for p in profiled), (run.model, result["reports"])
 
 
 def _different_graphs(rank, world):
