@@ -188,6 +188,17 @@ class LiveStorageTracker(TorchDispatchMode):
         key = storage._cdata
         self._aliases[key] = (weakref.ref(storage, lambda ref, key=key: self._aliases.pop(key, None)), stands_for)
 
+    def recorded_size(self, storage) -> int | None:
+        """The size ``storage`` counts with now (``None``: not recorded, or dead); a storage that
+        stands for another (a fake ``wait_tensor``'s result) gives -1."""
+        key = storage._cdata
+        if key in self._aliases:
+            return -1
+        ref = self._refs.get(key)
+        if ref is None or ref() is None:
+            return None
+        return self._sizes[key]
+
     def live_bytes(self) -> int:
         """Current bytes of every recorded storage that is still alive."""
         total = 0

@@ -322,3 +322,28 @@ def test_real_tensors_steps_out_of_an_active_fake_mode():
             assert not _torch_compat.is_fake_tensor(t), "unset_fake_temporarily no longer leaves the fake mode"
             assert t.tolist() == [3.0, 3.0]
         assert _torch_compat.is_fake_tensor(torch.empty(2))                # and the mode is back
+
+
+def test_storage_owners_and_active_dispatch_modes():
+    """graph_replay keys a run by the owners of each input's storage, and finds itself among
+    the active dispatch modes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    t = torch.empty(4)
+    storage = t.untyped_storage()
+    owners = _torch_compat.storage_owners(storage)
+    view = t[1:]
+    assert _torch_compat.storage_owners(storage) == owners + 1, "_storage_Use_Count no longer counts tensors"
+    del view
+    assert _torch_compat.storage_owners(storage) == owners
+
+    class Marker(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    marker = Marker()
+    assert marker not in _torch_compat.active_dispatch_modes()
+    with marker:
+        assert any(m is marker for m in _torch_compat.active_dispatch_modes()), \
+            "_get_current_dispatch_mode_stack no longer lists the active modes"
+    assert marker not in _torch_compat.active_dispatch_modes()

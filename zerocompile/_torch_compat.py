@@ -62,25 +62,32 @@ def compile_with_aot_eager(gm, example_inputs, partitioner, on_inference=None, d
     """AOTAutograd with our partitioner; the forward and backward graphs run op by op.
 
     ``on_inference(graph_module)`` rewrites an inference graph (no autograd) before it runs.
-    Graphs run through ``torch.fx.Interpreter``, which drops each value after its last use
-    (generated FX code keeps every intermediate alive until the graph returns), so a
-    gathered stage-3 parameter is freed right after its last use, as with inductor.
+    Graphs run through ``torch.fx.Interpreter``, which drops each value, inputs included (the
+    boxed calling convention), after its last use, so a gathered stage-3 parameter is freed
+    right after its last use, as with inductor.
     ``debug_checks``: run them through ``CheckedInterpreter`` instead (slower; see there).
     """
     from torch._dynamo.backends.common import aot_autograd
+
+    from zerocompile import graph_replay
 
     def boxed(graph, _inputs):
         graph = _runnable(graph)
         interpreter = (CheckedInterpreter if debug_checks else torch.fx.Interpreter)(
             graph, garbage_collect_values=True)
 
-        def run(args):
+        def execute(args):
             try:
                 return interpreter.boxed_run(args)
             finally:
                 # the interpreter keeps its last environment (the outputs, i.e. saved
                 # activations or gradients) until the next run: drop it now
                 interpreter.env = {}
+
+        def run(args):
+            # under ``zerocompile plan`` a run identical to an earlier one is replayed, not rerun
+            replay = graph_replay.active()
+            return execute(args) if replay is None else replay.run(graph, execute, args)
 
         run._boxed_call = True
         return run
@@ -160,6 +167,28 @@ def is_fake_tensor(t) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
+
+
+def storage_owners(storage) -> int:
+    """How many owners ``storage`` has (tensors on it, and ``storage`` itself while it is
+    referenced): ``zerocompile.graph_replay`` keys a graph run by it.
+
+    Why private: ``torch._C._storage_Use_Count`` is the only way to read it; Python's own
+    reference count sees only the one Python object.
+    """
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def active_dispatch_modes() -> list:
+    """The ``TorchDispatchMode`` instances active on this thread, outermost first
+    (``zerocompile.graph_replay`` looks for its own among them).
+
+    Why private: ``torch.utils._python_dispatch._get_current_dispatch_mode_stack`` is the only
+    way to list them; autograd's worker threads inherit the stack, which a ``ContextVar`` would not.
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return _get_current_dispatch_mode_stack()
 
 
 def pending_collectives() -> int:

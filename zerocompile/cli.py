@@ -584,7 +584,7 @@ def _hardware_names() -> list:
 
 def cmd_plan(args) -> int:
     """``zerocompile plan``: run SCRIPT on fake ranks with fake tensors; report per rank."""
-    from zerocompile.plan import hardware_from, plan_script
+    from zerocompile.plan import PlanReplayError, hardware_from, plan_script
 
     if args.world_size < 1:
         raise CliError(f"zerocompile plan: error: --world-size must be >= 1, got {args.world_size}")
@@ -606,8 +606,8 @@ def cmd_plan(args) -> int:
     try:
         with status.status(f"planning {script.name} on {args.world_size} fake ranks"):
             report = plan_script(script, script_args, args.world_size, options, hardware,
-                                 stdout=sys.stderr if args.json else None)
-    except ScriptRunError as exc:
+                                 stdout=sys.stderr if args.json else None, replay=not args.no_replay)
+    except (ScriptRunError, PlanReplayError) as exc:
         raise CliError(f"zerocompile plan: error: {exc}") from None
     if report.measured_step == 0:
         ran = {0: "ran no optimizer step", 1: "ran only one optimizer step"}[report.steps_seen]
@@ -768,7 +768,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "the model-state bytes, the peak live bytes, the bytes each collective kind moves per "
                     "step and an estimated step time, measured over the script's second optimizer step. "
                     "Put the script and its arguments after --.",
-        usage="zerocompile plan --world-size N [--options JSON] [--hardware NAME|FILE] [--json] [--compare [--jobs J]] "
+        usage="zerocompile plan --world-size N [--options JSON] [--hardware NAME|FILE] [--json] [--compare [--jobs J]] [--no-replay] "
               "-- SCRIPT [ARGS...]")
     plan.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks of the planned job")
     plan.add_argument("--options", default=None, metavar="JSON",
@@ -784,6 +784,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), metavar="J",
                       help="with --compare: how many of its plans run at once; each holds a fake model "
                            "and its own Python process (default: min(4, CPUs), here %(default)s)")
+    plan.add_argument("--no-replay", action="store_true",
+                      help="run every compiled graph instead of replaying runs identical to an earlier one "
+                           "(slower; the figures are the same)")
     plan.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...]")
     plan.set_defaults(func=cmd_plan)
     return parser

@@ -145,7 +145,9 @@ class StepTimer(TorchDispatchMode):
         self.compute_s = 0.0
         self.comm_s = 0.0
         self.comm_free = 0.0
-        self._done: dict[int, float] = {}
+        self._done: dict = {}
+        self.recording: list | None = None
+        """While a list: every event is also appended to it (``zerocompile.graph_replay``)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -154,17 +156,28 @@ class StepTimer(TorchDispatchMode):
             kind, which = COLLECTIVE_KINDS_BY_OP[func]
             full = out if which == "out" else args[0]
             seconds = self.model.collective_time(kind, full.numel() * full.element_size(), self.world)
-            finish = max(self.now, self.comm_free) + seconds
-            self.comm_free = finish
-            self.comm_s += seconds
-            self._done[out.untyped_storage()._cdata] = finish
+            self.apply(("collective", seconds, out.untyped_storage()._cdata))
         elif func is torch.ops._c10d_functional.wait_tensor.default:
-            self.now = max(self.now, self._done.pop(args[0].untyped_storage()._cdata, self.now))
+            self.apply(("wait", args[0].untyped_storage()._cdata))
         elif not (func.is_view or func in _FREE_OPS):
-            seconds = self.model.op_time(func, args, kwargs, out)
-            self.now += seconds
-            self.compute_s += seconds
+            self.apply(("compute", self.model.op_time(func, args, kwargs, out)))
         return out
+
+    def apply(self, event: tuple) -> None:
+        """Advance the clocks by one event: ``("compute", seconds)``, ``("collective", seconds,
+        key)`` (its result's storage) or ``("wait", key)``."""
+        if self.recording is not None:
+            self.recording.append(event)
+        if event[0] == "collective":
+            finish = max(self.now, self.comm_free) + event[1]
+            self.comm_free = finish
+            self.comm_s += event[1]
+            self._done[event[2]] = finish
+        elif event[0] == "wait":
+            self.now = max(self.now, self._done.pop(event[1], self.now))
+        else:
+            self.now += event[1]
+            self.compute_s += event[1]
 
     @property
     def step_s(self) -> float:
@@ -177,7 +190,7 @@ _FREE_OPS = frozenset({
     torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
     torch.ops.aten.detach.default, torch.ops.aten.set_.source_Storage,
     torch.ops.aten.set_.source_Storage_storage_offset, torch.ops.aten.lift_fresh.default,
-    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten._local_scalar_dense.default, torch.ops.prim.device.default,
 })
 
 
@@ -202,6 +215,10 @@ class _StepWatcher:
             return
         self.steps += 1
         self.on_step(self.steps)
+
+
+class PlanReplayError(RuntimeError):
+    """A replayed graph run did not behave as the run it replays (``zerocompile.graph_replay``)."""
 
 
 class PlanFinished(BaseException):
@@ -239,6 +256,11 @@ class PlanReport:
     """The largest transient peak the pass pipeline simulated for one frame's graphs."""
     wall_s: float = 0.0
     exit_code: int = 0
+    graph_runs: dict = field(default_factory=dict)
+    """Compiled-graph runs over the whole script: ``{"executed", "replayed"}`` (empty without
+    replay; see ``zerocompile.graph_replay``)."""
+    replay_mismatch: str | None = None
+    """Why a replay could not vouch for its figures (``plan_script`` then raises)."""
 
     @property
     def model_state_bytes_per_rank(self) -> int:
@@ -278,6 +300,7 @@ class PlanReport:
             "steps_seen": self.steps_seen,
             "wall_s": self.wall_s,
             "exit_code": self.exit_code,
+            "graph_runs": dict(self.graph_runs),
         }
 
 
@@ -291,13 +314,29 @@ def plan_options(options: dict | None, hardware: Hardware) -> dict:
 
 
 def plan_script(script: Path, script_args: list, world_size: int, options: dict | None = None,
-                hardware: Hardware = HARDWARE["h100"], stdout=None) -> PlanReport:
+                hardware: Hardware = HARDWARE["h100"], stdout=None, replay: bool = True) -> PlanReport:
     """Run ``script`` as rank 0 of ``world_size`` fake ranks with fake tensors and measure its
     second optimizer step. ``stdout``: where the script's own output goes (``--json`` sends it
-    to stderr). ``report.measured_step`` is 0 when the script ran fewer than two steps."""
+    to stderr). ``report.measured_step`` is 0 when the script ran fewer than two steps.
+
+    ``replay``: replay graph runs identical to an earlier one instead of running them
+    (``zerocompile.graph_replay``; the figures are the same). If a replay cannot vouch for its
+    figures, ``PlanReplayError`` says so (plan again with ``replay=False``, ``--no-replay``).
+
+    Plan each script in a process of its own, as the CLI does: models and compiled frames an
+    earlier plan in this process left alive would count again."""
+    report = _plan_once(script, script_args, world_size, options, hardware, stdout, replay)
+    if report.replay_mismatch:
+        raise PlanReplayError(f"{report.replay_mismatch}, so its figures may be wrong; plan again without "
+                              "replay (--no-replay, or replay=False)")
+    return report
+
+
+def _plan_once(script, script_args, world_size, options, hardware, stdout, replay: bool) -> PlanReport:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from zerocompile.cli import OPTIONS_ENV
+    from zerocompile.graph_replay import GraphReplay
     from zerocompile.script_runner import run_script
 
     options = plan_options(options, hardware)
@@ -306,6 +345,7 @@ def plan_script(script: Path, script_args: list, world_size: int, options: dict 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     # incremental peak: the resizes of a step are ops the tracker sees (resize_storage_bytes_)
     tracker = LiveStorageTracker(track_inputs=True, fake_mode=fake_mode)
+    replayer = GraphReplay(tracker, timer) if replay else None
     measuring = contextlib.ExitStack()
 
     def measure(step: int) -> None:
@@ -318,6 +358,8 @@ def plan_script(script: Path, script_args: list, world_size: int, options: dict 
             measuring.enter_context(timer)
             tracker.reset_peak()
             accounting.reset_stats()
+            if replayer is not None:
+                replayer.measuring = True
             return
         _record(report, tracker, timer, step)
         raise PlanFinished
@@ -325,6 +367,7 @@ def plan_script(script: Path, script_args: list, world_size: int, options: dict 
     @contextlib.contextmanager
     def around():
         with fake_mode, ScalarReadsAreZero(), _StepWatcher(measure), \
+                (replayer if replayer is not None else contextlib.nullcontext()), \
                 contextlib.redirect_stdout(stdout or sys.stdout):
             try:
                 yield
@@ -335,6 +378,9 @@ def plan_script(script: Path, script_args: list, world_size: int, options: dict 
     report.exit_code = run_script(Path(script).resolve(), script_args, {OPTIONS_ENV: json.dumps(options)},
                                   world_size, around=around(), stop=PlanFinished)
     report.wall_s = time.perf_counter() - start
+    if replayer is not None:
+        report.graph_runs = {"executed": replayer.executed, "replayed": replayer.replayed}
+        report.replay_mismatch = replayer.mismatch
     return report
 
 

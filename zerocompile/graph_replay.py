@@ -1,0 +1,340 @@
+"""Replay of repeated graph runs under ``zerocompile plan``.
+
+A model's identical blocks run the same compiled graph, once per block, and under ``plan``
+every run is a walk over fake tensors that produces only shapes and storage sizes. The
+first run of a graph with a given *signature* is executed and recorded; a later run with the
+same signature is replayed: its outputs are made directly (same shapes, strides, dtypes and
+storage sharing), and the measurements advance as the recorded run advanced them. On
+Llama-3-70B (80 identical layers) this is most of ``plan``'s time.
+
+Why a replay gives the figures an execution would:
+
+- **Outputs.** An op on fake tensors computes metadata from metadata. A graph of such ops
+  run on inputs with the same metadata (shape, stride, offset, dtype, device, storage size,
+  which inputs share a storage) gives outputs with the same metadata and the same aliasing.
+  Only graphs whose every op is an ATen, prims, functional-collective or zerocompile op that
+  writes none of its arguments (per its schema) are replayed, so no input is changed.
+- **Peak live bytes.** Inside a graph the ``LiveStorageTracker``'s count moves by what the
+  ops allocate, which depends only on the graph and the metadata, and by the inputs that die
+  after their last use, which depends on whether anything outside the graph still holds
+  them. The signature includes each input's owners (tensors on its storage, Python references
+  to it) and how the tracker counts its storage; after a replay the inputs that died are
+  compared with the recorded run's. The peak then is the entry count plus the recorded rise.
+  (torch keeps a Python reference to a tensor that C++, such as autograd, holds, so those
+  count too.) If the dead inputs ever differ, the replay cannot vouch for that peak:
+  ``mismatch`` says why, replay stops, and ``plan`` fails with an error that says to plan
+  again without replay (``--no-replay``).
+- **Step time.** The ``StepTimer``'s clocks move only by the events (compute seconds,
+  collectives issued and waited) of the ops, which the replay applies in the same order.
+  Graphs that issue a collective they do not wait for, or wait for one they did not issue,
+  are never replayed.
+- **Collective bytes** are counted per frame call outside the graphs (``stats()``), so
+  replay does not touch them.
+
+Anything else (a non-fake input, a symbolic shape, an output that is not a tensor or a
+number, an output aliasing an input with another dtype) runs the graph as usual.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from zerocompile import _torch_compat
+
+__all__ = ["GraphReplay", "active"]
+
+_PURE_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "zerocompile"})
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def active() -> "GraphReplay | None":
+    """The ``GraphReplay`` active on this thread, if any."""
+    for mode in _torch_compat.active_dispatch_modes():
+        if isinstance(mode, GraphReplay):
+            return mode
+    return None
+
+
+def replayable_graph(graph: torch.fx.GraphModule) -> bool:
+    """Whether every op of ``graph`` is one a replay may skip: an ATen, prims, functional
+    collective or zerocompile op that writes none of its arguments, or ``getitem``."""
+    for node in graph.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if node.op != "call_function":
+            return False
+        target = node.target
+        if target is operator.getitem:
+            continue
+        if not isinstance(target, torch._ops.OpOverload) or target.namespace not in _PURE_NAMESPACES:
+            return False
+        if any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments):
+            return False
+    return True
+
+
+@dataclass
+class _Record:
+    """What one executed run did, for the runs with its signature."""
+
+    container: type
+    outputs: list
+    """Per output: ``("value", v)``, ``("same", i)`` (input ``i`` itself), ``("view", i,
+    geometry)`` (on input ``i``'s storage) or ``("new", group, geometry, is_view)``."""
+    groups: list
+    """Per fresh output storage: ``(numel, dtype, device)``."""
+    dead: frozenset
+    """The input storages (by first input index) that died during the run."""
+    peak_rise: int
+    """Largest tracked live bytes during the run minus those at its start."""
+    events: list | None
+    """The ``StepTimer`` events of the run, collective keys numbered from 0 within it."""
+
+
+_NEVER = object()      # the record of a signature whose runs are always executed
+
+
+class GraphReplay(TorchDispatchMode):
+    """Active while ``plan`` runs a script: compiled graphs (``_torch_compat``'s eager inner
+    compiler) hand their runs to ``run``. It passes every op through unchanged.
+
+    ``tracker`` and ``timer``: ``plan``'s ``LiveStorageTracker`` and ``StepTimer``, whose
+    figures a replay advances while ``measuring`` is True."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, tracker=None, timer=None):
+        super().__init__()
+        self.tracker = tracker
+        self.timer = timer
+        self.measuring = False
+        self.executed = 0
+        """Graph runs executed (including the recorded ones)."""
+        self.replayed = 0
+        """Graph runs replayed."""
+        self.mismatch: str | None = None
+        """Why a replay could not vouch for its figures (then replay stops)."""
+        self._records: dict = {}
+        self._graph_ok: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+    # ---------------------------------------------------------------------------- runs
+    def run(self, graph: torch.fx.GraphModule, execute, args: list):
+        """Run ``graph`` on the boxed ``args`` (cleared, as ``execute`` clears them): replay an
+        earlier run with the same signature, else ``execute(args)`` (recording it if it may be
+        replayed later)."""
+        ok = self._graph_ok.get(id(graph))
+        if ok is None:
+            ok = self._graph_ok[id(graph)] = (graph, replayable_graph(graph))
+        key = self._signature(graph, args) if ok[1] and self.mismatch is None else None
+        record = self._records.get(key) if key is not None else _NEVER
+        if record is _NEVER:
+            self.executed += 1
+            return execute(args)
+        if record is None:
+            return self._record(key, execute, args)
+        return self._replay(record, args)
+
+    def _signature(self, graph, args) -> tuple | None:
+        measuring = self.measuring and self.tracker is not None
+        parts = [id(graph), self.measuring]
+        first: dict[int, int] = {}
+        for a in args:
+            if isinstance(a, _SCALARS):
+                parts.append((type(a), a))
+                continue
+            if not _torch_compat.is_fake_tensor(a) or not _static(a):
+                return None
+            storage = a.untyped_storage()
+            j = first.setdefault(storage._cdata, len(first))
+            # ``fake_device``, not ``device``: reading that dispatches ``prim.device``, which
+            # plan's modes would see
+            parts.append((tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.fake_device, a.requires_grad,
+                          storage.nbytes(), j, _torch_compat.storage_owners(storage), sys.getrefcount(a),
+                          self.tracker.recorded_size(storage) if measuring else None))
+        return tuple(parts)
+
+    def _record(self, key, execute, args):
+        tensors, storages, first_input = _weak_inputs(args)
+        tracker = self.tracker if self.measuring else None
+        timer = self.timer if self.measuring else None
+        if tracker is not None:
+            saved_peak, entry = tracker.peak, tracker.current
+            tracker.peak = entry
+        if timer is not None:
+            timer.recording = []
+        try:
+            self.executed += 1
+            out = execute(args)
+        finally:
+            rise = 0
+            if tracker is not None:
+                rise = tracker.peak - entry
+                tracker.peak = max(saved_peak, tracker.peak)
+            events = None
+            if timer is not None:
+                events, timer.recording = timer.recording, None
+        dead = frozenset(j for j, ref in enumerate(storages) if ref() is None)
+        described = _describe(out, tensors, storages, first_input, tracker)
+        if timer is not None:
+            events = _numbered(events)
+        if described is None or (timer is not None and events is None):
+            self._records[key] = _NEVER
+        else:
+            self._records[key] = _Record(type(out), described[0], described[1], dead, rise, events)
+        return out
+
+    def _replay(self, record: _Record, args):
+        tracker = self.tracker if self.measuring else None
+        timer = self.timer if self.measuring else None
+        if tracker is not None:
+            saved_peak, entry = tracker.peak, tracker.current
+        if timer is not None:
+            keys = [object() for _ in range(sum(1 for e in record.events if e[0] == "collective"))]
+            for event in record.events:
+                timer.apply(event if event[0] == "compute" else (*event[:-1], keys[event[-1]]))
+        _, storages, _ = _weak_inputs(args)
+        outputs = _make_outputs(record, args)
+        args.clear()
+        dead = frozenset(j for j, ref in enumerate(storages) if ref() is None)
+        if dead != record.dead and self.mismatch is None:
+            self.mismatch = (f"a replayed graph run freed inputs {sorted(dead)} where the recorded run "
+                             f"freed {sorted(record.dead)}")
+        if tracker is not None:
+            tracker.peak = max(saved_peak, entry + record.peak_rise)
+        self.replayed += 1
+        return record.container(outputs)
+
+
+# ------------------------------------------------------------------------------- helpers
+def _static(t: torch.Tensor) -> bool:
+    return all(type(v) is int for v in (*t.shape, *t.stride(), t.storage_offset()))
+
+
+def _span(size, stride) -> int:
+    """Elements from the first to one past the last element a view of this geometry reaches."""
+    if any(s == 0 for s in size):
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(size, stride))
+
+
+def _make_outputs(record: _Record, inputs: list) -> list:
+    """Fresh outputs as ``record`` describes them, on ``inputs`` where they alias one."""
+    bases: list = [None] * len(record.groups)
+    outputs = []
+    for spec in record.outputs:
+        kind = spec[0]
+        if kind == "value":
+            outputs.append(spec[1])
+        elif kind == "same":
+            outputs.append(inputs[spec[1]])
+        elif kind == "view":
+            outputs.append(inputs[spec[1]].as_strided(*spec[2]))
+        else:
+            _, g, (size, stride, offset), is_view = spec
+            numel, dtype, device = record.groups[g]
+            if bases[g] is None and not is_view and offset == 0 and _span(size, stride) == numel:
+                bases[g] = torch.empty_strided(size, stride, dtype=dtype, device=device)
+                outputs.append(bases[g])
+                continue
+            if bases[g] is None:
+                bases[g] = torch.empty(numel, dtype=dtype, device=device)
+            outputs.append(bases[g].as_strided(size, stride, offset))
+    return outputs
+
+
+def _weak_inputs(args):
+    """Weak references to each input tensor (``None`` for other values) and to each distinct
+    input storage, and the first input index of each storage."""
+    tensors, storages, first_input, seen = [], [], [], {}
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor):
+            tensors.append(None)
+            continue
+        tensors.append(weakref.ref(a))
+        storage = a.untyped_storage()
+        if storage._cdata not in seen:
+            seen[storage._cdata] = len(storages)
+            storages.append(weakref.ref(storage))
+            first_input.append(i)
+    return tensors, storages, first_input
+
+
+def _describe(out, tensors, storages, first_input, tracker):
+    """The output specs and fresh storage groups of ``out`` (``_Record``), or None when it
+    cannot be replayed."""
+    if type(out) not in (list, tuple):
+        return None
+    alive = {}
+    for j, ref in enumerate(storages):
+        storage = ref()
+        if storage is not None:
+            alive[storage._cdata] = j
+    fresh: dict[int, int] = {}
+    groups, specs = [], []
+    for o in out:
+        if isinstance(o, _SCALARS):
+            specs.append(("value", o))
+            continue
+        same = next((i for i, ref in enumerate(tensors) if ref is not None and ref() is o), None)
+        if same is not None:
+            specs.append(("same", same))
+            continue
+        if not _torch_compat.is_fake_tensor(o) or not _static(o) or o.requires_grad:
+            return None
+        storage = o.untyped_storage()
+        geometry = (tuple(o.shape), o.stride(), o.storage_offset())
+        j = alive.get(storage._cdata)
+        if j is not None:
+            i = first_input[j]
+            source = tensors[i]()
+            if source is None or source.dtype != o.dtype:
+                return None
+            specs.append(("view", i, geometry))
+            continue
+        if tracker is not None and tracker.recorded_size(storage) != storage.nbytes():
+            return None          # counted as another storage (a fake wait_tensor's result) or not at all
+        g = fresh.get(storage._cdata)
+        if g is None:
+            if storage.nbytes() % o.element_size():
+                return None
+            g = fresh[storage._cdata] = len(groups)
+            groups.append((storage.nbytes() // o.element_size(), o.dtype, o.fake_device))
+        elif groups[g][1] != o.dtype:
+            return None
+        specs.append(("new", g, geometry, o._is_view()))
+    return specs, groups
+
+
+def _numbered(events: list) -> list | None:
+    """``events`` with each collective's key replaced by its number within the run; None if a
+    collective is left unwaited or a wait is for a collective issued before the run."""
+    numbers: dict = {}
+    pending = set()
+    out = []
+    issued = 0
+    for event in events:
+        if event[0] == "collective":
+            numbers[event[2]] = n = issued
+            issued += 1
+            pending.add(n)
+            out.append((*event[:2], n))
+        elif event[0] == "wait":
+            n = numbers.get(event[1])
+            if n is None or n not in pending:
+                return None
+            pending.discard(n)
+            out.append(("wait", n))
+        else:
+            out.append(event)
+    return None if pending else out
