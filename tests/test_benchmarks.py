@@ -145,6 +145,40 @@ def test_first_step_benchmark_quick(tmp_path):
     assert "target: every zerocompile first step at most ×1.3" in md
 
 
+STEP_BREAKDOWN = Path(__file__).resolve().parent.parent / "benchmarks" / "step_breakdown.py"
+
+
+def test_step_breakdown_quick(tmp_path):
+    """benchmarks/step_breakdown.py --quick: FSDP2 and zerocompile stage 3 profiled on the tiny
+    GPT; every op class and each system's packing ops are reported, and the report files."""
+    proc = subprocess.run([sys.executable, str(STEP_BREAKDOWN), "--quick", "--steps", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "step_breakdown.json").read_text())
+    fsdp2, zero3 = result["systems"]["fsdp2"], result["systems"]["zero3"]
+    for system in (fsdp2, zero3):
+        assert system["step_ms"] > 0
+        assert system["classes_ms"]["compute"] > 0 and system["classes_ms"]["copies"] > 0, system
+        assert system["classes_ms"]["collectives"] > 0, system
+    assert {"zerocompile::pack_shards", "zerocompile::pack_gradients",
+            "zerocompile::unpack_gathered_bucket"} <= set(zero3["packing"]), zero3["packing"]
+    assert {"fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy"} <= set(fsdp2["packing"]), fsdp2["packing"]
+    assert "| step (profiled) |" in (tmp_path / "step_breakdown.md").read_text()
+
+
+def test_op_classes_of_the_breakdown():
+    sys.path.insert(0, str(STEP_BREAKDOWN.parent))
+    from step_breakdown import op_class
+
+    assert op_class("aten::mm") == op_class("aten::_scaled_dot_product_flash_attention_for_cpu") == "compute"
+    assert op_class("aten::threshold_backward") == op_class("aten::tanh") == "compute"
+    assert op_class("aten::t") == op_class("aten::view") == "copies"
+    assert op_class("aten::copy_") == op_class("zerocompile::pack_shards") == op_class("aten::cat") == "copies"
+    assert op_class("_c10d_functional::wait_tensor") == op_class("FSDP::all_gather (blocks.0)") == "collectives"
+    assert op_class("zerocompile::fused_adam_step") == op_class("aten::_fused_adamw_") == "optimizer"
+    assert op_class("FSDP::pre_forward (blocks.1)") == op_class("CompiledFunction") == "other"
+
+
 COLLECTIVES = Path(__file__).resolve().parent.parent / "benchmarks" / "collectives.py"
 
 

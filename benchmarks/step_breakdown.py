@@ -1,0 +1,164 @@
+"""Where one training step's time goes: ``torch.profiler`` over the steps of each system, on rank 0.
+
+    python benchmarks/step_breakdown.py [--workload gpt-40m] [--systems fsdp2 zero3] [--steps 3]
+                                        [--quick] [--out benchmarks/results]
+
+Issue 10 asks, where a speed target is missed, what the profile shows. This builds the systems
+of ``benchmarks/run.py`` (same workloads, seeds, optimizers and inner compiler), runs two
+untimed steps of each (the first compiles), then profiles ``--steps`` steps of each, one
+system after the other, on every rank (2 gloo ranks by default), and reports rank 0's:
+
+- the step's wall time under the profiler (which slows every op; compare systems, not runs);
+- self CPU time per step by op class: **compute** (matmuls, attention, pointwise and
+  reductions), **copies** (copies, concatenations, splits, allocations, views: the data
+  movement around the collectives), **collectives** (enqueues and waits, so the
+  communication compute did not hide; for FSDP2 also the own time of its annotated
+  all-gather and reduce ranges), **optimizer** (the fused Adam steps), **other** (the rest,
+  mostly the own time of annotated ranges: Python);
+- the ops that pack and unpack the collectives' buffers (zerocompile's ``pack_shards``,
+  ``pack_gradients``, ``unpack_gathered_bucket``; FSDP2's ``all_gather_copy_in``,
+  ``split_with_sizes_copy``, ``chunk_cat``) with their time including the copies inside them.
+
+Self CPU time is summed over every thread the profiler saw (gloo's included), so the classes
+need not add up to the wall time. Results: ``<out>/step_breakdown.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import run as bench  # noqa: E402
+from common import load_example, spawn_ranks  # noqa: E402
+
+COMM = ("wait", "gloo", "c10d", "all_gather", "allgather", "reduce_scatter", "allreduce", "all_reduce", "barrier")
+OPTIMIZER = ("adam", "_foreach")
+COPIES = ("copy", "cat", "split", "chunk", "narrow", "slice", "view", "reshape", "as_strided", "empty", "zero_",
+          "fill", "resize", "set_", "detach", "clone", "permute", "transpose", "expand", "unsqueeze", "squeeze",
+          "contiguous", "unpack", "pack", "new_", "select", "alias")
+PACKING = ("zerocompile::pack_shards", "zerocompile::pack_gradients", "zerocompile::unpack_gathered_bucket",
+           "fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat")
+
+
+def op_class(name: str) -> str:
+    """The class of a profiler event by its name (see the module docstring)."""
+    if name in PACKING:
+        return "copies"
+    n = name.lower()
+    if n.startswith("fsdp::"):
+        # FSDP2's annotated ranges: their own time is the Python around the ops they hold and,
+        # for the collectives' ranges, the waits
+        return "collectives" if "all_gather" in n or "reduce" in n else "other"
+    if n.startswith("zerocompile::") and "adam" not in n:
+        return "other"
+    if any(k in n for k in COMM):
+        return "collectives"
+    if any(k in n for k in OPTIMIZER):
+        return "optimizer"
+    if any(k in n for k in COPIES) or n == "aten::t":
+        return "copies"
+    if n.startswith("aten::"):
+        return "compute"
+    return "other"
+
+
+def rank_main(rank: int, world: int, args) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    spec = bench.workload_spec(args.workload, args.quick)
+    example = load_example()
+    systems = [bench.build_system(name, args, spec, example, torch.device("cpu"), []) for name in args.systems]
+    g = torch.Generator().manual_seed(args.seed + rank)
+
+    def batch():
+        x = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq_len"]), generator=g)
+        return x, x.roll(-1, 1)
+
+    for _ in range(2):                    # the first step compiles; the second is untimed too
+        x, y = batch()
+        for system in systems:
+            dist.barrier()
+            bench.train_step(system, x, y, measure=False)
+    out = {}
+    for system in systems:
+        times = []
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                x, y = batch()
+                dist.barrier()
+                start = time.perf_counter()
+                float(bench.train_step(system, x, y, measure=False))
+                times.append(time.perf_counter() - start)
+        classes = collections.Counter()
+        packing = {}
+        for event in prof.key_averages():
+            classes[op_class(event.key)] += event.self_cpu_time_total / 1e3 / args.steps
+            if event.key in PACKING:
+                packing[event.key] = {"ms": event.cpu_time_total / 1e3 / args.steps, "calls": event.count // args.steps}
+        out[system.name] = {"step_ms": 1e3 * sum(times) / len(times), "classes_ms": dict(classes), "packing": packing}
+    return out
+
+
+def format_markdown(result: dict) -> str:
+    lines = [f"# Where a step's time goes: {result['config']['workload']}, {result['config']['world_size']} gloo ranks, "
+             f"rank 0 under torch.profiler", "",
+             f"`python benchmarks/step_breakdown.py --workload {result['config']['workload']} --systems "
+             f"{' '.join(result['config']['systems'])} --steps {result['config']['steps']}"
+             f"{' --quick' if result['config']['quick'] else ''}` ({result['date']}, "
+             f"torch {result['torch']}). ms per step, self CPU time by op class (every thread).", ""]
+    names = list(result["systems"])
+    lines += ["| | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    lines.append("| step (profiled) | " + " | ".join(f"{result['systems'][n]['step_ms']:.1f}" for n in names) + " |")
+    for cls in ("compute", "copies", "collectives", "optimizer", "other"):
+        lines.append(f"| {cls} | " + " | ".join(f"{result['systems'][n]['classes_ms'].get(cls, 0.0):.1f}"
+                                                for n in names) + " |")
+    lines += ["", "Packing and unpacking the collectives' buffers (ms per step, copies inside included; calls per step):", ""]
+    for n in names:
+        for op, v in sorted(result["systems"][n]["packing"].items()):
+            lines.append(f"- {n}: `{op}` {v['ms']:.1f} ms, {v['calls']} calls")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="gpt-40m", choices=bench.WORKLOADS)
+    p.add_argument("--systems", nargs="+", default=["fsdp2", "zero3"], choices=bench.SYSTEMS)
+    p.add_argument("--steps", type=int, default=3, help="profiled steps per system")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--inner-compiler", default="inductor", choices=("inductor", "eager"),
+                   help="for workloads that do not fix it (gpt-40m and --quick use eager)")
+    p.add_argument("--quick", action="store_true", help="the tiny model of run.py --quick")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.world_size < 1:
+        p.error("--steps and --world-size must be >= 1")
+    ranks = spawn_ranks(args.world_size, rank_main, (args,))
+    result = {"config": {"workload": args.workload, "systems": args.systems, "steps": args.steps,
+                         "world_size": args.world_size, "quick": args.quick},
+              "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
+              "machine": platform.machine(), "systems": ranks[0]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "step_breakdown.json").write_text(json.dumps(result, indent=1))
+    md = format_markdown(result)
+    (args.out / "step_breakdown.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
