@@ -204,16 +204,21 @@ def test_replay_gives_the_outputs_peak_and_clock_of_an_execution():
     assert now_r > 0 and peak_r > live_r
 
 
-def test_an_input_only_autograd_holds_gets_a_signature_of_its_own():
-    """An input that autograd saved (a reference from C++) survives the run, where the same
-    input held by nothing else dies in it: the signature tells the two apart (torch keeps a
-    Python reference to a tensor C++ holds), so the second run is executed, not replayed."""
+def _measured_block():
+    """``_block`` traced, and a measuring ``GraphReplay`` with its tracker in a fresh fake mode."""
     gm = torch.fx.symbolic_trace(_block)
     fake = FakeTensorMode()
     tracker = LiveStorageTracker(track_inputs=True, fake_mode=fake)
     replayer = GraphReplay(tracker, None)
     replayer.measuring = True
-    execute = _execute(gm)
+    return gm, fake, tracker, replayer, _execute(gm)
+
+
+def test_an_input_only_autograd_holds_gets_a_signature_of_its_own():
+    """An input that autograd saved (a reference from C++) survives the run, where the same
+    input held by nothing else dies in it: the signature tells the two apart (torch keeps a
+    Python reference to a tensor C++ holds), so the second run is executed, not replayed."""
+    gm, fake, tracker, replayer, execute = _measured_block()
     with fake, replayer, tracker:
         w = torch.empty(16, 32)
         replayer.run(gm, execute, [torch.empty(8, 16), w])                    # x dies in it
@@ -232,12 +237,7 @@ def test_a_replay_whose_inputs_die_differently_reports_a_mismatch():
     """After each replay the inputs that died are compared with the recorded run's; if they
     differ (here: the record is altered to say an input survived), the replay says it cannot
     vouch for the peak, and replay stops."""
-    gm = torch.fx.symbolic_trace(_block)
-    fake = FakeTensorMode()
-    tracker = LiveStorageTracker(track_inputs=True, fake_mode=fake)
-    replayer = GraphReplay(tracker, None)
-    replayer.measuring = True
-    execute = _execute(gm)
+    gm, fake, tracker, replayer, execute = _measured_block()
     with fake, replayer, tracker:
         w = torch.empty(16, 32)
         replayer.run(gm, execute, [torch.empty(8, 16), w])
