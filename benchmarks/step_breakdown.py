@@ -1,7 +1,7 @@
 """Where one training step's time goes: ``torch.profiler`` over the steps of each system, on rank 0.
 
     python benchmarks/step_breakdown.py [--workload gpt-40m] [--systems fsdp2 zero3] [--steps 3]
-                                        [--quick] [--out benchmarks/results]
+                                        [--top-ops 12] [--quick] [--out benchmarks/results]
 
 Issue 10 asks, where a speed target is missed, what the profile shows. This builds the systems
 of ``benchmarks/run.py`` (same workloads, seeds, optimizers and inner compiler), runs two
@@ -17,7 +17,12 @@ system after the other, on every rank (2 gloo ranks by default), and reports ran
   mostly the own time of annotated ranges: Python);
 - the ops that pack and unpack the collectives' buffers (zerocompile's ``pack_shards``,
   ``pack_gradients``, ``unpack_gathered_bucket``; FSDP2's ``all_gather_copy_in``,
-  ``split_with_sizes_copy``, ``chunk_cat``) with their time including the copies inside them.
+  ``split_with_sizes_copy``, ``chunk_cat``) with their time including the copies inside them;
+- the ``--top-ops`` compute ops with the most self time, with their calls per step;
+- the matmuls' time, and what it would be at the speed of the same calls (op and shapes) run
+  with no collective alongside (``matmul_contention``; from a second profile of as many steps
+  with shapes recorded; recording shapes adds its own overhead to every op, so the classes come
+  from the first profile).
 
 Self CPU time is summed over every thread the profiler saw (gloo's included), so the classes
 need not add up to the wall time. Results: ``<out>/step_breakdown.json`` and ``.md``.
@@ -74,6 +79,44 @@ def op_class(name: str) -> str:
     return "other"
 
 
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def matmul_contention(events, steps: int) -> dict:
+    """How much longer the matmuls took because a collective ran at the same time.
+
+    ``events`` are the profiler's events (``name``, ``time_range.start``/``.end`` in us,
+    ``input_shapes``). A matmul runs *during a collective* when its interval overlaps a gloo
+    collective's (``gloo:*`` ranges, which gloo's worker thread records while it moves and
+    reduces the data). Every matmul call is priced at the mean time of the calls of the same op
+    and shapes that ran with no collective alongside (its *idle speed*); calls whose op and
+    shapes never ran idle keep their own time. Returns ms per step of all matmuls, what they
+    would take at idle speed, and the share of calls that ran during a collective."""
+    busy = sorted((e.time_range.start, e.time_range.end) for e in events
+                  if e.name.startswith("gloo:") and e.name != "gloo:barrier")
+
+    def overlaps(start, end):
+        return any(a < end and b > start for a, b in busy)
+
+    calls = collections.defaultdict(list)
+    for e in events:
+        if e.name in MATMULS:
+            key = (e.name, str(getattr(e, "input_shapes", "")))
+            calls[key].append((e.time_range.end - e.time_range.start, overlaps(e.time_range.start, e.time_range.end)))
+    total = idle_speed = during = 0.0
+    n = 0
+    for runs in calls.values():
+        idle = [us for us, hit in runs if not hit]
+        mean_idle = sum(idle) / len(idle) if idle else None
+        for us, hit in runs:
+            total += us
+            idle_speed += us if mean_idle is None else mean_idle
+            during += hit
+            n += 1
+    return {"matmul_ms": total / 1e3 / steps, "matmul_idle_speed_ms": idle_speed / 1e3 / steps,
+            "share_during_collective": during / n if n else 0.0}
+
+
 def rank_main(rank: int, world: int, args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -91,23 +134,37 @@ def rank_main(rank: int, world: int, args) -> dict:
         for system in systems:
             dist.barrier()
             bench.train_step(system, x, y, measure=False)
-    out = {}
-    for system in systems:
+    def profiled(system, record_shapes):
         times = []
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=record_shapes) as prof:
             for _ in range(args.steps):
                 x, y = batch()
                 dist.barrier()
                 start = time.perf_counter()
                 float(bench.train_step(system, x, y, measure=False))
                 times.append(time.perf_counter() - start)
+        return prof, 1e3 * sum(times) / len(times)
+
+    out = {}
+    for system in systems:
+        prof, step_ms = profiled(system, record_shapes=False)
         classes = collections.Counter()
         packing = {}
+        compute_ops = {}
         for event in prof.key_averages():
             classes[op_class(event.key)] += event.self_cpu_time_total / 1e3 / args.steps
+            if op_class(event.key) == "compute":
+                compute_ops[event.key] = {"ms": event.self_cpu_time_total / 1e3 / args.steps,
+                                          "calls": event.count // args.steps}
             if event.key in PACKING:
                 packing[event.key] = {"ms": event.cpu_time_total / 1e3 / args.steps, "calls": event.count // args.steps}
-        out[system.name] = {"step_ms": 1e3 * sum(times) / len(times), "classes_ms": dict(classes), "packing": packing}
+        top = sorted(compute_ops.items(), key=lambda kv: -kv[1]["ms"])[:args.top_ops]
+        # a second profile with shapes, to price each matmul at the idle speed of its own
+        # shapes; recording shapes adds its own overhead to every op, so the classes above come
+        # from a profile without it
+        shaped, _ = profiled(system, record_shapes=True)
+        out[system.name] = {"step_ms": step_ms, "classes_ms": dict(classes), "packing": packing,
+                            "compute_ops": dict(top), "contention": matmul_contention(shaped.events(), args.steps)}
     return out
 
 
@@ -128,6 +185,23 @@ def format_markdown(result: dict) -> str:
     for n in names:
         for op, v in sorted(result["systems"][n]["packing"].items()):
             lines.append(f"- {n}: `{op}` {v['ms']:.1f} ms, {v['calls']} calls")
+    lines += ["", "Matmuls (mm, addmm, bmm, baddbmm) slowed by a collective running alongside (see matmul_contention):", ""]
+    for n in names:
+        c = result["systems"][n]["contention"]
+        lines.append(f"- {n}: {c['matmul_ms']:.1f} ms per step; {c['matmul_idle_speed_ms']:.1f} ms at the speed of the "
+                     f"same calls with no collective alongside; {100 * c['share_during_collective']:.0f}% of the calls "
+                     f"ran during a collective")
+    ops = sorted({op for n in names for op in result["systems"][n].get("compute_ops", {})},
+                 key=lambda op: -max(result["systems"][n].get("compute_ops", {}).get(op, {"ms": 0})["ms"] for n in names))
+    if ops:
+        lines += ["", "The compute ops with the most self time (ms per step / calls per step; - where not in a system's top list):",
+                  "", "| op | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        for op in ops:
+            cells = []
+            for n in names:
+                v = result["systems"][n]["compute_ops"].get(op)
+                cells.append(f"{v['ms']:.1f} / {v['calls']}" if v else "-")
+            lines.append(f"| `{op}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -143,6 +217,7 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-ops", type=int, default=12, help="compute ops listed per system, by self time")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = p.parse_args(argv)
     if args.steps < 1 or args.world_size < 1:
