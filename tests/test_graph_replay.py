@@ -69,6 +69,59 @@ STACK = textwrap.dedent("""
     dist.destroy_process_group()
 """)
 
+# Tied embedding and head, two frozen blocks, one block used twice (shared parameters), a
+# forward hook that rescales a block's output and a pre-hook that shifts another's input.
+TIED = textwrap.dedent("""
+    import datetime, json, sys
+    import torch, torch.distributed as dist
+    import zerocompile
+    options = json.loads(sys.argv[1])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(48, 96), torch.nn.Linear(96, 48)
+            self.norm = torch.nn.LayerNorm(48)
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.proj = torch.nn.LayerNorm(48), torch.nn.Linear(48, 32, bias=False)
+        def forward(self, x, tokens):
+            return torch.nn.functional.cross_entropy(self.proj(self.norm(x)).flatten(0, 1), tokens.flatten())
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 48)
+            blocks = [Block() for _ in range(5)]
+            self.blocks = torch.nn.ModuleList(blocks + [blocks[0]])
+            self.head = Head()
+            self.head.proj.weight = self.emb.weight
+        def forward(self, tokens):
+            x = self.emb(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x, tokens)
+    model = Tied()
+    for i in (1, 3):
+        model.blocks[i].requires_grad_(False)
+    model.blocks[2].register_forward_hook(lambda mod, args, out: 0.5 * out)
+    model.blocks[4].register_forward_pre_hook(lambda mod, args: (args[0] + 1.0,))
+    for block in model.blocks[:5]:
+        block.compile(backend="zero", options=options)
+    model.head.compile(backend="zero", options=options)
+    opt = zerocompile.ZeroOptimizer([p for p in model.parameters() if p.requires_grad], torch.optim.AdamW, lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        loss = model(torch.randint(0, 32, (4, 6), generator=g))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
 VOLATILE = {"wall_s", "graph_runs"}
 
 
@@ -83,17 +136,21 @@ def _plan(script: str, args: list, world: int, replay: bool) -> subprocess.Popen
 def test_plan_with_replay_equals_plan_without_on_a_zoo(tmp_path):
     """Every figure of ``plan`` (peak live bytes, model state, collective counts and bytes,
     estimated compute, communication and step time, frames) is identical with replay and
-    without, on HF Llama blocks at stage 3 with full recompute, and on a stack of
-    blocks of two sizes with a graph break inside each block, every block's output kept by
-    the script and a block's output scaled by an eager op; and replay did replace runs."""
-    stack = tmp_path / "stack.py"
+    without, on HF Llama blocks at stage 3 with full recompute; on a stack of blocks of two
+    sizes with a graph break inside each block, every block's output kept by the script and a
+    block's output scaled by an eager op; and on a model with a tied embedding and head,
+    frozen blocks, a block used twice and forward hooks; and replay did replace runs."""
+    stack, tied = tmp_path / "stack.py", tmp_path / "tied.py"
     stack.write_text(STACK)
+    tied.write_text(TIED)
     llama = str(REPO / "benchmarks" / "train_llama.py")
     tiny = ["--size", "tiny", "--layers", "4", "--seq", "16", "--steps", "2"]
     cases = [
         (llama, [*tiny, "--options", '{"stage": 3, "inner_compiler": "eager"}'], 8),
         (str(stack), ['{"stage": 3, "inner_compiler": "eager"}'], 4),
         (str(stack), ['{"stage": 2, "inner_compiler": "eager"}'], 2),
+        (str(tied), ['{"stage": 3, "inner_compiler": "eager"}'], 4),
+        (str(tied), ['{"stage": 3, "inner_compiler": "eager", "recompute": "full"}'], 2),
     ]
     for script, args, world in cases:
         case = f"{Path(script).name} {args[-1]} on {world} ranks"
