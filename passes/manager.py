@@ -56,6 +56,7 @@ def _registry() -> list[GraphPass]:
     from zerocompile.passes.cast_forward_inputs import cast_forward_inputs
     from zerocompile.passes.insert_param_collectives import insert_param_collectives
     from zerocompile.passes.prefetch import prefetch
+    from zerocompile.passes.quantize_weight_gathers import quantize_weight_gathers
     from zerocompile.passes.recompute import recompute
     from zerocompile.passes.reshard_after_forward import reshard_after_forward
     from zerocompile.passes.selective_unshard import selective_unshard
@@ -90,6 +91,12 @@ def _registry() -> list[GraphPass]:
         GraphPass("bucketing", bucketing, ("forward", "backward", "inference"), stages=(2, 3), requires=("tags",),
                   provides=("buckets",), enabled=lambda config: config.bucket_mb > 0,
                   summary="coalesce consecutive all-gathers / reduce-scatters into flat buckets"),
+        GraphPass("quantize_weight_gathers", quantize_weight_gathers, ("forward", "backward", "inference"),
+                  stages=(3,), requires=("tags",), optional=False,
+                  enabled=lambda config: config.zero_quantized_weights,
+                  summary="ZeRO++ qwZ: parameter all-gathers move int8 values and block scales",
+                  required_because="it is what zero_quantized_weights asks for (set zero_quantized_weights=False "
+                                   "instead)"),
         GraphPass("prefetch", prefetch, ("forward", "backward", "inference"), stages=(2, 3), requires=("tags",),
                   enabled=lambda config: config.prefetch,
                   summary="issue all-gathers early and wait late, within the memory budget"),

@@ -410,7 +410,7 @@ def test_dump_end_to_end_with_a_graph_break_on_64_fake_ranks(tmp_path, capsys):
     # l1 (128 + 16 -> 64) and l2 (64 + 4 -> 64) elements
     for frame, numel in (("frame 0/0", 128 + 64), ("frame 1/0", 64 + 64)):
         forward_input = index["frames"][frame]["graphs"]["forward"][0]
-        assert forward_input["collectives"]["all_gather"] == {"count": 2, "bytes": 4 * numel}
+        assert forward_input["collectives"]["all_gather"] == {"count": 2, "bytes": 4 * numel, "dtypes": ["float32"]}
     code, out, err = _run(capsys, "show", tmp_path / "d", "--frame", "1/0", "--graph", "bw", "--after", "input")
     assert code == 0 and "reduce_scatter_tensor" in out, err
 

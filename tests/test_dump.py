@@ -96,10 +96,12 @@ def test_index_summaries_equal_the_analyses(tmp_path, kind):
     step = _index(tmp_path)["frames"]["frame 1/0"]["graphs"][kind][0]
 
     summary = summarize_collectives(gm.graph)
-    assert step["collectives"] == {k: {"count": t.count, "bytes": t.bytes} for k, t in summary.totals.items()}
-    assert step["collectives"]["all_gather"] == {"count": 1, "bytes": 64}
-    assert step["collectives"]["reduce_scatter"] == {"count": 1, "bytes": 64}
-    assert step["collectives"]["all_reduce"] == {"count": 1, "bytes": 4}
+    assert step["collectives"] == {k: {"count": t.count, "bytes": t.bytes,
+                                       "dtypes": sorted({d for kind, d, _ in summary.sequence if kind == k})}
+                                   for k, t in summary.totals.items()}
+    assert step["collectives"]["all_gather"] == {"count": 1, "bytes": 64, "dtypes": ["float32"]}
+    assert step["collectives"]["reduce_scatter"] == {"count": 1, "bytes": 64, "dtypes": ["float32"]}
+    assert step["collectives"]["all_reduce"] == {"count": 1, "bytes": 4, "dtypes": ["float32"]}
 
     liveness = simulate(gm.graph, count_inputs=(kind == "backward"))
     assert (step["peak_bytes"], step["peak_node"]) == (liveness.peak, liveness.peak_node)
@@ -123,7 +125,7 @@ def test_exact_peak_of_a_tiny_graph(tmp_path):
         ("x_1", 64, 0), ("mul", 64, 64), ("add", 64, 128), ("sum_1", 4, 68), ("output", 0, 4)]
     # backward counts the 64-byte input, which is live together with mul's output
     assert (bw["peak_bytes"], bw["peak_node"]) == (128, "mul")
-    assert fw["collectives"] == {k: {"count": 0, "bytes": 0} for k in ("all_gather", "reduce_scatter", "all_reduce")}
+    assert fw["collectives"] == {k: {"count": 0, "bytes": 0, "dtypes": []} for k in ("all_gather", "reduce_scatter", "all_reduce")}
 
 
 def test_collectives_without_shape_metadata_are_recorded_as_unknown(tmp_path):

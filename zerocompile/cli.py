@@ -307,7 +307,12 @@ def _collective_cell(collectives, kind: str) -> str:
     if collectives is None:
         return "?"
     total = collectives.get(kind, {"count": 0, "bytes": 0})
-    return "0" if total["count"] == 0 else f"{total['count']} / {human_bytes(total['bytes'])}"
+    if total["count"] == 0:
+        return "0"
+    # buffers that are not floating point are quantized buckets (zero_quantized_weights: int8
+    # values and float32 scales, moved as uint8): name their dtype
+    packed = [d for d in total.get("dtypes", []) if not d.startswith(("float", "bfloat"))]
+    return f"{total['count']} / {human_bytes(total['bytes'])}" + (f" ({', '.join(packed)})" if packed else "")
 
 
 def _steps_table(rank: int, frame: str, kind: str, steps: list) -> Table:

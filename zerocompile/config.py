@@ -158,6 +158,16 @@ class ZeroConfig:
     read and written in parallel); ``pin_memory`` and ``block_size`` are accepted and have no
     effect; ``ratio`` must stay 1. Stage 3 only. See docs/offload.md."""
 
+    zero_quantized_weights: bool = False
+    """ZeRO++ qwZ (DeepSpeed's key of the same name): every parameter all-gather of the
+    compiled graphs moves blockwise-quantized int8 values with one float32 scale per 256
+    elements instead of the parameters' dtype (about 0.26x the bytes of float32, 0.51x of
+    bfloat16); each rank dequantizes the gathered bucket into the parameters' dtype
+    (``quantize_weight_gathers`` pass, runtime/quantization.py). Forward and backward compute
+    with the dequantized weights; the shards, gradients and optimizer state keep full
+    precision. Not exact: each weight moves by at most half a quantization step (its block's
+    max |w| / 254). Stage 3 only. See docs/zeropp.md."""
+
     disabled_passes: tuple = field(default_factory=tuple)
     """Names of optional graph passes to skip (see docs/passes.md). Also given as
     ``options={"passes": {"disable": [...]}}``."""
@@ -223,6 +233,13 @@ class ZeroConfig:
             raise ZeroConfigError(f"option 'prefetch' = {self.prefetch!r} is invalid; allowed: True, False")
         if not isinstance(self.profile, bool):
             raise ZeroConfigError(f"option 'profile' = {self.profile!r} is invalid; allowed: True, False")
+        if not isinstance(self.zero_quantized_weights, bool):
+            raise ZeroConfigError(f"option 'zero_quantized_weights' = {self.zero_quantized_weights!r} is invalid; "
+                                  "allowed: True, False")
+        if self.zero_quantized_weights and self.stage != 3:
+            raise ZeroConfigError(f"option 'zero_quantized_weights' needs stage 3 (it quantizes the parameter "
+                                  f"all-gathers, which only stage 3 has), not stage {self.stage}; use stage=3, "
+                                  "or drop it")
         if not isinstance(self.debug_checks, bool):
             raise ZeroConfigError(f"option 'debug_checks' = {self.debug_checks!r} is invalid; allowed: True, False")
         _check_mb("prefetch_mb", self.prefetch_mb)
@@ -347,7 +364,8 @@ def _parse_dtype(name: str, value, allow_none: bool):
 
 # ---------------------------------------------------------------------- DeepSpeed dicts
 _DEEPSPEED_TOP_LEVEL = ("zero_optimization", "bf16", "fp16", "communication_data_type", "aio")
-_DEEPSPEED_ZERO_KEYS = ("stage", "reduce_bucket_size", "allgather_bucket_size", "offload_optimizer", "offload_param")
+_DEEPSPEED_ZERO_KEYS = ("stage", "reduce_bucket_size", "allgather_bucket_size", "offload_optimizer", "offload_param",
+                        "zero_quantized_weights")
 _DEEPSPEED_TRAINING_LOOP_KEYS = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
                                  "gradient_accumulation_steps", "gradient_clipping", "steps_per_print")
 """DeepSpeed keys for what a training script does itself: rejected with that advice, never
@@ -399,7 +417,8 @@ def translate_deepspeed(ds: dict) -> dict:
     ``fp16.enabled`` (param_dtype float16 and dynamic loss scaling) with ``fp16.loss_scale``,
     ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``, ``min_loss_scale``,
     ``consecutive_hysteresis`` (the ``loss_scale`` option), ``communication_data_type``,
-    ``zero_optimization.offload_optimizer`` and ``offload_param`` (the options of those names) with ``aio``'s
+    ``zero_optimization.offload_optimizer``, ``offload_param`` and ``zero_quantized_weights``
+    (the options of those names) with ``aio``'s
     ``block_size`` and ``thread_count``. Every other key is rejected by name.
     """
     out: dict = {}
@@ -423,6 +442,8 @@ def translate_deepspeed(ds: dict) -> dict:
                             "'allgather_bucket_size' differ; zerocompile has one bucket size "
                             "(bucket_mb): give them the same value")
                     out["bucket_mb"] = mb
+                elif zkey == "zero_quantized_weights":
+                    out[zkey] = zval
                 elif zkey in ("offload_optimizer", "offload_param"):
                     if not isinstance(zval, dict):
                         raise ZeroConfigError(f"DeepSpeed key 'zero_optimization.{zkey}' must be a dict")

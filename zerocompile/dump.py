@@ -148,13 +148,15 @@ def describe_nodes(graph: torch.fx.Graph, liveness) -> list[dict]:
 
 
 def collective_totals(graph: torch.fx.Graph) -> dict | None:
-    """``{kind: {"count", "bytes"}}`` from ``summarize_collectives``, or None when a
-    collective lacks the shape metadata to size it."""
+    """``{kind: {"count", "bytes", "dtypes"}}`` from ``summarize_collectives`` (``dtypes``: the
+    sorted dtype names of the buffers moved), or None when a collective lacks the shape
+    metadata to size it."""
     try:
         summary = summarize_collectives(graph)
     except RuntimeError:
         return None
-    return {kind: {"count": summary.totals[kind].count, "bytes": summary.totals[kind].bytes}
+    return {kind: {"count": summary.totals[kind].count, "bytes": summary.totals[kind].bytes,
+                   "dtypes": sorted({dtype for k, dtype, _ in summary.sequence if k == kind and dtype})}
             for kind in COLLECTIVE_KINDS}
 
 

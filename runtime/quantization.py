@@ -1,0 +1,151 @@
+"""Blockwise int8 quantization of the weights an all-gather moves (ZeRO++ qwZ).
+
+With ``zero_quantized_weights`` the ``quantize_weight_gathers`` pass (passes/) replaces every
+parameter all-gather of a compiled graph by an all-gather of a *quantized bucket*: each rank
+quantizes its shards into one ``uint8`` buffer, the buffers are gathered with one collective,
+and every rank dequantizes the gathered rows into the parameters' dtype.
+
+**The scheme** (symmetric, one scale per block, as DeepSpeed's qwZ):
+
+- a rank's shards are concatenated (``n`` elements) and cut into blocks of ``BLOCK``
+  consecutive elements (the last may be shorter);
+- per block, ``amax`` = the largest absolute value, in float32; the stored scale is
+  ``amax / 127`` (float32); each value becomes ``round(x * (127 / amax))`` (round half to
+  even), an int8 in [-127, 127], or 0 where ``amax`` is 0;
+- dequantized, a value is ``q * scale`` in float32, then cast to the parameter dtype. Its
+  error is at most ``amax / 254`` (half a step), plus float32 rounding.
+
+A NaN or infinite value makes its block's scale NaN or infinite, so the whole block
+dequantizes to NaN: a broken weight stays visible in the loss.
+
+**The quantized bucket of one rank** (``bucket_layout``): ``n`` int8 values, zero bytes up to
+a multiple of 4, then the ``ceil(n / BLOCK)`` float32 scales, all as ``uint8``. The all-gather
+returns ``world`` such rows. Values and scales travel in one collective, so the prefetch pass
+moves them as one, and every rank dequantizes the same bytes into the same parameters.
+
+The two ops (``zerocompile::quantize_pack``, ``zerocompile::dequantize_unpack``) run the C++
+kernels of ``csrc/quantize.cpp`` on CPU tensors where they build, else the torch code below
+(the reference the kernels are tested against), which also serves other devices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerocompile.runtime import cpu_extension
+
+__all__ = ["BLOCK", "bucket_layout", "quantize_reference", "dequantize_reference", "quantize_pack",
+           "dequantize_unpack"]
+
+BLOCK = 256
+"""Elements per float32 scale. The scales add ``4 / BLOCK`` bytes per element (1.6%) to the
+int8 values; DeepSpeed's qwZ uses groups of about 8,000 elements (its code says 4,000 is
+best), where one outlier coarsens more weights."""
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def bucket_layout(n: int, block: int = BLOCK) -> tuple[int, int, int]:
+    """``(scales_offset, num_blocks, row_bytes)`` of one rank's quantized bucket of ``n``
+    elements: the scales start at ``scales_offset`` (``n`` rounded up to a multiple of 4)."""
+    num_blocks = -(-n // block)
+    offset = -(-n // 4) * 4
+    return offset, num_blocks, offset + 4 * num_blocks
+
+
+def quantize_reference(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scales)``: the int8 values and float32 scales of the flat ``x`` (torch ops only)."""
+    n = x.numel()
+    num_blocks = -(-n // block)
+    padded = torch.zeros(num_blocks * block, dtype=torch.float32, device=x.device)
+    padded[:n] = x.reshape(-1)
+    blocks = padded.view(num_blocks, block)
+    amax = blocks.abs().amax(dim=1, keepdim=True)
+    # tensor by tensor: a true division, rounded once (``127.0 / amax`` is a reciprocal and a
+    # product, and a division by a Python scalar may be a product too, each rounded twice)
+    levels = torch.full_like(amax, 127.0)
+    inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+    inv = torch.where(torch.isnan(amax), amax, inv)    # 0 * NaN stays NaN: the block shows it
+    y = torch.round(blocks * inv)
+    q = torch.where(torch.isfinite(y), y, torch.zeros_like(y)).to(torch.int8)
+    return q.view(-1)[:n], (amax / levels).view(-1)
+
+
+def dequantize_reference(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: int = BLOCK) -> torch.Tensor:
+    """The flat values of ``q`` and its ``scales`` in ``dtype`` (torch ops only)."""
+    n = q.numel()
+    expanded = scales.repeat_interleave(block)[:n]
+    return (q.to(torch.float32) * expanded).to(dtype)
+
+
+def _pack_torch(shards: list[torch.Tensor], block: int) -> torch.Tensor:
+    flat = torch.cat([s.reshape(-1) for s in shards])
+    q, scales = quantize_reference(flat, block)
+    offset, num_blocks, row = bucket_layout(flat.numel(), block)
+    out = torch.zeros(row, dtype=torch.uint8, device=flat.device)
+    out[:flat.numel()] = q.view(torch.uint8)
+    out[offset:] = scales.view(torch.uint8)
+    return out
+
+
+def _unpack_torch(gathered: torch.Tensor, world: int, chunks: list[int], block: int,
+                  dtype: torch.dtype) -> list[torch.Tensor]:
+    n = sum(chunks)
+    offset, num_blocks, row = bucket_layout(n, block)
+    rows = gathered.view(world, row)
+    values = torch.stack([
+        dequantize_reference(r[:n].view(torch.int8), r[offset:].view(torch.float32), dtype, block) for r in rows])
+    outs = [torch.empty(world * c, dtype=dtype, device=gathered.device) for c in chunks]
+    torch.split_with_sizes_copy(values, chunks, dim=1, out=[o.view(world, c) for o, c in zip(outs, chunks)])
+    return outs
+
+
+def _check_shards(shards: list[torch.Tensor], block: int) -> None:
+    if not shards:
+        raise ValueError("quantize_pack: no shards to pack")
+    dtypes = {s.dtype for s in shards}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in FLOAT_DTYPES:
+        raise ValueError(f"quantize_pack: the shards must share one of {FLOAT_DTYPES}; got {sorted(map(str, dtypes))}")
+    if block < 1:
+        raise ValueError(f"quantize_pack: block must be >= 1, got {block}")
+
+
+@torch.library.custom_op("zerocompile::quantize_pack", mutates_args=())
+def quantize_pack(shards: list[torch.Tensor], block: int) -> torch.Tensor:
+    """One rank's quantized bucket (``uint8``, ``bucket_layout``) of the concatenated flat
+    ``shards`` (float32, bfloat16 or float16, one dtype)."""
+    _check_shards(shards, block)
+    if all(s.device.type == "cpu" for s in shards):
+        module = cpu_extension.load("quantize")
+        if module is not None:
+            return module.quantize_pack([s.reshape(-1).contiguous() for s in shards], block)
+    return _pack_torch(shards, block)
+
+
+@quantize_pack.register_fake
+def _quantize_pack_fake(shards, block):
+    n = sum(s.numel() for s in shards)
+    return shards[0].new_empty(bucket_layout(n, block)[2], dtype=torch.uint8)
+
+
+@torch.library.custom_op("zerocompile::dequantize_unpack", mutates_args=())
+def dequantize_unpack(gathered: torch.Tensor, world: int, chunks: list[int], block: int,
+                      dtype: torch.dtype) -> list[torch.Tensor]:
+    """The flat ``world * chunks[i]`` parameters (``dtype``) in the all-gathered quantized
+    buckets ``gathered`` (``world`` rows of ``bucket_layout(sum(chunks))``), each a new
+    contiguous tensor in rank order, as ``unpack_gathered_bucket`` returns them unquantized."""
+    if gathered.dtype != torch.uint8:
+        raise ValueError(f"dequantize_unpack: the gathered buckets must be uint8, got {gathered.dtype}")
+    if gathered.numel() != world * bucket_layout(sum(chunks), block)[2]:
+        raise ValueError(f"dequantize_unpack: {gathered.numel()} bytes are not {world} quantized buckets of "
+                         f"{sum(chunks)} elements")
+    if gathered.device.type == "cpu":
+        module = cpu_extension.load("quantize")
+        if module is not None:
+            return module.dequantize_unpack(gathered.contiguous(), world, list(chunks), block, dtype)
+    return _unpack_torch(gathered, world, chunks, block, dtype)
+
+
+@dequantize_unpack.register_fake
+def _dequantize_unpack_fake(gathered, world, chunks, block, dtype):
+    return [gathered.new_empty(world * c, dtype=dtype) for c in chunks]
