@@ -12,6 +12,11 @@
 // parameters' flat tensors, world * chunks[i] elements, rank-major), again without an
 // intermediate buffer.
 //
+// quantize_rows (qgZ): the gradients of a reduce-scatter bucket, each viewed as [world, chunk],
+// become `world` quantized rows, row r holding chunk r of every gradient (what rank r reduces);
+// dequantize_reduce: the `world` rows a rank received, dequantized and summed in float32 in rank
+// order, divided by `divisor` (the world size for an average), cast to the output dtype.
+//
 // Every operation rounds as the torch reference does (built with -ffp-contract=off), so the
 // results are bitwise the reference's. Blocks run in parallel with at::parallel_for.
 
@@ -104,6 +109,29 @@ void dequantize_rows(const uint8_t* gathered, int64_t world, int64_t n, int64_t 
   });
 }
 
+template <typename T>
+void reduce_rows(const uint8_t* received, int64_t world, int64_t n, int64_t block, float divisor, T* out) {
+  const int64_t blocks = num_blocks(n, block), row = scales_offset(n) + 4 * blocks;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(block);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t begin = b * block, len = std::min(block, n - begin);
+      std::fill(acc.begin(), acc.begin() + len, 0.0f);
+      for (int64_t r = 0; r < world; ++r) {
+        const uint8_t* base = received + r * row;
+        const int8_t* q = reinterpret_cast<const int8_t*>(base);
+        float scale;
+        std::memcpy(&scale, base + scales_offset(n) + 4 * b, sizeof(float));
+        for (int64_t k = 0; k < len; ++k) acc[k] += static_cast<float>(q[begin + k]) * scale;
+      }
+      for (int64_t k = 0; k < len; ++k) {
+        const float v = divisor == 1.0f ? acc[k] : acc[k] / divisor;
+        out[begin + k] = static_cast<T>(v);
+      }
+    }
+  });
+}
+
 std::vector<int64_t> starts_of(const std::vector<int64_t>& sizes) {
   std::vector<int64_t> starts(sizes.size() + 1, 0);
   for (size_t i = 0; i < sizes.size(); ++i) starts[i + 1] = starts[i] + sizes[i];
@@ -153,7 +181,49 @@ std::vector<torch::Tensor> dequantize_unpack(const torch::Tensor& gathered, int6
   return outs;
 }
 
+torch::Tensor quantize_rows(const std::vector<torch::Tensor>& grads, int64_t world, int64_t block) {
+  TORCH_CHECK(!grads.empty() && world >= 1 && block >= 1, "quantize_rows: bad arguments");
+  const auto dtype = grads[0].scalar_type();
+  std::vector<int64_t> sizes;
+  for (const auto& g : grads) {
+    TORCH_CHECK(g.device().is_cpu() && g.is_contiguous() && g.scalar_type() == dtype && g.numel() % world == 0,
+                "quantize_rows: gradients must be contiguous CPU tensors of one dtype, each world * chunk elements");
+    sizes.push_back(g.numel() / world);
+  }
+  const auto starts = starts_of(sizes);
+  const int64_t n = starts.back(), row = scales_offset(n) + 4 * num_blocks(n, block);
+  auto out = torch::zeros({world * row}, torch::dtype(torch::kUInt8));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "quantize_rows", [&] {
+    at::parallel_for(0, world, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        std::vector<const scalar_t*> src;
+        for (size_t i = 0; i < grads.size(); ++i) src.push_back(grads[i].data_ptr<scalar_t>() + r * sizes[i]);
+        uint8_t* base = out.data_ptr<uint8_t>() + r * row;
+        quantize_blocks<scalar_t>(src, starts, n, block, reinterpret_cast<int8_t*>(base),
+                                  reinterpret_cast<float*>(base + scales_offset(n)));
+      }
+    });
+  });
+  return out;
+}
+
+torch::Tensor dequantize_reduce(const torch::Tensor& received, int64_t world, int64_t n, int64_t block,
+                                at::ScalarType dtype, double divisor) {
+  TORCH_CHECK(received.device().is_cpu() && received.is_contiguous() && received.scalar_type() == torch::kUInt8,
+              "dequantize_reduce: received must be a contiguous uint8 CPU tensor");
+  TORCH_CHECK(received.numel() == world * (scales_offset(n) + 4 * num_blocks(n, block)),
+              "dequantize_reduce: received is not world quantized rows of n elements");
+  auto out = torch::empty({n}, torch::dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "dequantize_reduce", [&] {
+    reduce_rows<scalar_t>(received.data_ptr<uint8_t>(), world, n, block, static_cast<float>(divisor),
+                          out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_pack", &quantize_pack, "Blockwise int8 quantization of shards into one quantized bucket");
   m.def("dequantize_unpack", &dequantize_unpack, "Parameters out of all-gathered quantized buckets");
+  m.def("quantize_rows", &quantize_rows, "Gradients into one quantized row per destination rank");
+  m.def("dequantize_reduce", &dequantize_reduce, "The sum over ranks of received quantized rows");
 }

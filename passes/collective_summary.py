@@ -17,6 +17,9 @@ COLLECTIVE_KINDS_BY_OP = {
     _c10d.reduce_scatter_tensor.default: ("reduce_scatter", "in"),
     _c10d.all_reduce.default: ("all_reduce", "in"),
     _c10d.all_reduce_.default: ("all_reduce", "in"),
+    # zerocompile issues an all-to-all only as a quantized gradient reduce-scatter (qgZ,
+    # passes/quantize_gradient_reductions.py): it sends what a reduce-scatter of its input would
+    _c10d.all_to_all_single.default: ("reduce_scatter", "in"),
 }
 
 

@@ -16,6 +16,7 @@ COLLECTIVE_OPS = (
     _c10d.all_gather_into_tensor.default,
     _c10d.reduce_scatter_tensor.default,
     _c10d.all_reduce.default,
+    _c10d.all_to_all_single.default,   # only as the quantized gradient reduce-scatter (qgZ)
 )
 
 

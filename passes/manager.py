@@ -56,6 +56,7 @@ def _registry() -> list[GraphPass]:
     from zerocompile.passes.cast_forward_inputs import cast_forward_inputs
     from zerocompile.passes.insert_param_collectives import insert_param_collectives
     from zerocompile.passes.prefetch import prefetch
+    from zerocompile.passes.quantize_gradient_reductions import quantize_gradient_reductions
     from zerocompile.passes.quantize_weight_gathers import quantize_weight_gathers
     from zerocompile.passes.recompute import recompute
     from zerocompile.passes.reshard_after_forward import reshard_after_forward
@@ -97,6 +98,12 @@ def _registry() -> list[GraphPass]:
                   summary="ZeRO++ qwZ: parameter all-gathers move int8 values and block scales",
                   required_because="it is what zero_quantized_weights asks for (set zero_quantized_weights=False "
                                    "instead)"),
+        GraphPass("quantize_gradient_reductions", quantize_gradient_reductions, ("backward",),
+                  stages=(2, 3), requires=("tags",), optional=False,
+                  enabled=lambda config: config.zero_quantized_gradients,
+                  summary="ZeRO++ qgZ: gradient reduce-scatters become int8 all-to-alls and a local sum",
+                  required_because="it is what zero_quantized_gradients asks for (set "
+                                   "zero_quantized_gradients=False instead)"),
         GraphPass("prefetch", prefetch, ("forward", "backward", "inference"), stages=(2, 3), requires=("tags",),
                   enabled=lambda config: config.prefetch,
                   summary="issue all-gathers early and wait late, within the memory budget"),

@@ -23,7 +23,15 @@ a multiple of 4, then the ``ceil(n / BLOCK)`` float32 scales, all as ``uint8``. 
 returns ``world`` such rows. Values and scales travel in one collective, so the prefetch pass
 moves them as one, and every rank dequantizes the same bytes into the same parameters.
 
-The two ops (``zerocompile::quantize_pack``, ``zerocompile::dequantize_unpack``) run the C++
+**Gradients (ZeRO++ qgZ, ``zero_quantized_gradients``).** A reduce-scatter bucket becomes
+``quantize_rows`` (one quantized row per destination rank, same scheme and layout), an
+all-to-all of the rows, and ``dequantize_reduce`` (each rank sums the ``world`` rows it
+received, dequantized, in float32 and in rank order). Each rank's contribution is rounded once,
+by at most half a step of its block; the sum is in full precision. DeepSpeed's qgZ uses int4
+values (twice the step); int8 halves that error for twice its bytes.
+
+The ops (``zerocompile::quantize_pack``, ``dequantize_unpack``, ``quantize_rows``,
+``dequantize_reduce``) run the C++
 kernels of ``csrc/quantize.cpp`` on CPU tensors where they build, else the torch code below
 (the reference the kernels are tested against), which also serves other devices.
 """
@@ -35,7 +43,7 @@ import torch
 from zerocompile.runtime import cpu_extension
 
 __all__ = ["BLOCK", "bucket_layout", "quantize_reference", "dequantize_reference", "quantize_pack",
-           "dequantize_unpack"]
+           "dequantize_unpack", "quantize_rows", "dequantize_reduce"]
 
 BLOCK = 256
 """Elements per float32 scale. The scales add ``4 / BLOCK`` bytes per element (1.6%) to the
@@ -149,3 +157,64 @@ def dequantize_unpack(gathered: torch.Tensor, world: int, chunks: list[int], blo
 @dequantize_unpack.register_fake
 def _dequantize_unpack_fake(gathered, world, chunks, block, dtype):
     return [gathered.new_empty(world * c, dtype=dtype) for c in chunks]
+
+
+# --------------------------------------------------------------- qgZ: gradient reduction
+def _rows_torch(grads: list[torch.Tensor], world: int, block: int) -> torch.Tensor:
+    rows = [g.reshape(world, -1) for g in grads]
+    return torch.cat([_pack_torch([r[i] for r in rows], block) for i in range(world)])
+
+
+def _reduce_torch(received: torch.Tensor, world: int, n: int, block: int, dtype: torch.dtype,
+                  divisor: float) -> torch.Tensor:
+    offset, _, row = bucket_layout(n, block)
+    rows = received.view(world, row)
+    acc = torch.zeros(n, dtype=torch.float32, device=received.device)
+    for r in rows:             # in rank order, as every rank sums its own chunk
+        acc += dequantize_reference(r[:n].view(torch.int8), r[offset:].view(torch.float32), torch.float32, block)
+    if divisor != 1.0:
+        acc = acc / torch.full_like(acc, divisor)
+    return acc.to(dtype)
+
+
+@torch.library.custom_op("zerocompile::quantize_rows", mutates_args=())
+def quantize_rows(grads: list[torch.Tensor], world: int, block: int) -> torch.Tensor:
+    """The ``world`` quantized rows (``uint8``, each ``bucket_layout(sum(chunks))``) of a
+    reduce-scatter bucket: gradient ``i`` is viewed as ``[world, chunks[i]]``, and row ``r`` is
+    the quantized concatenation of chunk ``r`` of every gradient, the part rank ``r`` reduces."""
+    _check_shards(grads, block)
+    if any(g.numel() % world for g in grads):
+        raise ValueError(f"quantize_rows: every gradient must have a multiple of world={world} elements")
+    if all(g.device.type == "cpu" for g in grads):
+        module = cpu_extension.load("quantize")
+        if module is not None:
+            return module.quantize_rows([g.reshape(-1).contiguous() for g in grads], world, block)
+    return _rows_torch(grads, world, block)
+
+
+@quantize_rows.register_fake
+def _quantize_rows_fake(grads, world, block):
+    n = sum(g.numel() for g in grads) // world
+    return grads[0].new_empty(world * bucket_layout(n, block)[2], dtype=torch.uint8)
+
+
+@torch.library.custom_op("zerocompile::dequantize_reduce", mutates_args=())
+def dequantize_reduce(received: torch.Tensor, world: int, n: int, block: int, dtype: torch.dtype,
+                      divisor: float) -> torch.Tensor:
+    """This rank's ``n`` reduced elements (``dtype``) from the ``world`` quantized rows the
+    all-to-all delivered (row ``s`` from rank ``s``): dequantized and summed in float32 in rank
+    order, divided by ``divisor`` (the world size for an average, else 1)."""
+    if received.dtype != torch.uint8:
+        raise ValueError(f"dequantize_reduce: the received rows must be uint8, got {received.dtype}")
+    if received.numel() != world * bucket_layout(n, block)[2]:
+        raise ValueError(f"dequantize_reduce: {received.numel()} bytes are not {world} quantized rows of {n} elements")
+    if received.device.type == "cpu":
+        module = cpu_extension.load("quantize")
+        if module is not None:
+            return module.dequantize_reduce(received.contiguous(), world, n, block, dtype, float(divisor))
+    return _reduce_torch(received, world, n, block, dtype, float(divisor))
+
+
+@dequantize_reduce.register_fake
+def _dequantize_reduce_fake(received, world, n, block, dtype, divisor):
+    return received.new_empty(n, dtype=dtype)

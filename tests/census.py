@@ -47,6 +47,7 @@ _KINDS = {
     _c10d.reduce_scatter_tensor.default: ("reduce_scatter", "in"),
     _c10d.all_reduce.default: ("all_reduce", "in"),
     _c10d.all_reduce_.default: ("all_reduce", "in"),   # in place: the optimizer step's buckets
+    _c10d.all_to_all_single.default: ("all_to_all", "in"),   # the quantized reduce-scatter (qgZ)
 }
 
 

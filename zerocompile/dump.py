@@ -63,6 +63,7 @@ _COLLECTIVE_NAMES = {
     "reduce_scatter_tensor": "reduce_scatter",
     "all_reduce": "all_reduce",
     "all_reduce_": "all_reduce",
+    "all_to_all_single": "reduce_scatter",   # the quantized gradient reduce-scatter (qgZ)
 }
 
 
