@@ -69,6 +69,9 @@ def _collective_table() -> dict:
         ("_c10d_functional", "reduce_scatter_tensor"): ("reduce_scatter", "input"),
         ("_c10d_functional", "reduce_scatter_tensor_out"): ("reduce_scatter", "input"),
         ("_c10d_functional", "reduce_scatter_tensor_coalesced"): ("reduce_scatter", "inputs"),
+        # zerocompile's all-to-all is ZeRO++'s quantized gradient reduce-scatter (qgZ): it sends
+        # what a reduce-scatter of its input sends
+        ("_c10d_functional", "all_to_all_single"): ("reduce_scatter", "input"),
         ("_c10d_functional", "all_reduce"): ("all_reduce", "input"),
         ("_c10d_functional", "all_reduce_"): ("all_reduce", "input"),
         ("_c10d_functional", "all_reduce_coalesced"): ("all_reduce", "inputs"),

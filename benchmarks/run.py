@@ -22,6 +22,9 @@ torch optimizer themselves (DDP, FSDP2, DeepSpeed with a client optimizer) use i
   with the default passes and ``zerocompile.ZeroOptimizer(AdamW)``;
 - ``zero3-profile``: stage 3 with ``profile=True``: the passes weigh times measured on the
   frame's graph when it compiles, not the estimates;
+- ``zero3-qwz``: stage 3 with ZeRO++'s quantized weight gathers and gradient reductions
+  (``zero_quantized_weights`` and ``zero_quantized_gradients``): not exact, so its losses
+  are checked against the reference within ``APPROXIMATE``'s 2% instead of ``--rtol``;
 - ``zero3-nopass``: stage 3 with every optional pass of the registry disabled (except
   ``cast_forward_inputs``, which fp32 does not run anyway);
 - ``zero3-offload``: stage 3 with ``offload_optimizer={"device": "nvme", ...}`` into a
@@ -74,8 +77,8 @@ from common import (MiB, RESULTS, CollectiveBytes, all_ranks_ok, error_line,  # 
                     load_example, optional_pass_names, quantile, spawn_ranks)
 
 SYSTEMS = ("ddp", "fsdp2", "fsdp2-compile", "ds-zero1", "ds-zero2", "ds-zero3", "ds-zero3-offload",
-           "ds-zero3-infinity", "zero1", "zero2", "zero3", "zero3-profile", "zero3-nopass", "zero3-offload",
-           "zero3-infinity")
+           "ds-zero3-infinity", "zero1", "zero2", "zero3", "zero3-profile", "zero3-qwz", "zero3-nopass",
+           "zero3-offload", "zero3-infinity")
 LABELS = {
     "ddp": "DDP", "fsdp2": "FSDP2 eager", "fsdp2-compile": "FSDP2 + per-block compile",
     "ds-zero1": "DeepSpeed ZeRO-1", "ds-zero2": "DeepSpeed ZeRO-2", "ds-zero3": "DeepSpeed ZeRO-3",
@@ -83,13 +86,17 @@ LABELS = {
     "ds-zero3-infinity": "DeepSpeed ZeRO-3 + ZeRO-Infinity (NVMe)",
     "zero1": "zerocompile stage 1", "zero2": "zerocompile stage 2", "zero3": "zerocompile stage 3",
     "zero3-profile": "zerocompile stage 3, profile=True",
+    "zero3-qwz": "zerocompile stage 3, ZeRO++ qwZ + qgZ",
     "zero3-nopass": "zerocompile stage 3, no opt. passes",
     "zero3-offload": "zerocompile stage 3, NVMe optimizer offload",
     "zero3-infinity": "zerocompile stage 3, NVMe optimizer + parameter offload",
 }
 STAGE = {"ddp": 0, "fsdp2": 3, "fsdp2-compile": 3, "ds-zero1": 1, "ds-zero2": 2, "ds-zero3": 3,
          "ds-zero3-offload": 3, "ds-zero3-infinity": 3,
-         "zero1": 1, "zero2": 2, "zero3": 3, "zero3-profile": 3, "zero3-nopass": 3, "zero3-offload": 3, "zero3-infinity": 3}
+         "zero1": 1, "zero2": 2, "zero3": 3, "zero3-profile": 3, "zero3-qwz": 3, "zero3-nopass": 3, "zero3-offload": 3, "zero3-infinity": 3}
+APPROXIMATE = {"zero3-qwz": 0.02}
+"""Systems that change the numbers on purpose (quantized communication), with the largest
+relative loss difference from the reference that is not a divergence (issue 11: 2%)."""
 OFFLOADED = ("zero3-offload", "ds-zero3-infinity", "zero3-infinity")
 PARAMS_OFFLOADED = ("zero3-infinity",)
 """Systems whose optimizer state lives in a swap file (a temporary directory per rank): their
@@ -255,6 +262,8 @@ def build_system(name: str, args, spec: dict, example, device: torch.device, dis
                 options["passes"] = {"disable": list(disabled)}
             if name == "zero3-profile":
                 options["profile"] = True
+            if name == "zero3-qwz":
+                options.update(zero_quantized_weights=True, zero_quantized_gradients=True)
             if name in OFFLOADED:
                 system.swap_dir = tempfile.mkdtemp(prefix="zerocompile-bench-swap-")
                 options["offload_optimizer"] = {"device": "nvme", "nvme_path": system.swap_dir}
@@ -475,7 +484,7 @@ def summarise(ranks: list[dict], args, world: int) -> dict:
             for a, b in zip(mine, theirs):
                 worst = max(worst, abs(a - b) / max(abs(b), 1e-12))
         entry["max_rel_loss_diff"] = worst
-        if not worst <= args.rtol:
+        if not worst <= APPROXIMATE.get(name, args.rtol):
             entry["status"] = "diverged"
         entry["ms_ratio"] = entry["median_ms"] / ref["median_ms"]
         entry["ms_ratio_paired"] = statistics.median(a / b for a, b in zip(entry["step_ms"], ref["step_ms"]))
@@ -625,7 +634,9 @@ def main(argv=None) -> int:
         "+ 2 x all-reduce full buffers) from one dispatch-mode counter, against 2x4Ψ(N-1)/N (stages 0-2) "
         "or 3x4Ψ(N-1)/N (stage 3).",
         f"loss ok: largest relative loss difference from the reference over all steps and ranks, tolerance "
-        f"{args.rtol:g}. A system that diverges gets no speed figures.",
+        f"{args.rtol:g} ({', '.join(f'{LABELS[n]}: {t:g}' for n, t in APPROXIMATE.items())}, which quantizes "
+        "its communication on purpose). A system that diverges gets no speed figures. The comm formula of a "
+        "quantized system is the unquantized one.",
         f"zerocompile stage 3, no opt. passes disables: {disabled}.",
     ]
     for workload, result in results.items():

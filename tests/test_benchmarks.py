@@ -33,7 +33,9 @@ def test_stage3_vs_fsdp2_quick(tmp_path):
                     "ms_ratio", "ms_ratio_paired", "peak_ratio", "comm_ratio"):
             value = entry[key]
             assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (name, key, value)
-        assert entry["max_rel_loss_diff"] <= result["config"]["rtol"], (name, entry["max_rel_loss_diff"])
+        # quantized communication (ZeRO++) changes the numbers, within issue 11's 2%
+        tolerance = 0.02 if name == "zero3-qwz" else result["config"]["rtol"]
+        assert entry["max_rel_loss_diff"] <= tolerance, (name, entry["max_rel_loss_diff"])
         if name != "fsdp2":
             assert entry["zero_stats_match"], (name, entry["zero_stats"], entry["comm_by_kind"])
     assert "FSDP2 eager" in proc.stdout and "DIVERGED" not in proc.stdout, proc.stdout
@@ -56,7 +58,7 @@ def test_make_bench_quick(tmp_path):
     workload = result["workloads"]["gpt-tiny"]
     assert workload["reference"] == "fsdp2" and workload["psi"] > 0
     systems = workload["systems"]
-    assert len(systems) == 15
+    assert len(systems) == 16
     for name, entry in systems.items():
         if name.startswith("ds-") and entry["status"] == "skipped":
             continue
@@ -81,6 +83,10 @@ def test_make_bench_quick(tmp_path):
     # fewer by the shards (4 Psi/N; the real ones padded a little), more by an 8-byte file number each
     shards = offload["state_formula_bytes"] / 2
     assert abs(offload["state_bytes"] - infinity["state_bytes"] - shards) < 0.01 * shards
+    # ZeRO++: int8 values and a float32 scale per 256 elements in every gather and reduction
+    qwz = systems["zero3-qwz"]
+    assert qwz["max_rel_loss_diff"] > 0
+    assert qwz["comm_wire_bytes"] <= 0.3 * systems["zero3"]["comm_wire_bytes"], (qwz, systems["zero3"])
     assert "DIVERGED" not in proc.stdout and "FAILED" not in proc.stdout, proc.stdout
 
 
