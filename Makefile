@@ -1,7 +1,7 @@
 # make demo: create .venv, install everything, run the 2-rank ZeRO-3 training demo on CPU.
 # make test: same install, run the test suite.
 # make bench: same install plus the bench extra (DeepSpeed, matplotlib, pytest-benchmark), then benchmarks/run.py,
-#             benchmarks/optimizer_step.py, benchmarks/first_step.py, benchmarks/collectives.py,
+#             benchmarks/optimizer_step.py, benchmarks/first_step.py, benchmarks/collectives.py, benchmarks/quantize.py,
 #             benchmarks/step_breakdown.py, benchmarks/plan_llama70b.py
 #             and the micro benchmarks
 #             (results in benchmarks/results/).
@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/optimizer_step.py
 	$(PY) benchmarks/first_step.py
 	$(PY) benchmarks/collectives.py
+	$(PY) benchmarks/quantize.py
 	$(PY) benchmarks/step_breakdown.py
 	$(PY) benchmarks/plan_llama70b.py
 	$(PY) -m pytest benchmarks/micro --benchmark-only -q --benchmark-json benchmarks/results/micro.json

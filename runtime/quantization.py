@@ -30,8 +30,9 @@ received, dequantized, in float32 and in rank order). Each rank's contribution i
 by at most half a step of its block; the sum is in full precision. DeepSpeed's qgZ uses int4
 values (twice the step); int8 halves that error for twice its bytes.
 
-The ops (``zerocompile::quantize_pack``, ``dequantize_unpack``, ``quantize_rows``,
-``dequantize_reduce``) run the C++
+On CUDA tensors the ops run the Triton kernels of ``runtime/triton_quantize.py`` where Triton
+imports, else the torch code below. The ops (``zerocompile::quantize_pack``,
+``dequantize_unpack``, ``quantize_rows``, ``dequantize_reduce``) run the C++
 kernels of ``csrc/quantize.cpp`` on CPU tensors where they build, else the torch code below
 (the reference the kernels are tested against), which also serves other devices.
 """
@@ -108,6 +109,41 @@ def _unpack_torch(gathered: torch.Tensor, world: int, chunks: list[int], block: 
     return outs
 
 
+# the Triton path (CUDA; on the CPU under TRITON_INTERPRET=1 for the tests): the copies into
+# and out of a contiguous buffer are torch ops, the quantization the kernels of
+# runtime/triton_quantize.py
+def _pack_triton(shards: list[torch.Tensor], block: int) -> torch.Tensor:
+    from zerocompile.runtime import triton_quantize
+    flat = torch.cat([s.reshape(-1) for s in shards])
+    return triton_quantize.quantize_rows_into(flat.view(1, -1), block)
+
+
+def _unpack_triton(gathered: torch.Tensor, world: int, chunks: list[int], block: int,
+                   dtype: torch.dtype) -> list[torch.Tensor]:
+    from zerocompile.runtime import triton_quantize
+    values = triton_quantize.dequantize_rows(gathered, world, sum(chunks), block, dtype)
+    outs = [torch.empty(world * c, dtype=dtype, device=gathered.device) for c in chunks]
+    torch.split_with_sizes_copy(values, chunks, dim=1, out=[o.view(world, c) for o, c in zip(outs, chunks)])
+    return outs
+
+
+def _rows_triton(grads: list[torch.Tensor], world: int, block: int) -> torch.Tensor:
+    from zerocompile.runtime import triton_quantize
+    rows = torch.cat([g.reshape(world, -1) for g in grads], dim=1)
+    return triton_quantize.quantize_rows_into(rows, block)
+
+
+def _reduce_triton(received: torch.Tensor, world: int, n: int, block: int, dtype: torch.dtype,
+                   divisor: float) -> torch.Tensor:
+    from zerocompile.runtime import triton_quantize
+    return triton_quantize.dequantize_rows(received, world, n, block, dtype, reduce=True, divisor=divisor)
+
+
+def _use_triton(device: torch.device) -> bool:
+    from zerocompile.runtime import triton_quantize
+    return device.type == "cuda" and triton_quantize.available(device)
+
+
 def _check_shards(shards: list[torch.Tensor], block: int) -> None:
     if not shards:
         raise ValueError("quantize_pack: no shards to pack")
@@ -127,6 +163,8 @@ def quantize_pack(shards: list[torch.Tensor], block: int) -> torch.Tensor:
         module = cpu_extension.load("quantize")
         if module is not None:
             return module.quantize_pack([s.reshape(-1).contiguous() for s in shards], block)
+    elif _use_triton(shards[0].device):
+        return _pack_triton(shards, block)
     return _pack_torch(shards, block)
 
 
@@ -151,6 +189,8 @@ def dequantize_unpack(gathered: torch.Tensor, world: int, chunks: list[int], blo
         module = cpu_extension.load("quantize")
         if module is not None:
             return module.dequantize_unpack(gathered.contiguous(), world, list(chunks), block, dtype)
+    elif _use_triton(gathered.device):
+        return _unpack_triton(gathered.contiguous(), world, list(chunks), block, dtype)
     return _unpack_torch(gathered, world, chunks, block, dtype)
 
 
@@ -189,6 +229,8 @@ def quantize_rows(grads: list[torch.Tensor], world: int, block: int) -> torch.Te
         module = cpu_extension.load("quantize")
         if module is not None:
             return module.quantize_rows([g.reshape(-1).contiguous() for g in grads], world, block)
+    elif _use_triton(grads[0].device):
+        return _rows_triton(grads, world, block)
     return _rows_torch(grads, world, block)
 
 
@@ -212,6 +254,8 @@ def dequantize_reduce(received: torch.Tensor, world: int, n: int, block: int, dt
         module = cpu_extension.load("quantize")
         if module is not None:
             return module.dequantize_reduce(received.contiguous(), world, n, block, dtype, float(divisor))
+    elif _use_triton(received.device):
+        return _reduce_triton(received.contiguous(), world, n, block, dtype, float(divisor))
     return _reduce_torch(received, world, n, block, dtype, float(divisor))
 
 

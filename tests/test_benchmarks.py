@@ -220,6 +220,24 @@ def test_matmul_contention_prices_each_call_at_its_idle_speed():
                                               "share_during_collective": 0.0}
 
 
+QUANTIZE = Path(__file__).resolve().parent.parent / "benchmarks" / "quantize.py"
+
+
+def test_quantize_benchmark_small(tmp_path):
+    """benchmarks/quantize.py on a small bucket: the four ZeRO++ ops timed as the C++ kernel,
+    torch eager and torch inductor, with the ratios to the C++ kernel."""
+    out = tmp_path / "q.json"
+    proc = subprocess.run([sys.executable, str(QUANTIZE), "--numel", "20000", "--params", "5", "--reps", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"quantize_pack", "dequantize_unpack", "quantize_rows", "dequantize_reduce"}
+    for name, r in results.items():
+        assert set(r["ms"]) == {"cpp", "torch eager", "torch inductor"}, name
+        assert all(v > 0 and math.isfinite(v) for v in r["ms"].values()), (name, r)
+        assert r["ratio_to_cpp"]["cpp"] == 1.0
+
+
 COLLECTIVES = Path(__file__).resolve().parent.parent / "benchmarks" / "collectives.py"
 
 

@@ -4,6 +4,11 @@ training on 2 gloo ranks against the unquantized run."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -60,6 +65,48 @@ def test_a_quantized_reduction_is_within_half_a_step_per_rank_of_the_exact_sum()
         bound = sum(p.abs().max() for p in parts) / 254 / world
         assert (got - exact).abs().max() <= bound * (1 + 1e-5), ((got - exact).abs().max(), bound)
         assert (got - exact).abs().max() > 0
+
+
+def check_triton_against_the_reference(dtype: torch.dtype) -> None:
+    """The CUDA path (runtime/triton_quantize.py and its wrappers in runtime/quantization.py)
+    on CPU tensors, which needs ``TRITON_INTERPRET=1`` set before Triton is imported (its
+    library reductions, ``tl.sum`` and ``tl.max``, are jitted when ``triton.language`` loads)."""
+    from zerocompile.runtime import triton_quantize
+
+    assert triton_quantize.available(torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    world = 3
+    for block in (256, 64):
+        for sizes in ([1000], [3, 0, 700, 257, 1], [5]):
+            shards = _shards(sizes, dtype, g)
+            assert torch.equal(Q._pack_triton(shards, block), Q._pack_torch(shards, block)), (block, sizes)
+            rows = torch.cat([Q._pack_torch(_shards(sizes, dtype, g), block) for _ in range(world)])
+            got, want = Q._unpack_triton(rows, world, sizes, block, dtype), Q._unpack_torch(rows, world, sizes, block, dtype)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (block, sizes)
+            grads = [torch.randn(world * s, generator=g).to(dtype) for s in sizes]
+            quantized = Q._rows_triton(grads, world, block)
+            assert torch.equal(quantized, Q._rows_torch(grads, world, block)), (block, sizes)
+            for divisor in (1.0, float(world)):
+                assert torch.equal(Q._reduce_triton(quantized, world, sum(sizes), block, dtype, divisor),
+                                   Q._reduce_torch(quantized, world, sum(sizes), block, dtype, divisor)), (block, sizes)
+    x = torch.ones(3 * 256, dtype=dtype)
+    x[5], x[256 + 9] = float("nan"), float("inf")
+    assert torch.equal(Q._pack_triton([x], 256), Q._pack_torch([x], 256))
+
+
+def test_triton_kernels_under_the_interpreter_equal_the_torch_reference_bit_for_bit():
+    """Buckets, gathered weights, quantized rows and reduced gradients from the Triton kernels,
+    run on the CPU by Triton's interpreter in a fresh process, bitwise the torch reference's
+    for float32, bfloat16 and float16, non-finite values included."""
+    pytest.importorskip("triton")
+    code = ("import torch, test_zeropp\n"
+            "for dtype in (torch.float32, torch.bfloat16, torch.float16):\n"
+            "    test_zeropp.check_triton_against_the_reference(dtype)\n"
+            "print('checked')\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "checked" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def test_quantized_values_are_within_half_a_step_of_the_originals():
