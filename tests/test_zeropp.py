@@ -292,3 +292,21 @@ def test_an_hf_llama_trains_with_quantized_collectives_within_two_percent():
         for step, (a, b) in enumerate(zip(quantized, plain)):
             assert abs(a - b) <= 0.02 * abs(b), (step, a, b)
         assert quantized[-1] < 0.6 * quantized[0], quantized          # 4.87 -> 2.50 when measured
+
+
+def _inductor_runs(rank, world):
+    return {name: _train(rank, world, {"inner_compiler": "inductor", **options}, 3) for name, options in (
+        ("plain", {}), ("qwZ+qgZ", {"zero_quantized_weights": True, "zero_quantized_gradients": True}))}
+
+
+def test_quantized_collectives_under_inductor():
+    """With the inductor inner compiler (the ops run as extern kernels in its generated code):
+    3 steps within 2% of the unquantized run, and all-gathers plus all-to-alls under 0.27x the
+    float32 all-gathers plus reduce-scatters."""
+    for r in run_ranks(_inductor_runs, 2):
+        plain, quantized = r["plain"], r["qwZ+qgZ"]
+        assert quantized["losses"] != plain["losses"]
+        for a, b in zip(quantized["losses"], plain["losses"]):
+            assert abs(a - b) <= 0.02 * abs(b), (a, b)
+        for q, p in zip(quantized["moved"], plain["moved"]):
+            assert "reduce_scatter" not in q and 0 < sum(q.values()) <= 0.27 * sum(p.values()), (q, p)
