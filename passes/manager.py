@@ -54,6 +54,7 @@ def _registry() -> list[GraphPass]:
     from zerocompile.passes.bucketing import bucketing
     from zerocompile.passes.cast_before_gather import cast_before_gather
     from zerocompile.passes.cast_forward_inputs import cast_forward_inputs
+    from zerocompile.passes.hierarchical_partition import hierarchical_partition
     from zerocompile.passes.insert_param_collectives import insert_param_collectives
     from zerocompile.passes.prefetch import prefetch
     from zerocompile.passes.quantize_gradient_reductions import quantize_gradient_reductions
@@ -86,6 +87,12 @@ def _registry() -> list[GraphPass]:
         GraphPass("reshard_after_forward", reshard_after_forward, ("joint",), stages=(3,), requires=("tags",),
                   provides=("resharded",), enabled=lambda config: config.reshard_after_forward,
                   summary="re-gather the other parameters in backward instead of saving them"),
+        GraphPass("hierarchical_partition", hierarchical_partition, ("joint", "forward", "backward"), stages=(3,),
+                  requires=("tags", "resharded"), optional=False,
+                  enabled=lambda config: config.zero_hpz_partition_size > 1,
+                  summary="ZeRO++ hpZ: backward re-gathers from secondary shards within groups of k ranks",
+                  required_because="it is what zero_hpz_partition_size asks for (set zero_hpz_partition_size=1 "
+                                   "instead)"),
         GraphPass("recompute", recompute, ("joint",), requires=("tags",), provides=("recompute_plan",),
                   enabled=lambda config: config.recompute != "none",
                   summary="recompute activations in backward instead of saving them"),

@@ -17,7 +17,8 @@ with ``quantized=True``, its wait's role, ``bucket_unpack``), so ``prefetch`` mo
 quantization with its all-gather and the liveness simulation counts the buffers. Every rank
 dequantizes the same gathered bytes, so the parameters are the same on every rank, and the
 backward re-gathers give the same values as the forward's gathers. All-gathers of other
-dtypes (integer buffers) are left as they are.
+dtypes (integer buffers), and hpZ's re-gathers within a group of ranks (their shards are
+already dequantized values; ``hierarchical_partition``), are left as they are.
 """
 
 from __future__ import annotations
@@ -114,12 +115,16 @@ def _rewrite_single(graph: torch.fx.Graph, gather: torch.fx.Node, wait: torch.fx
     return True
 
 
-def quantize_gathers(graph: torch.fx.Graph) -> dict:
-    """Rewrite the graph's parameter all-gathers; returns what was quantized and what was not."""
+def quantize_gathers(graph: torch.fx.Graph, group_name: str | None = None) -> dict:
+    """Rewrite the graph's parameter all-gathers over ``group_name`` (every group when None);
+    returns what was quantized and what was not. Gathers over other groups (hpZ's re-gathers
+    within a node, from shards that are already the dequantized weights) are left alone."""
     quantized, skipped = 0, 0
     for node in list(graph.nodes):
         role = tag(node).get("role")
         if node.target is not _GATHER or role not in ("bucket_gather", "param_gather") or tag(node).get("quantized"):
+            continue
+        if group_name is not None and node.args[2] != group_name:
             continue
         wait = _single_wait(node)
         done = False
@@ -132,7 +137,7 @@ def quantize_gathers(graph: torch.fx.Graph) -> dict:
 
 
 def quantize_weight_gathers(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx.GraphModule:
-    report = quantize_gathers(gm.graph)
+    report = quantize_gathers(gm.graph, ctx.group.name)
     ctx.results.setdefault("quantize_weight_gathers", {})[ctx.graph_kind] = report
     ctx.logger.debug("[%s] quantize_weight_gathers (%s): %s", ctx.frame, ctx.graph_kind, report)
     gm.recompile()

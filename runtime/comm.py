@@ -22,6 +22,7 @@ rewrites the final graphs right before an inner compiler gets them.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -59,6 +60,35 @@ def resolve_group(process_group=None) -> CommGroup:
     world = dist.get_world_size(process_group)
     rank = dist.get_rank(process_group)
     return CommGroup(rank=rank, world=world, name=process_group.group_name, group=process_group)
+
+
+@functools.cache
+def _subgroups(process_group, k: int):
+    # process groups are made collectively, in the same order on every rank: once per group
+    # and size, when the first frame with hpZ compiles (every rank compiles its frames in the
+    # same order), and kept for the process group's life
+    return dist.new_subgroups(group_size=k, group=process_group)[0]
+
+
+def hpz_subgroup(group: CommGroup, k: int) -> CommGroup:
+    """The group of ``k`` consecutive ranks of ``group`` this rank belongs to (ranks
+    ``g*k .. g*k+k-1``): ZeRO++ hpZ's secondary partition group. Made on first use on every
+    rank, and again after the process group it splits was destroyed and made anew."""
+    if k == 1 or k == group.world:
+        return group
+    if group.group is not dist.group.WORLD:
+        from zerocompile.config import ZeroConfigError
+        raise ZeroConfigError("option 'zero_hpz_partition_size' needs the default (world) process group: its "
+                              "groups of k ranks are made with torch.distributed.new_subgroups, which every rank "
+                              "of the world calls; leave process_group unset")
+    sub = _subgroups(group.group, k)
+    try:
+        world = dist.get_world_size(sub)
+    except (RuntimeError, ValueError):       # destroyed with its process group: make it again
+        _subgroups.cache_clear()
+        sub = _subgroups(group.group, k)
+        world = dist.get_world_size(sub)
+    return CommGroup(rank=dist.get_rank(sub), world=world, name=sub.group_name, group=sub)
 
 
 def is_fake_group(group: CommGroup) -> bool:

@@ -67,6 +67,20 @@ class CollectiveCounter(_RuntimeMode):
         return out
 
 
+class GatherGroupSizes(_RuntimeMode):
+    """How many all-gathers ran over groups of each size (``{group_size: count}``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _GATHERS:
+            self.sizes[args[1]] += 1
+        return out
+
+
 class GatheredBytes(_RuntimeMode):
     """Peak bytes of all-gather outputs (gathered parameters) alive at the same time, and
     peak bytes of all-gathers in flight (started, their ``wait_tensor`` not yet run).

@@ -177,6 +177,16 @@ class ZeroConfig:
     DeepSpeed quantizes gradients to int4, with twice that step. Gradient accumulation, the
     gradients' dtype and the optimizer stay full precision. Stages 2 and 3. See docs/zeropp.md."""
 
+    zero_hpz_partition_size: int = 1
+    """ZeRO++ hpZ (DeepSpeed's key of the same name): with ``k > 1``, each rank keeps from the
+    forward to the backward its ``1/k`` share (a secondary shard) of every parameter the
+    backward re-gathers, within its group of ``k`` consecutive ranks (the ranks of one node
+    when ``k`` is the devices per node), and the backward re-gathers from those, over ``k``
+    ranks instead of all (``hierarchical_partition`` pass). Exact. Costs ``Ψ/k`` of memory
+    per rank (in the parameter dtype) between forward and backward. 1 = off. Stage 3 with
+    ``reshard_after_forward``; ``k`` must divide the world size; the default process group
+    only. See docs/zeropp.md."""
+
     disabled_passes: tuple = field(default_factory=tuple)
     """Names of optional graph passes to skip (see docs/passes.md). Also given as
     ``options={"passes": {"disable": [...]}}``."""
@@ -256,6 +266,16 @@ class ZeroConfig:
             raise ZeroConfigError(f"option 'zero_quantized_gradients' needs stage 2 or 3 (it quantizes the gradient "
                                   f"reduce-scatters of the backward graphs), not stage {self.stage}; use stage=2 or 3, "
                                   "or drop it")
+        hpz = self.zero_hpz_partition_size
+        if isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1:
+            raise ZeroConfigError(f"option 'zero_hpz_partition_size' = {hpz!r} is invalid; allowed: an integer >= 1 "
+                                  "(1 = off; the ranks per node)")
+        if hpz > 1 and self.stage != 3:
+            raise ZeroConfigError(f"option 'zero_hpz_partition_size' needs stage 3 (it partitions the parameters the "
+                                  f"backward re-gathers), not stage {self.stage}; use stage=3, or set it to 1")
+        if hpz > 1 and not self.reshard_after_forward:
+            raise ZeroConfigError("option 'zero_hpz_partition_size' needs reshard_after_forward=True: with it False "
+                                  "the backward re-gathers nothing to partition")
         if not isinstance(self.debug_checks, bool):
             raise ZeroConfigError(f"option 'debug_checks' = {self.debug_checks!r} is invalid; allowed: True, False")
         _check_mb("prefetch_mb", self.prefetch_mb)
@@ -381,7 +401,7 @@ def _parse_dtype(name: str, value, allow_none: bool):
 # ---------------------------------------------------------------------- DeepSpeed dicts
 _DEEPSPEED_TOP_LEVEL = ("zero_optimization", "bf16", "fp16", "communication_data_type", "aio")
 _DEEPSPEED_ZERO_KEYS = ("stage", "reduce_bucket_size", "allgather_bucket_size", "offload_optimizer", "offload_param",
-                        "zero_quantized_weights", "zero_quantized_gradients")
+                        "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
 _DEEPSPEED_TRAINING_LOOP_KEYS = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
                                  "gradient_accumulation_steps", "gradient_clipping", "steps_per_print")
 """DeepSpeed keys for what a training script does itself: rejected with that advice, never
@@ -433,8 +453,8 @@ def translate_deepspeed(ds: dict) -> dict:
     ``fp16.enabled`` (param_dtype float16 and dynamic loss scaling) with ``fp16.loss_scale``,
     ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``, ``min_loss_scale``,
     ``consecutive_hysteresis`` (the ``loss_scale`` option), ``communication_data_type``,
-    ``zero_optimization.offload_optimizer``, ``offload_param``, ``zero_quantized_weights`` and
-    ``zero_quantized_gradients`` (the options of those names) with ``aio``'s
+    ``zero_optimization.offload_optimizer``, ``offload_param``, ``zero_quantized_weights``,
+    ``zero_quantized_gradients`` and ``zero_hpz_partition_size`` (the options of those names) with ``aio``'s
     ``block_size`` and ``thread_count``. Every other key is rejected by name.
     """
     out: dict = {}
@@ -458,7 +478,7 @@ def translate_deepspeed(ds: dict) -> dict:
                             "'allgather_bucket_size' differ; zerocompile has one bucket size "
                             "(bucket_mb): give them the same value")
                     out["bucket_mb"] = mb
-                elif zkey in ("zero_quantized_weights", "zero_quantized_gradients"):
+                elif zkey in ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size"):
                     out[zkey] = zval
                 elif zkey in ("offload_optimizer", "offload_param"):
                     if not isinstance(zval, dict):

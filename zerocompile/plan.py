@@ -155,7 +155,9 @@ class StepTimer(TorchDispatchMode):
         if func in COLLECTIVE_KINDS_BY_OP:
             kind, which = COLLECTIVE_KINDS_BY_OP[func]
             full = out if which == "out" else args[0]
-            seconds = self.model.collective_time(kind, full.numel() * full.element_size(), self.world)
+            # an all-gather names its group's size: hpZ's re-gathers run over k ranks, not all
+            world = args[1] if kind == "all_gather" and isinstance(args[1], int) else self.world
+            seconds = self.model.collective_time(kind, full.numel() * full.element_size(), world)
             self.apply(("collective", seconds, out.untyped_storage()._cdata))
         elif func is torch.ops._c10d_functional.wait_tensor.default:
             self.apply(("wait", args[0].untyped_storage()._cdata))
