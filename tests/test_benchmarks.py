@@ -33,9 +33,7 @@ def test_stage3_vs_fsdp2_quick(tmp_path):
                     "ms_ratio", "ms_ratio_paired", "peak_ratio", "comm_ratio"):
             value = entry[key]
             assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (name, key, value)
-        # quantized communication (ZeRO++) changes the numbers, within issue 11's 2%
-        tolerance = 0.02 if name == "zero3-qwz" else result["config"]["rtol"]
-        assert entry["max_rel_loss_diff"] <= tolerance, (name, entry["max_rel_loss_diff"])
+        assert entry["max_rel_loss_diff"] <= result["config"]["rtol"], (name, entry["max_rel_loss_diff"])
         if name != "fsdp2":
             assert entry["zero_stats_match"], (name, entry["zero_stats"], entry["comm_by_kind"])
     assert "FSDP2 eager" in proc.stdout and "DIVERGED" not in proc.stdout, proc.stdout
@@ -67,7 +65,9 @@ def test_make_bench_quick(tmp_path):
                     "ms_ratio", "comm_wire_bytes", "comm_formula_bytes"):
             value = entry[key]
             assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (name, key, value)
-        assert entry["max_rel_loss_diff"] <= result["config"]["rtol"], (name, entry["max_rel_loss_diff"])
+        # quantized communication (ZeRO++) changes the numbers, within issue 11's 2%
+        tolerance = 0.02 if name == "zero3-qwz" else result["config"]["rtol"]
+        assert entry["max_rel_loss_diff"] <= tolerance, (name, entry["max_rel_loss_diff"])
         if name.startswith("zero") and name not in ("zero3-offload", "zero3-infinity"):
             # zerocompile holds the model state of the formula (within the batch and small buffers)
             assert 0.9 < entry["state_bytes"] / entry["state_formula_bytes"] < 1.2, (name, entry["state_ratio"])
