@@ -397,3 +397,58 @@ def test_hpz_regathers_within_pairs_and_is_exact():
     assert state and set(state) == set(hpz_state)
     for key, value in state.items():
         assert torch.equal(value, hpz_state[key]), key
+
+
+def _hpz_llama_runs(rank, world):
+    """An HF Llama whose every decoder layer ends in a graph break (a forward hook: one frame
+    per layer, compiled once and run for each) and a frozen layer, at stage 3 with and without
+    hpZ (k = 2); each run's losses and, on rank 0, final weights. (Tied embeddings are the test
+    GPT's; with these graph breaks stage 3 refuses a tied Llama with ParameterNotGatheredError,
+    hpZ or not.)"""
+    import transformers
+
+    def graph_break(module, args, output):
+        torch._dynamo.graph_break()
+        return output
+
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    mine = ids[rank:rank + 1]
+    out = {}
+    for name, extra in (("plain", {}), ("hpZ", {"zero_hpz_partition_size": 2})):
+        torch._dynamo.reset()
+        started = time.monotonic_ns()
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, use_cache=False))
+        for layer in model.model.layers:
+            layer.register_forward_hook(graph_break)
+        model.model.layers[1].requires_grad_(False)
+        compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager", **extra})
+        opt = zerocompile.ZeroOptimizer([p for p in compiled.parameters() if p.requires_grad],
+                                        optimizer_class=torch.optim.AdamW, lr=3e-3, eps=1e-6)
+        losses = []
+        for _ in range(3):
+            loss = compiled(input_ids=mine, labels=mine).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        rewritten = sum((r["results"].get("hierarchical_partition") or {}).get("rewritten", 0)
+                        for r in zerocompile.frame_reports() if r["compiled_at_ns"] > started)
+        out[name] = {"losses": losses, "state": zerocompile.full_state_dict(compiled), "rewritten": rewritten}
+    return out
+
+
+def test_hpz_is_exact_on_an_hf_llama_with_graph_breaks_and_a_frozen_layer():
+    """4 gloo ranks, k = 2, an HF Llama with a graph break after every decoder layer and a
+    frozen layer: every rank's losses and the final weights are bitwise those of plain stage 3."""
+    pytest.importorskip("transformers")
+    results = run_ranks(_hpz_llama_runs, 4)
+    for r in results:
+        assert r["hpZ"]["rewritten"] > 0 and r["plain"]["rewritten"] == 0, r["hpZ"]["rewritten"]
+        assert r["hpZ"]["losses"] == r["plain"]["losses"]
+    state, hpz_state = results[0]["plain"]["state"], results[0]["hpZ"]["state"]
+    assert state and set(state) == set(hpz_state)
+    for key, value in state.items():
+        assert torch.equal(value, hpz_state[key]), key
