@@ -28,27 +28,34 @@ def _shards(sizes, dtype, g):
     return [(torch.randn(s, generator=g) * torch.rand(1, generator=g) * 10).to(dtype) for s in sizes]
 
 
+def assert_kernels_equal_the_reference(pack, unpack, rows_of, reduce, dtype, blocks, sizes_list, seed) -> None:
+    """Bitwise: ``pack`` (shards -> bucket), ``unpack`` (gathered buckets -> parameters),
+    ``rows_of`` (gradients -> quantized rows) and ``reduce`` (received rows -> reduced
+    gradients, with and without the division) against the torch reference, 3 rows."""
+    g = torch.Generator().manual_seed(seed)
+    world = 3
+    for block in blocks:
+        for sizes in sizes_list:
+            shards = _shards(sizes, dtype, g)
+            assert torch.equal(pack(shards, block), Q._pack_torch(shards, block)), (block, sizes)
+            gathered = torch.cat([Q._pack_torch(_shards(sizes, dtype, g), block) for _ in range(world)])
+            got, want = unpack(gathered, world, sizes, block, dtype), Q._unpack_torch(gathered, world, sizes, block, dtype)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (block, sizes)
+            grads = [torch.randn(world * s, generator=g).to(dtype) for s in sizes]
+            rows = rows_of(grads, world, block)
+            assert torch.equal(rows, Q._rows_torch(grads, world, block)), (block, sizes)
+            for divisor in (1.0, float(world)):
+                assert torch.equal(reduce(rows, world, sum(sizes), block, dtype, divisor),
+                                   Q._reduce_torch(rows, world, sum(sizes), block, dtype, divisor)), (block, sizes)
+
+
 @pytest.mark.parametrize("dtype", Q.FLOAT_DTYPES)
 def test_cpp_kernels_equal_the_torch_reference_bit_for_bit(dtype):
     module = cpu_extension.load("quantize")
     if module is None:
         pytest.skip("the C++ kernel does not build here (the build's warning says why)")
-    g = torch.Generator().manual_seed(0)
-    for block in (256, 64, 7):
-        for sizes in SIZES:
-            shards = _shards(sizes, dtype, g)
-            assert torch.equal(module.quantize_pack(shards, block), Q._pack_torch(shards, block)), (block, sizes)
-            world = 3
-            rows = torch.cat([Q._pack_torch(_shards(sizes, dtype, g), block) for _ in range(world)])
-            got = module.dequantize_unpack(rows, world, sizes, block, dtype)
-            want = Q._unpack_torch(rows, world, sizes, block, dtype)
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), (block, sizes)
-            grads = [torch.randn(world * s, generator=g).to(dtype) for s in sizes]
-            rows = module.quantize_rows(grads, world, block)
-            assert torch.equal(rows, Q._rows_torch(grads, world, block)), (block, sizes)
-            for divisor in (1.0, float(world)):
-                assert torch.equal(module.dequantize_reduce(rows, world, sum(sizes), block, dtype, divisor),
-                                   Q._reduce_torch(rows, world, sum(sizes), block, dtype, divisor)), (block, sizes)
+    assert_kernels_equal_the_reference(module.quantize_pack, module.dequantize_unpack, module.quantize_rows,
+                                       module.dequantize_reduce, dtype, (256, 64, 7), SIZES, seed=0)
 
 
 def test_a_quantized_reduction_is_within_half_a_step_per_rank_of_the_exact_sum():
@@ -76,21 +83,8 @@ def check_triton_against_the_reference(dtype: torch.dtype) -> None:
     from zerocompile.runtime import triton_quantize
 
     assert triton_quantize.available(torch.device("cpu"))
-    g = torch.Generator().manual_seed(3)
-    world = 3
-    for block in (256, 64):
-        for sizes in ([1000], [3, 0, 700, 257, 1], [5]):
-            shards = _shards(sizes, dtype, g)
-            assert torch.equal(Q._pack_triton(shards, block), Q._pack_torch(shards, block)), (block, sizes)
-            rows = torch.cat([Q._pack_torch(_shards(sizes, dtype, g), block) for _ in range(world)])
-            got, want = Q._unpack_triton(rows, world, sizes, block, dtype), Q._unpack_torch(rows, world, sizes, block, dtype)
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), (block, sizes)
-            grads = [torch.randn(world * s, generator=g).to(dtype) for s in sizes]
-            quantized = Q._rows_triton(grads, world, block)
-            assert torch.equal(quantized, Q._rows_torch(grads, world, block)), (block, sizes)
-            for divisor in (1.0, float(world)):
-                assert torch.equal(Q._reduce_triton(quantized, world, sum(sizes), block, dtype, divisor),
-                                   Q._reduce_torch(quantized, world, sum(sizes), block, dtype, divisor)), (block, sizes)
+    assert_kernels_equal_the_reference(Q._pack_triton, Q._unpack_triton, Q._rows_triton, Q._reduce_triton, dtype,
+                                       (256, 64), ([1000], [3, 0, 700, 257, 1], [5]), seed=3)
     x = torch.ones(3 * 256, dtype=dtype)
     x[5], x[256 + 9] = float("nan"), float("inf")
     assert torch.equal(Q._pack_triton([x], 256), Q._pack_torch([x], 256))
