@@ -23,8 +23,22 @@ COLLECTIVE_KINDS_BY_OP = {
 }
 
 
-def summarize_collectives(graph: torch.fx.Graph) -> CollectiveSummary:
-    """Count and size every functional collective in ``graph`` (needs ``meta["val"]``)."""
+def collective_group_size(op, args: tuple, world: int) -> int:
+    """Ranks in the group of a functional collective ``op`` called with ``args`` (an
+    all-reduce does not say: ``world``, the data-parallel group's, the only group zerocompile
+    all-reduces over)."""
+    if op in (_c10d.all_reduce.default, _c10d.all_reduce_.default):
+        return world
+    if op is _c10d.all_to_all_single.default:
+        return len(args[1])
+    if op is _c10d.reduce_scatter_tensor.default:
+        return args[2]
+    return args[1]           # all-gathers: (input, group_size, group_name)
+
+
+def summarize_collectives(graph: torch.fx.Graph, world: int = 1) -> CollectiveSummary:
+    """Count and size every functional collective in ``graph`` (needs ``meta["val"]``);
+    ``world``: the data-parallel group's size (see ``collective_group_size``)."""
     summary = CollectiveSummary()
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in COLLECTIVE_KINDS_BY_OP:
@@ -34,5 +48,6 @@ def summarize_collectives(graph: torch.fx.Graph) -> CollectiveSummary:
         val = src.meta.get("val")
         if val is None:
             raise RuntimeError(f"zerocompile: collective node {node} has no shape metadata")
-        summary.add(kind, tensor_nbytes(val), dtype=str(val.dtype).removeprefix("torch."))
+        summary.add(kind, tensor_nbytes(val), dtype=str(val.dtype).removeprefix("torch."),
+                    group_size=collective_group_size(node.target, node.args, world))
     return summary

@@ -8,8 +8,10 @@ issues in eager code are recorded where they are issued.
 
 Bytes of a collective are the bytes of the *full* (unsharded, padded) buffer:
 the output of an all-gather, the input of a reduce-scatter, the tensor of an
-all-reduce. A ring algorithm sends and receives ``bytes * (N - 1) / N`` of it per
-rank; ``ZeroStats.wire_bytes`` gives that figure.
+all-reduce. A ring algorithm over a group of ``g`` ranks sends and receives
+``bytes * (g - 1) / g`` of it per rank (twice that for an all-reduce); ``wire_bytes`` sums
+that figure over the collectives, each with its own group (with ZeRO++ hpZ and qgZ some run
+over groups smaller than the world).
 
 ``stats()`` is process-wide by definition (like ``torch.cuda.memory_stats()``), so
 the counters live in the one ``ACCOUNTING`` instance below; it holds only weak
@@ -30,10 +32,21 @@ class CollectiveTotals:
 
     count: int = 0
     bytes: int = 0
+    wire_bytes: float = 0.0
+    """Bytes each rank sends for these collectives with ring algorithms, each over its own group."""
 
     def add(self, other: "CollectiveTotals", times: int = 1) -> None:
         self.count += other.count * times
         self.bytes += other.bytes * times
+        self.wire_bytes += other.wire_bytes * times
+
+
+def ring_wire_bytes(kind: str, nbytes: int, group_size: int) -> float:
+    """Bytes one rank sends in a ring collective of ``kind`` over ``group_size`` ranks whose
+    full buffer is ``nbytes`` (an all-reduce is a reduce-scatter and an all-gather)."""
+    if group_size <= 1:
+        return 0.0
+    return nbytes * (group_size - 1) / group_size * (2 if kind == "all_reduce" else 1)
 
 
 @dataclass
@@ -62,15 +75,13 @@ class ZeroStats:
 
     @property
     def wire_bytes(self) -> float:
-        """Bytes each rank sends with ring algorithms: all-reduce counts twice (reduce-scatter + all-gather)."""
-        n = self.world_size
-        if n <= 1:
-            return 0.0
-        frac = (n - 1) / n
-        return frac * (self.all_gather.bytes + self.reduce_scatter.bytes + 2 * self.all_reduce.bytes)
+        """Bytes each rank sends with ring algorithms, each collective over its own group: an
+        all-reduce counts twice (reduce-scatter + all-gather)."""
+        return sum(getattr(self, k).wire_bytes for k in COLLECTIVE_KINDS)
 
     def as_dict(self) -> dict:
-        out = {k: {"count": getattr(self, k).count, "bytes": getattr(self, k).bytes}
+        out = {k: {"count": getattr(self, k).count, "bytes": getattr(self, k).bytes,
+                   "wire_bytes": getattr(self, k).wire_bytes}
                for k in COLLECTIVE_KINDS}
         out.update(world_size=self.world_size, param_bytes=self.param_bytes,
                    grad_bytes=self.grad_bytes, optimizer_state_bytes=self.optimizer_state_bytes,
@@ -86,9 +97,11 @@ class CollectiveSummary:
     sequence: list = field(default_factory=list)
     """``(kind, dtype, bytes)`` of each collective in the order the graph issues them."""
 
-    def add(self, kind: str, nbytes: int, count: int = 1, dtype: str = "") -> None:
+    def add(self, kind: str, nbytes: int, count: int = 1, dtype: str = "", group_size: int = 1) -> None:
+        """``count`` collectives of ``kind`` over ``group_size`` ranks, ``nbytes`` in all."""
         self.totals[kind].count += count
         self.totals[kind].bytes += nbytes
+        self.totals[kind].wire_bytes += ring_wire_bytes(kind, nbytes, group_size)
         self.sequence.extend([(kind, dtype, nbytes // count)] * count)
 
     def __str__(self) -> str:
@@ -108,8 +121,10 @@ class Accounting:
         """Compiled frames alive (their reports: ``frame_reports()``)."""
 
     def record(self, kind: str, nbytes: int, count: int = 1) -> None:
+        """``count`` eager collectives of ``kind`` over the data-parallel group, ``nbytes`` in all."""
         self.comm[kind].count += count
         self.comm[kind].bytes += nbytes
+        self.comm[kind].wire_bytes += ring_wire_bytes(kind, nbytes, self.world_size)
 
     def record_summary(self, summary: CollectiveSummary) -> None:
         for kind, tot in summary.totals.items():
@@ -132,7 +147,7 @@ class Accounting:
         opt_bytes = sum(opt.state_bytes() for opt in optimizers)
         offloaded = sum(opt.offloaded_bytes() for opt in optimizers)
         return ZeroStats(
-            **{k: CollectiveTotals(v.count, v.bytes) for k, v in self.comm.items()},
+            **{k: CollectiveTotals(v.count, v.bytes, v.wire_bytes) for k, v in self.comm.items()},
             world_size=self.world_size,
             param_bytes=sum(params.values()),
             grad_bytes=sum(grads.values()),

@@ -132,7 +132,28 @@ def test_collective_summary_counts_full_buffer_bytes():
     summary = summarize_collectives(_traced_gather().graph)
     assert summary.totals["all_gather"].count == 1
     assert summary.totals["all_gather"].bytes == 16 * 2       # 2 ranks x 8 bf16 elements
+    assert summary.totals["all_gather"].wire_bytes == 16      # a ring over 2 ranks sends half
     assert summary.totals["reduce_scatter"].count == 0
+
+
+def test_wire_bytes_follow_each_collectives_own_group():
+    """A ring over g ranks sends (g-1)/g of the full buffer per rank: an all-gather over 4
+    ranks, a reduce-scatter over 2 and an all-to-all over 2 (qgZ's hops with hpZ) each with
+    its own g, an all-reduce (which names no size) with the data-parallel group's, twice."""
+    def fn(x, y, z, w):
+        a = c10d.wait_tensor(c10d.all_gather_into_tensor(x, 4, "fake"))
+        b = c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", 2, "fake"))
+        c = c10d.wait_tensor(c10d.all_to_all_single(z, [4, 4], [4, 4], "fake"))
+        d = c10d.wait_tensor(c10d.all_reduce(w, "sum", "fake"))
+        return a, b, c, d
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(8), torch.randn(16), torch.randn(8), torch.randn(8))
+    totals = summarize_collectives(gm.graph, world=8).totals
+    assert totals["all_gather"].bytes == 4 * 32 and totals["all_gather"].wire_bytes == 3 / 4 * 128
+    # the reduce-scatter and the all-to-all both count as reduce_scatter
+    assert totals["reduce_scatter"].count == 2 and totals["reduce_scatter"].bytes == 64 + 32
+    assert totals["reduce_scatter"].wire_bytes == 64 / 2 + 32 / 2
+    assert totals["all_reduce"].wire_bytes == 2 * 7 / 8 * 32
 
 
 def test_pipeline_follows_stage_and_options():

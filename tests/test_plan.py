@@ -4,6 +4,7 @@ error path of the command."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ import torch
 from dist_utils import free_port
 from zerocompile.cli import main
 from zerocompile.passes.cost_model import CostModel
-from zerocompile.plan import HARDWARE, ScalarReadsAreZero, StepTimer, hardware_from
+from zerocompile.plan import HARDWARE, ScalarReadsAreZero, StepTimer, hardware_from, node_local_groups
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 600
@@ -278,9 +279,17 @@ def test_hardware_profiles_and_files(tmp_path):
     good.write_text(json.dumps({"flops_per_s": 1e15, "memory_gbps": 5000, "bandwidth_gbps": 100, "alpha_us": 10}))
     mine = hardware_from(str(good))
     assert (mine.name, mine.flops_per_s, mine.bandwidth_gbps) == ("mine", 1e15, 100.0)
+    assert (mine.ranks_per_node, mine.intra_node_gbps) == (1, 0.0)
+    node = {"flops_per_s": 1e15, "memory_gbps": 5000, "bandwidth_gbps": 50, "alpha_us": 10, "ranks_per_node": 4,
+            "intra_node_gbps": 300}
+    good.write_text(json.dumps(node))
+    assert (hardware_from(str(good)).ranks_per_node, hardware_from(str(good)).intra_node_gbps) == (4, 300.0)
     for body, message in [("{", "cannot read it as JSON"), ('{"flops_per_s": 1}', "needs exactly the keys"),
                           (json.dumps({"flops_per_s": -1, "memory_gbps": 1, "bandwidth_gbps": 1, "alpha_us": 1}),
-                           "flops_per_s = -1; it must be a finite number > 0")]:
+                           "flops_per_s = -1; it must be a finite number > 0"),
+                          (json.dumps({**node, "ranks_per_node": 0}), "ranks_per_node = 0; it must be an integer"),
+                          (json.dumps({**node, "intra_node_gbps": "fast"}), "intra_node_gbps = 'fast'"),
+                          (json.dumps({**node, "gpus": 8}), "optionally name, description, ranks_per_node")]:
         bad = tmp_path / "bad.json"
         bad.write_text(body)
         with pytest.raises(ValueError, match=message):
@@ -308,6 +317,40 @@ def test_step_timer_overlaps_collectives_with_compute(fake_world):
     assert timer.compute_s == pytest.approx(4e-3, rel=1e-6)
     assert timer.comm_s == pytest.approx(6e-3, rel=1e-6)
     assert timer.step_s == pytest.approx(8e-3, rel=1e-6)
+
+
+def test_collectives_inside_a_node_run_at_the_intra_node_bandwidth(fake_world):
+    """A gather over a node-local group (hpZ's pair on 4 ranks, 2 per node) is timed at the
+    intra-node bandwidth, the same gather over all 4 ranks at the network's; an all-to-all
+    over 2 ranks (qgZ's hop) counts half its buffer on the wire, not 3/4."""
+    import torch.distributed as dist
+
+    from zerocompile.runtime import comm
+
+    c10d = torch.ops._c10d_functional
+    world = comm.resolve_group()
+    pair = comm.hpz_subgroup(world, 2)
+    hardware = dataclasses.replace(HARDWARE["h100"], ranks_per_node=2, intra_node_gbps=8.0)
+    options = {"stage": 3, "zero_hpz_partition_size": 2}
+    assert node_local_groups(hardware, options) == {pair.name}
+    assert node_local_groups(dataclasses.replace(hardware, ranks_per_node=4), options) == {pair.name, world.name}
+    assert node_local_groups(HARDWARE["cpu"], options) == frozenset()
+    timer = StepTimer(CostModel(flops_per_s=1e12, alpha_s=0.0, bandwidth=1e9, memory_bandwidth=1e30), world=4,
+                      intra_node_bandwidth=8e9)
+    timer.node_local_groups = node_local_groups(hardware, options)
+    shard = torch.randn(250_000)                                   # 1 MB; 2 MB gathered over the pair
+    with timer:
+        c10d.wait_tensor(c10d.all_gather_into_tensor(shard, 2, pair.name))
+    assert timer.comm_s == pytest.approx(1e6 / 8e9, rel=1e-6)      # half of 2 MB, at 8 GB/s
+    timer.reset()
+    with timer:
+        c10d.wait_tensor(c10d.all_gather_into_tensor(shard, 4, dist.group.WORLD.group_name))
+    assert timer.comm_s == pytest.approx(3e6 / 1e9, rel=1e-6)      # 3/4 of 4 MB, at 1 GB/s
+    timer.reset()
+    with timer:
+        c10d.wait_tensor(c10d.all_to_all_single(torch.randn(500_000), [250_000] * 2, [250_000] * 2,
+                                                comm.hpz_cross_subgroup(world, 2).name))
+    assert timer.comm_s == pytest.approx(1e6 / 1e9, rel=1e-6)      # half of 2 MB, across nodes
 
 
 def test_scalar_reads_of_fake_tensors_are_zero():

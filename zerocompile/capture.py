@@ -64,8 +64,8 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         # counts its inputs: the saved activations and the incoming gradients)
         self.ctx.results["simulated_peak_bytes"] = max(simulate(fw.graph).peak,
                                                        simulate(bw.graph, count_inputs=True).peak)
-        self.forward_summary = summarize_collectives(fw.graph)
-        self.backward_summary = summarize_collectives(bw.graph)
+        self.forward_summary = summarize_collectives(fw.graph, self.ctx.group.world)
+        self.backward_summary = summarize_collectives(bw.graph, self.ctx.group.world)
         log.debug("[%s] forward: %s; backward: %s", self.ctx.frame, self.forward_summary,
                   self.backward_summary)
         return fw, bw
@@ -76,7 +76,7 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         self.ctx.num_fwd_outputs = len(next(iter(gm.graph.find_nodes(op="output"))).args[0])
         self._profile(gm.graph)
         gm = run_passes(gm, self.ctx, "inference")
-        self.inference_summary = summarize_collectives(gm.graph)
+        self.inference_summary = summarize_collectives(gm.graph, self.ctx.group.world)
         return gm
 
     def _profile(self, graph: torch.fx.Graph) -> None:

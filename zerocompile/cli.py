@@ -676,14 +676,15 @@ def _print_plan(report, script: Path, console: Console) -> None:
                   human_bytes(r["model_state_bytes_per_rank"]))
     table.add_row("peak live bytes in a step", f"{r['peak_bytes_per_rank']:,}", human_bytes(r["peak_bytes_per_rank"]))
     console.print(table)
-    comm = Table(title="collectives per step (full buffers; wire: what each rank sends in a ring)",
-                 title_justify="left")
-    for column in ("kind", "count", "bytes", "size"):
+    comm = Table(title="collectives per step (full buffers; wire: what each rank sends in a ring over each "
+                       "collective's group)", title_justify="left")
+    for column in ("kind", "count", "bytes", "size", "wire"):
         comm.add_column(column, justify="left" if column == "kind" else "right")
     for kind, v in r["comm_by_kind"].items():
-        comm.add_row(kind.replace("_", "-"), str(v["count"]), f"{v['bytes']:,}", human_bytes(v["bytes"]))
-    comm.add_row("total", "", f"{r['comm_bytes_per_rank_per_step']:,}", human_bytes(r["comm_bytes_per_rank_per_step"]))
-    comm.add_row("wire", "", f"{r['wire_bytes_per_rank_per_step']:,.0f}", human_bytes(r["wire_bytes_per_rank_per_step"]))
+        comm.add_row(kind.replace("_", "-"), str(v["count"]), f"{v['bytes']:,}", human_bytes(v["bytes"]),
+                     human_bytes(v["wire_bytes"]))
+    comm.add_row("total", "", f"{r['comm_bytes_per_rank_per_step']:,}", human_bytes(r["comm_bytes_per_rank_per_step"]),
+                 human_bytes(r["wire_bytes_per_rank_per_step"]))
     console.print(comm)
     exposed = max(0.0, report.step_s - report.compute_s)
     console.print(f"estimated step: {report.step_s * 1e3:,.1f} ms = compute {report.compute_s * 1e3:,.1f} ms "

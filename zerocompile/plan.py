@@ -40,7 +40,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zerocompile.passes.collective_summary import COLLECTIVE_KINDS_BY_OP
+from zerocompile.passes.collective_summary import COLLECTIVE_KINDS_BY_OP, collective_group_size
 from zerocompile.passes.cost_model import DEFAULT_RATES, CostModel
 from zerocompile.runtime import accounting
 from zerocompile.runtime.memory_tracker import LiveStorageTracker
@@ -61,6 +61,13 @@ class Hardware:
     interface between nodes of a multi-node job)."""
     alpha_us: float
     """Latency of one collective, microseconds."""
+    ranks_per_node: int = 1
+    """Ranks (GPUs) per node: ranks ``n*ranks_per_node ..`` share a node."""
+    intra_node_gbps: float = 0.0
+    """GB/s one rank sends in a collective whose group lies inside one node (NVLink): the
+    world group when the job fits in a node, hpZ's groups of ``k`` consecutive ranks when ``k``
+    divides ``ranks_per_node``. 0: ``bandwidth_gbps`` for every collective. The passes decide
+    with ``bandwidth_gbps`` only."""
 
     def cost_model(self) -> dict:
         """The ``cost_model`` option with these rates."""
@@ -70,22 +77,30 @@ class Hardware:
 
 HARDWARE = MappingProxyType({
     h.name: h for h in (
-        Hardware("h100", "NVIDIA H100 SXM nodes, 8 GPUs each, 400 Gb/s InfiniBand per GPU",
-                 flops_per_s=700e12, memory_gbps=3000.0, bandwidth_gbps=45.0, alpha_us=30.0),
-        Hardware("h200", "NVIDIA H200 SXM nodes, 8 GPUs each, 400 Gb/s InfiniBand per GPU",
-                 flops_per_s=700e12, memory_gbps=4300.0, bandwidth_gbps=45.0, alpha_us=30.0),
-        Hardware("a100", "NVIDIA A100 SXM nodes, 8 GPUs each, 200 Gb/s InfiniBand per GPU",
-                 flops_per_s=220e12, memory_gbps=1800.0, bandwidth_gbps=22.0, alpha_us=30.0),
+        # inside a node: NVLink 4 (H100, H200) moves 450 GB/s per direction, NVLink 3 (A100)
+        # 300; collectives sustain about 80% of that
+        Hardware("h100", "NVIDIA H100 SXM nodes, 8 GPUs each, NVLink inside a node, 400 Gb/s InfiniBand per GPU",
+                 flops_per_s=700e12, memory_gbps=3000.0, bandwidth_gbps=45.0, alpha_us=30.0, ranks_per_node=8,
+                 intra_node_gbps=360.0),
+        Hardware("h200", "NVIDIA H200 SXM nodes, 8 GPUs each, NVLink inside a node, 400 Gb/s InfiniBand per GPU",
+                 flops_per_s=700e12, memory_gbps=4300.0, bandwidth_gbps=45.0, alpha_us=30.0, ranks_per_node=8,
+                 intra_node_gbps=360.0),
+        Hardware("a100", "NVIDIA A100 SXM nodes, 8 GPUs each, NVLink inside a node, 200 Gb/s InfiniBand per GPU",
+                 flops_per_s=220e12, memory_gbps=1800.0, bandwidth_gbps=22.0, alpha_us=30.0, ranks_per_node=8,
+                 intra_node_gbps=240.0),
         Hardware("cpu", "the cost model's defaults: a small CPU machine over gloo",
                  **DEFAULT_RATES),
     )
 })
 """Built-in ``--hardware`` profiles (a JSON file with the four rates gives any other)."""
 
+_OPTIONAL_HARDWARE_KEYS = ("name", "description", "ranks_per_node", "intra_node_gbps")
+
 
 def hardware_from(value: str) -> Hardware:
     """A profile by name, or from a JSON file holding ``flops_per_s``, ``memory_gbps``,
-    ``bandwidth_gbps`` and ``alpha_us`` (and optionally ``name`` and ``description``)."""
+    ``bandwidth_gbps`` and ``alpha_us`` (and optionally ``name``, ``description``,
+    ``ranks_per_node`` and ``intra_node_gbps``)."""
     if value in HARDWARE:
         return HARDWARE[value]
     path = Path(value)
@@ -97,15 +112,19 @@ def hardware_from(value: str) -> Hardware:
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"hardware file {path}: cannot read it as JSON: {exc}") from None
     needed = ("flops_per_s", "memory_gbps", "bandwidth_gbps", "alpha_us")
-    if not isinstance(rates, dict) or set(rates) - {*needed, "name", "description"} or not set(needed) <= set(rates):
+    if not isinstance(rates, dict) or set(rates) - {*needed, *_OPTIONAL_HARDWARE_KEYS} or not set(needed) <= set(rates):
         raise ValueError(f"hardware file {path}: needs exactly the keys {', '.join(needed)} "
-                         "(and optionally name, description)")
-    for key in needed:
-        v = rates[key]
+                         f"(and optionally {', '.join(_OPTIONAL_HARDWARE_KEYS)})")
+    for key in (*needed, "intra_node_gbps"):
+        v = rates.get(key, 1.0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ValueError(f"hardware file {path}: {key} = {v!r}; it must be a finite number > 0")
+    per_node = rates.get("ranks_per_node", 1)
+    if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
+        raise ValueError(f"hardware file {path}: ranks_per_node = {per_node!r}; it must be an integer >= 1")
     return Hardware(name=str(rates.get("name", path.stem)), description=str(rates.get("description", str(path))),
-                    **{k: float(rates[k]) for k in needed})
+                    **{k: float(rates[k]) for k in needed}, ranks_per_node=per_node,
+                    intra_node_gbps=float(rates.get("intra_node_gbps", 0.0)))
 
 
 # ------------------------------------------------------------------------------- dispatch modes
@@ -134,10 +153,14 @@ class StepTimer(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self, model: CostModel, world: int):
+    def __init__(self, model: CostModel, world: int, intra_node_bandwidth: float = 0.0):
         super().__init__()
         self.model = model
         self.world = world
+        self.intra_node_bandwidth = intra_node_bandwidth
+        """Bytes/s a rank sends in a collective over one of ``node_local_groups`` (0: the model's)."""
+        self.node_local_groups: frozenset = frozenset()
+        """Names of the process groups whose ranks share a node."""
         self.reset()
 
     def reset(self) -> None:
@@ -155,9 +178,13 @@ class StepTimer(TorchDispatchMode):
         if func in COLLECTIVE_KINDS_BY_OP:
             kind, which = COLLECTIVE_KINDS_BY_OP[func]
             full = out if which == "out" else args[0]
-            # an all-gather names its group's size: hpZ's re-gathers run over k ranks, not all
-            world = args[1] if kind == "all_gather" and isinstance(args[1], int) else self.world
-            seconds = self.model.collective_time(kind, full.numel() * full.element_size(), world)
+            # each over its own group: hpZ's re-gathers and qgZ's hops run over fewer ranks
+            world = collective_group_size(func, args, self.world)
+            nbytes = full.numel() * full.element_size()
+            if self.intra_node_bandwidth > 0 and args[-1] in self.node_local_groups:
+                seconds = self.model.alpha_s + accounting.ring_wire_bytes(kind, nbytes, world) / self.intra_node_bandwidth
+            else:
+                seconds = self.model.collective_time(kind, nbytes, world)
             self.apply(("collective", seconds, out.untyped_storage()._cdata))
         elif func is torch.ops._c10d_functional.wait_tensor.default:
             self.apply(("wait", args[0].untyped_storage()._cdata))
@@ -274,11 +301,9 @@ class PlanReport:
 
     @property
     def wire_bytes_per_rank_per_step(self) -> float:
-        """Bytes each rank sends with ring algorithms (an all-reduce counts twice)."""
-        n = self.world_size
-        if n <= 1:
-            return 0.0
-        return (n - 1) / n * sum(v["bytes"] * (2 if k == "all_reduce" else 1) for k, v in self.comm.items())
+        """Bytes each rank sends with ring algorithms, each collective over its own group (an
+        all-reduce counts twice)."""
+        return sum(v["wire_bytes"] for v in self.comm.values())
 
     def as_dict(self) -> dict:
         return {
@@ -343,7 +368,7 @@ def _plan_once(script, script_args, world_size, options, hardware, stdout, repla
 
     options = plan_options(options, hardware)
     report = PlanReport(world_size=world_size, hardware=hardware, options=options)
-    timer = StepTimer(CostModel.from_rates(hardware.cost_model()), world_size)
+    timer = StepTimer(CostModel.from_rates(hardware.cost_model()), world_size, hardware.intra_node_gbps * 1e9)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     # incremental peak: the resizes of a step are ops the tracker sees (resize_storage_bytes_)
     tracker = LiveStorageTracker(track_inputs=True, fake_mode=fake_mode)
@@ -356,6 +381,7 @@ def _plan_once(script, script_args, world_size, options, hardware, stdout, repla
             # the tracker and the timer watch the second step only (they would slow the first,
             # which compiles, for nothing): every fake tensor alive now is recorded first
             _track_live_tensors(tracker, fake_mode)
+            timer.node_local_groups = node_local_groups(hardware, options)
             measuring.enter_context(tracker)
             measuring.enter_context(timer)
             tracker.reset_peak()
@@ -386,6 +412,32 @@ def _plan_once(script, script_args, world_size, options, hardware, stdout, repla
     return report
 
 
+def node_local_groups(hardware: Hardware, options: dict) -> frozenset:
+    """Names of the process groups the compiled graphs use whose ranks all share a node of
+    ``hardware``: the world group when it fits in one node; hpZ's groups of ``k`` consecutive
+    ranks when ``k`` divides the ranks per node (and qgZ's second-hop groups when the world
+    fits in one node). Called after the first step compiled, so the groups exist."""
+    from zerocompile.config import ZeroConfig
+    from zerocompile.runtime import comm
+
+    per_node = hardware.ranks_per_node
+    if hardware.intra_node_gbps <= 0 or per_node <= 1:
+        return frozenset()
+    config = ZeroConfig.from_options(options)
+    group = comm.resolve_group(config.process_group)
+    world, k = group.world, config.zero_hpz_partition_size
+    names = set()
+    fits = world <= per_node and per_node % world == 0
+    if fits:
+        names.add(group.name)
+    if 1 < k < world and world % k == 0:
+        if per_node % k == 0:
+            names.add(comm.hpz_subgroup(group, k).name)
+        if fits and config.zero_quantized_gradients:
+            names.add(comm.hpz_cross_subgroup(group, k).name)
+    return frozenset(names)
+
+
 def _track_live_tensors(tracker: LiveStorageTracker, fake_mode) -> None:
     """Record the storage of every live fake tensor of ``fake_mode`` (parameters, shards,
     gradients, optimizer state, the script's own tensors) in ``tracker``."""
@@ -403,8 +455,8 @@ def _record(report: PlanReport, tracker: LiveStorageTracker, timer: StepTimer, s
     report.model_state_bytes = {
         "params": stats.param_bytes, "grads": stats.grad_bytes, "optimizer_state": stats.optimizer_state_bytes,
         "offloaded_optimizer_state": stats.offloaded_bytes, "offloaded_params": stats.offloaded_param_bytes}
-    report.comm = {k: {"count": getattr(stats, k).count, "bytes": getattr(stats, k).bytes}
-                   for k in accounting.COLLECTIVE_KINDS}
+    report.comm = {k: {"count": getattr(stats, k).count, "bytes": getattr(stats, k).bytes,
+                       "wire_bytes": getattr(stats, k).wire_bytes} for k in accounting.COLLECTIVE_KINDS}
     report.compute_s, report.comm_s, report.step_s = timer.compute_s, timer.comm_s, timer.step_s
     states = {id(s): s for s in list(accounting.ACCOUNTING.states)}
     report.num_params = sum(s.numel for s in states.values())
