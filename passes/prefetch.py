@@ -17,7 +17,8 @@ views and ``cat`` that build its input, which read only graph inputs) earlier:
 In backward, re-gathers are prefetched the same way (the backward graph already runs
 in reverse layer order), and each gradient reduce-scatter's wait moves down to just
 before the next reduce-scatter starts (or the end), so reduction overlaps the next
-layer's gradient computation with one reduction in flight.
+layer's gradient computation with one reduction in flight (a two-hop qgZ reduction: see
+``delay_reduce_waits``).
 
 Every input to these decisions is the same on every rank, so every rank issues the
 same collectives in the same order.
@@ -125,13 +126,25 @@ def prefetch_gathers(graph: torch.fx.Graph, cost: CostModel, world: int, infligh
 
 def delay_reduce_waits(graph: torch.fx.Graph) -> int:
     """Move each reduce-scatter's wait to just before the next reduce-scatter (the last
-    one's to the end of the graph); returns how many waits moved."""
+    one's to the end of the graph); returns how many waits moved.
+
+    A reduction in two hops (qgZ with hpZ, passes/quantize_gradient_reductions.py: its second
+    all-to-all is tagged ``hop="across"``) counts as one reduce-scatter, its first hop, for the
+    rule above; the second hop's wait moves to just before the next first hop's wait, so each
+    hop overlaps the gradient computation of one bucket."""
     reduces = [n for n in graph.nodes if tag(n).get("role") in _REDUCE_ROLES and _wait_of(n) is not None]
+    firsts = [n for n in reduces if tag(n).get("hop") != "across"]
     output = next(iter(graph.find_nodes(op="output")))
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    moves = []
+    for cur, nxt in zip(firsts, firsts[1:] + [None]):
+        moves.append((_wait_of(cur), nxt if nxt is not None else output))
+    for cur in reduces:
+        if tag(cur).get("hop") == "across":
+            nxt = next((f for f in firsts if position[f] > position[cur]), None)
+            moves.append((_wait_of(cur), _wait_of(nxt) if nxt is not None else output))
     moved = 0
-    for cur, nxt in zip(reduces, reduces[1:] + [None]):
-        wait = _wait_of(cur)
-        anchor = nxt if nxt is not None else output
+    for wait, anchor in moves:
         if wait.next is anchor:
             continue
         anchor.prepend(wait)

@@ -63,32 +63,49 @@ def resolve_group(process_group=None) -> CommGroup:
 
 
 @functools.cache
-def _subgroups(process_group, k: int):
-    # process groups are made collectively, in the same order on every rank: once per group
-    # and size, when the first frame with hpZ compiles (every rank compiles its frames in the
-    # same order), and kept for the process group's life
-    return dist.new_subgroups(group_size=k, group=process_group)[0]
+def _subgroups(process_group, k: int, strided: bool):
+    # process groups are made collectively, in the same order on every rank: once per group,
+    # size and layout, when the first frame that needs it compiles (every rank compiles its
+    # frames in the same order), and kept for the process group's life
+    if not strided:
+        return dist.new_subgroups(group_size=k, group=process_group)[0]
+    world = dist.get_world_size(process_group)
+    return dist.new_subgroups_by_enumeration([list(range(i, world, k)) for i in range(k)])[0]
 
 
-def hpz_subgroup(group: CommGroup, k: int) -> CommGroup:
-    """The group of ``k`` consecutive ranks of ``group`` this rank belongs to (ranks
-    ``g*k .. g*k+k-1``): ZeRO++ hpZ's secondary partition group. Made on first use on every
-    rank, and again after the process group it splits was destroyed and made anew."""
-    if k == 1 or k == group.world:
-        return group
+def _hpz_group(group: CommGroup, k: int, strided: bool) -> CommGroup:
     if group.group is not dist.group.WORLD:
         from zerocompile.config import ZeroConfigError
         raise ZeroConfigError("option 'zero_hpz_partition_size' needs the default (world) process group: its "
                               "groups of k ranks are made with torch.distributed.new_subgroups, which every rank "
                               "of the world calls; leave process_group unset")
-    sub = _subgroups(group.group, k)
+    sub = _subgroups(group.group, k, strided)
     try:
         world = dist.get_world_size(sub)
     except (RuntimeError, ValueError):       # destroyed with its process group: make it again
         _subgroups.cache_clear()
-        sub = _subgroups(group.group, k)
+        sub = _subgroups(group.group, k, strided)
         world = dist.get_world_size(sub)
     return CommGroup(rank=dist.get_rank(sub), world=world, name=sub.group_name, group=sub)
+
+
+def hpz_subgroup(group: CommGroup, k: int) -> CommGroup:
+    """The group of ``k`` consecutive ranks of ``group`` this rank belongs to (ranks
+    ``g*k .. g*k+k-1``): ZeRO++ hpZ's secondary partition group, one node when ``k`` is the
+    number of devices per node. Made on first use on every rank, and again after the process
+    group it splits was destroyed and made anew."""
+    if k == 1 or k == group.world:
+        return group
+    return _hpz_group(group, k, strided=False)
+
+
+def hpz_cross_subgroup(group: CommGroup, k: int) -> CommGroup:
+    """The ``N/k`` ranks of ``group`` at this rank's position in their groups of ``k``
+    (ranks ``i, i+k, i+2k, ..``): one rank per node, the second hop of qgZ's hierarchical
+    reduction. Its rank ``h`` is the rank of group ``h``. Made like ``hpz_subgroup``."""
+    if k == 1 or k == group.world:
+        raise ValueError(f"hpz_cross_subgroup: k={k} makes no second hop in a world of {group.world}")
+    return _hpz_group(group, k, strided=True)
 
 
 def is_fake_group(group: CommGroup) -> bool:

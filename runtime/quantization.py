@@ -218,13 +218,21 @@ def _reduce_torch(received: torch.Tensor, world: int, n: int, block: int, dtype:
 
 
 @torch.library.custom_op("zerocompile::quantize_rows", mutates_args=())
-def quantize_rows(grads: list[torch.Tensor], world: int, block: int) -> torch.Tensor:
-    """The ``world`` quantized rows (``uint8``, each ``bucket_layout(sum(chunks))``) of a
-    reduce-scatter bucket: gradient ``i`` is viewed as ``[world, chunks[i]]``, and row ``r`` is
-    the quantized concatenation of chunk ``r`` of every gradient, the part rank ``r`` reduces."""
+def quantize_rows(grads: list[torch.Tensor], world: int, block: int, groups: int = 1) -> torch.Tensor:
+    """The ``world`` quantized rows (``uint8``, each ``bucket_layout(sum(chunks) * groups)``) of a
+    reduce-scatter bucket: gradient ``i`` is viewed as ``[groups, world, chunks[i]]``, and row
+    ``r`` is the quantized concatenation, for each ``h < groups`` in turn, of chunk ``(h, r)`` of
+    every gradient. With ``groups = 1`` row ``r`` is what rank ``r`` reduces. With ``groups = G``
+    it is the first hop of a hierarchical reduction over ``G`` groups of ``world`` ranks: row
+    ``r`` goes to the ``r``-th rank of this rank's group and holds the chunks of the ranks
+    ``h * world + r``, ordered by ``h``, so that the sum it receives is, viewed as
+    ``[G, sum(chunks)]``, the input of the second hop (``quantize_rows([sum], G, block)``)."""
     _check_shards(grads, block)
-    if any(g.numel() % world for g in grads):
-        raise ValueError(f"quantize_rows: every gradient must have a multiple of world={world} elements")
+    if groups < 1 or any(g.numel() % (world * groups) for g in grads):
+        raise ValueError(f"quantize_rows: every gradient must have a multiple of world={world} x groups={groups} "
+                         f"elements")
+    if groups > 1:   # views, no copy: row r's part of group h of gradient i is slice h's chunk r
+        grads = [g.reshape(groups, -1)[h] for h in range(groups) for g in grads]
     if all(g.device.type == "cpu" for g in grads):
         module = cpu_extension.load("quantize")
         if module is not None:
@@ -235,7 +243,7 @@ def quantize_rows(grads: list[torch.Tensor], world: int, block: int) -> torch.Te
 
 
 @quantize_rows.register_fake
-def _quantize_rows_fake(grads, world, block):
+def _quantize_rows_fake(grads, world, block, groups=1):
     n = sum(g.numel() for g in grads) // world
     return grads[0].new_empty(world * bucket_layout(n, block)[2], dtype=torch.uint8)
 

@@ -81,6 +81,23 @@ class GatherGroupSizes(_RuntimeMode):
         return out
 
 
+class AllToAlls(_RuntimeMode):
+    """The all-to-alls that ran (qgZ's quantized reductions): ``{(group_name, group_size):
+    [count, bytes sent]}``, the input's bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.groups = defaultdict(lambda: [0, 0])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is _c10d.all_to_all_single.default:
+            entry = self.groups[(args[3], len(args[1]))]
+            entry[0] += 1
+            entry[1] += args[0].numel() * args[0].element_size()
+        return out
+
+
 class GatheredBytes(_RuntimeMode):
     """Peak bytes of all-gather outputs (gathered parameters) alive at the same time, and
     peak bytes of all-gathers in flight (started, their ``wait_tensor`` not yet run).

@@ -275,6 +275,43 @@ def test_delay_reduce_waits_overlaps_one_reduction_and_keeps_the_numbers():
         assert torch.equal(x, y)
 
 
+def _four_rank_backward(g1, g2, g3):
+    """Three gradients reduce-scattered one by one over 4 ranks, some compute between."""
+    out = []
+    for grad in (g1, g2, g3):
+        grad = torch.tanh(grad) * 2
+        out.append(c10d.wait_tensor(c10d.reduce_scatter_tensor(grad.reshape(-1), "sum", 4, "fake")) / 4)
+    return tuple(out)
+
+
+def test_two_hop_reductions_overlap_one_bucket_each():
+    """qgZ with hpZ (k = 2 of 4 ranks): each reduce-scatter becomes a hop within the group and a
+    hop across the groups; after ``delay_reduce_waits`` the first hop of reduction b is waited
+    for just before reduction b+1's first hop starts, and the second hop of b is still in
+    flight when b+1's first hop starts and is waited for before b+1's first hop is."""
+    from zerocompile.passes.quantize_gradient_reductions import quantize_reductions
+
+    inputs = [torch.randn(8), torch.randn(4, 4), torch.randn(12)]
+    gm = _tagged(_four_rank_backward, inputs)
+    report = quantize_reductions(gm.graph, ("fake", 2, "pairs", "across"))
+    assert report == {"quantized": 3, "left": 0, "block": 256, "hierarchical_k": 2}
+    delay_reduce_waits(gm.graph)
+    gm.graph.lint()
+    nodes = list(gm.graph.nodes)
+    exchanges = [n for n in nodes if n.target is c10d.all_to_all_single.default]
+    assert [n.args[3] for n in exchanges[:2]] == ["pairs", "across"]
+    firsts = [n for n in exchanges if n.args[3] == "pairs"]
+    seconds = [n for n in exchanges if n.args[3] == "across"]
+    assert len(firsts) == len(seconds) == 3
+    assert all(len(n.args[1]) == 2 for n in exchanges)
+    at = nodes.index
+    wait = lambda n: next(iter(n.users))  # noqa: E731
+    for b in range(2):
+        assert at(wait(firsts[b])) < at(firsts[b + 1])                       # hop 1 waited before the next starts
+        assert at(firsts[b + 1]) < at(wait(seconds[b])) < at(wait(firsts[b + 1]))   # hop 2 overlaps it
+    assert at(wait(seconds[2])) > at(wait(firsts[2]))
+
+
 def _gap_between_reduce_and_wait(gm):
     nodes = list(gm.graph.nodes)
     return sum(nodes.index(next(iter(r.users))) - nodes.index(r)

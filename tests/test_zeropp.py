@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import zerocompile
-from census import CollectiveCounter, GatherGroupSizes
+from census import AllToAlls, CollectiveCounter, GatherGroupSizes
 from dist_utils import run_ranks
 from models import make_batch, make_model
 from zerocompile.config import ZeroConfig, ZeroConfigError
-from zerocompile.runtime import cpu_extension, quantization as Q
+from zerocompile.runtime import comm, cpu_extension, quantization as Q
 
 SIZES = ([1000], [3, 0, 700, 257, 1], [256, 256], [5], [4097, 13])
 
@@ -74,6 +74,36 @@ def test_a_quantized_reduction_is_within_half_a_step_per_rank_of_the_exact_sum()
         bound = sum(p.abs().max() for p in parts) / 254 / world
         assert (got - exact).abs().max() <= bound * (1 + 1e-5), ((got - exact).abs().max(), bound)
         assert (got - exact).abs().max() > 0
+
+
+@pytest.mark.parametrize("world,k", [(4, 2), (6, 3), (6, 2)])
+def test_a_two_hop_reduction_delivers_each_rank_its_chunk_within_two_half_steps(world, k):
+    """qgZ under hpZ, simulated: hop 1 ``quantize_rows(grads, k, BLOCK, groups=world/k)``, row i
+    to the i-th rank of the group, ``dequantize_reduce`` to float32; hop 2
+    ``quantize_rows([partial], groups)``, row h to the rank at the same position in group h,
+    ``dequantize_reduce`` divided by the world size. Each rank ends with the average of its own
+    chunk (rank ``r``'s chunk ``r`` of every gradient, as a reduce-scatter gives), within the
+    half steps of both quantizations."""
+    groups, sizes = world // k, [700, 0, 301, 5]
+    g = torch.Generator().manual_seed(world * 10 + k)
+    per_rank = [[torch.randn(world * s, generator=g) * 5 for s in sizes] for _ in range(world)]
+    n = sum(sizes)
+    rows1 = [Q.quantize_rows(grads, k, Q.BLOCK, groups).view(k, -1) for grads in per_rank]
+    partial = {}
+    for r in range(world):
+        h, i = divmod(r, k)
+        received = torch.cat([rows1[h * k + s][i] for s in range(k)])
+        partial[r] = Q.dequantize_reduce(received, k, groups * n, Q.BLOCK, torch.float32, 1.0)
+    rows2 = {r: Q.quantize_rows([partial[r]], groups, Q.BLOCK).view(groups, -1) for r in range(world)}
+    bound = 2 * sum(max(x.abs().max() for x in grads if x.numel()) for grads in per_rank) / 254 / world
+    for r in range(world):
+        h, i = divmod(r, k)
+        received = torch.cat([rows2[other * k + i][h] for other in range(groups)])
+        got = Q.dequantize_reduce(received, groups, n, Q.BLOCK, torch.float32, float(world))
+        exact = sum(torch.cat([x.view(world, -1)[r] for x in grads]) for grads in per_rank) / world
+        assert 0 < (got - exact).abs().max() <= bound, (r, (got - exact).abs().max(), bound)
+    with pytest.raises(ValueError, match="multiple of world=2 x groups=4"):
+        Q.quantize_rows([torch.zeros(12)], 2, Q.BLOCK, 4)
 
 
 def check_triton_against_the_reference(dtype: torch.dtype) -> None:
@@ -319,21 +349,28 @@ def test_quantized_collectives_under_inductor():
 
 def _hpz_train(rank, world, options, steps=4):
     """The test GPT at stage 3 on ``world`` ranks, a new batch each step; the losses, the
-    all-gathers' group sizes in forward and in backward after the first (compiling) step,
-    the final parameters and the frame's hpZ report."""
+    all-gathers' group sizes in forward and in backward and the all-to-alls of the backward
+    after the first (compiling) step, the first step's gradient shards, ``stats()`` of the
+    last step, the final parameters, the frame's hpZ and qgZ reports and the names of the
+    hpZ groups."""
     torch._dynamo.reset()
     started = time.monotonic_ns()
     model = make_model("gpt")
     compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager", **options})
     opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3)
     per = 8 // world
-    losses, forward, backward = [], GatherGroupSizes(), GatherGroupSizes()
+    losses, forward, backward, exchanges = [], GatherGroupSizes(), GatherGroupSizes(), AllToAlls()
+    grads = None
     for step in range(steps):
         x, y = make_batch("gpt", step, 8)
+        zerocompile.reset_stats()
         with forward if step else contextlib.nullcontext():
             loss = compiled(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
-        with backward if step else contextlib.nullcontext():
+        with backward if step else contextlib.nullcontext(), exchanges if step == steps - 1 else contextlib.nullcontext():
             loss.backward()
+        if step == 0:
+            grads = torch.cat([g.reshape(-1) for p in compiled.parameters() for g in p.zero_state.pending_gradients()])
+        stats = zerocompile.stats()
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
@@ -341,15 +378,25 @@ def _hpz_train(rank, world, options, steps=4):
         losses.append(total.item() / world)
     reports = [r["results"].get("hierarchical_partition") for r in zerocompile.frame_reports()
                if r["compiled_at_ns"] > started]
+    qgz = [r["results"].get("quantize_gradient_reductions") for r in zerocompile.frame_reports()
+           if r["compiled_at_ns"] > started]
+    k = options.get("zero_hpz_partition_size", 1)
+    group = comm.resolve_group()
+    names = {"group": comm.hpz_subgroup(group, k).name, "across": comm.hpz_cross_subgroup(group, k).name} \
+        if 1 < k < world else {}
     return {"losses": losses, "forward": dict(forward.sizes), "backward": dict(backward.sizes),
-            "state": zerocompile.full_state_dict(compiled), "reports": reports}
+            "exchanges": dict(exchanges.groups), "grads": grads, "wire": stats.wire_bytes,
+            "stats": stats.as_dict(), "state": zerocompile.full_state_dict(compiled), "reports": reports,
+            "qgz": qgz, "names": names}
 
 
 def _hpz_runs(rank, world):
     out = {name: _hpz_train(rank, world, options) for name, options in (
         ("plain", {}), ("hpZ", {"zero_hpz_partition_size": 2}),
         ("hpZ+qwZ", {"zero_hpz_partition_size": 2, "zero_quantized_weights": True}),
-        ("hpZ+recompute", {"zero_hpz_partition_size": 2, "recompute": "full"}))}
+        ("hpZ+recompute", {"zero_hpz_partition_size": 2, "recompute": "full"}),
+        ("qgZ", {"zero_quantized_gradients": True}),
+        ("hpZ+qgZ", {"zero_hpz_partition_size": 2, "zero_quantized_gradients": True}))}
     try:
         _hpz_train(rank, world, {"zero_hpz_partition_size": 3}, steps=1)
         out["k=3"] = "no error"
@@ -358,14 +405,20 @@ def _hpz_runs(rank, world):
     return out
 
 
-def test_hpz_regathers_within_pairs_and_is_exact():
+@pytest.fixture(scope="module")
+def hpz_results():
+    return run_ranks(_hpz_runs, 4)
+
+
+def test_hpz_regathers_within_pairs_and_is_exact(hpz_results):
     """4 gloo ranks, k = 2: the backward's all-gathers all run over groups of 2 ranks (the
     forward's over all 4), the losses and final parameters are bitwise those of plain stage 3,
     each rank keeps a secondary shard of 1/2 of every re-gathered parameter, and the
     partitioner's idle copies of the group gathers are gone from the forward. With qwZ as well:
     within 2%, the same group sizes. With full recompute: bitwise the same losses. k = 3 does
-    not divide 4: a clear error."""
-    results = run_ranks(_hpz_runs, 4)
+    not divide 4: a clear error. ``stats().wire_bytes`` counts each gather over its own group:
+    3/4 of the bytes of the forward's, 1/2 of the backward's."""
+    results = hpz_results
     for r in results:
         plain, hpz, both = r["plain"], r["hpZ"], r["hpZ+qwZ"]
         assert set(plain["backward"]) == {4} and set(plain["forward"]) == {4}, plain
@@ -387,10 +440,52 @@ def test_hpz_regathers_within_pairs_and_is_exact():
         psi_padded = sum(-(-p.numel() // 4) * 4 for p in params)
         assert 0 < report["secondary_elements"] <= psi_padded / 2, report
         assert "does not divide the world size 4" in r["k=3"], r["k=3"]
+        gathers = plain["stats"]["all_gather"]
+        assert gathers["wire_bytes"] == pytest.approx(0.75 * gathers["bytes"])
+        gathers = hpz["stats"]["all_gather"]
+        assert 0.5 * gathers["bytes"] < gathers["wire_bytes"] < 0.75 * gathers["bytes"], gathers
     state, hpz_state = results[0]["plain"]["state"], results[0]["hpZ"]["state"]   # full on rank 0 only
     assert state and set(state) == set(hpz_state)
     for key, value in state.items():
         assert torch.equal(value, hpz_state[key]), key
+
+
+def test_hierarchical_qgz_reduces_within_pairs_then_across_them(hpz_results):
+    """4 gloo ranks, hpZ k = 2 with qgZ: every gradient reduction is two quantized all-to-alls,
+    the first within the rank's pair (ranks 0-1, 2-3), the second across the pairs (ranks 0-2,
+    1-3), the second moving 1/k of the first's bytes. The gradient shards of the first step are
+    within 3% (in norm) of the exact ones, at most twice the error of one-hop qgZ (two
+    quantizations instead of one; a chunk sent to the wrong rank would be an error near 100%),
+    the losses within 2% of hpZ's. Backward gathers stay within the pairs, and ``stats()``
+    counts the all-to-alls as reduce-scatters with wire bytes over their groups of 2."""
+    for rank, r in enumerate(hpz_results):
+        exact, both, one_hop = r["hpZ"], r["hpZ+qgZ"], r["qgZ"]
+        assert exact["grads"].shape == both["grads"].shape == one_hop["grads"].shape
+        error = ((both["grads"] - exact["grads"]).norm() / exact["grads"].norm()).item()
+        one_hop_error = ((one_hop["grads"] - exact["grads"]).norm() / exact["grads"].norm()).item()
+        assert 0 < error <= 0.03 and error <= 2 * one_hop_error, (rank, error, one_hop_error)
+        for a, b in zip(both["losses"], exact["losses"]):
+            assert abs(a - b) <= 0.02 * abs(b), (a, b)
+        (report,) = both["qgz"]
+        assert report["backward"]["hierarchical_k"] == 2 and report["backward"]["left"] == 0, report
+        assert report["backward"]["quantized"] > 0
+        names = both["names"]
+        assert set(both["exchanges"]) == {(names["group"], 2), (names["across"], 2)}, both["exchanges"]
+        (count, within), (count2, across) = both["exchanges"][(names["group"], 2)], both["exchanges"][
+            (names["across"], 2)]
+        assert count == count2 == report["backward"]["quantized"]
+        assert 0.49 * within <= across <= 0.51 * within, (within, across)
+        assert set(both["backward"]) == {2}, both["backward"]
+        assert [size for _, size in one_hop["exchanges"]] == [4], one_hop["exchanges"]   # one hop over all 4
+        reductions = both["stats"]["reduce_scatter"]
+        assert reductions["bytes"] == within + across and reductions["wire_bytes"] == pytest.approx(
+            0.5 * (within + across))
+    ranks_of = {}
+    for rank, r in enumerate(hpz_results):
+        for hop in ("group", "across"):
+            ranks_of.setdefault((hop, r["hpZ+qgZ"]["names"][hop]), set()).add(rank)
+    assert sorted(v for (hop, _), v in ranks_of.items() if hop == "group") == [{0, 1}, {2, 3}], ranks_of
+    assert sorted(v for (hop, _), v in ranks_of.items() if hop == "across") == [{0, 2}, {1, 3}], ranks_of
 
 
 def _hpz_llama_runs(rank, world):

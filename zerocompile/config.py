@@ -174,7 +174,9 @@ class ZeroConfig:
     elements), an all-to-all and a local sum in float32 (``quantize_gradient_reductions``
     pass): about 0.26x the bytes of a float32 reduce-scatter, 0.51x of bfloat16. Each rank's
     contribution moves by at most half a quantization step (its block's max |g| / 254);
-    DeepSpeed quantizes gradients to int4, with twice that step. Gradient accumulation, the
+    DeepSpeed quantizes gradients to int4, with twice that step. With ``zero_hpz_partition_size
+    = k`` it reduces in two hops, within groups of ``k`` ranks then across them (about ``1/k``
+    of the bytes cross between groups; a second rounding). Gradient accumulation, the
     gradients' dtype and the optimizer stay full precision. Stages 2 and 3. See docs/zeropp.md."""
 
     zero_hpz_partition_size: int = 1
