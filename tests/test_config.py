@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import logging
+
 import pytest
 import torch
 
@@ -77,7 +80,7 @@ def test_bad_values_name_field_value_and_allowed(options, pattern):
 
 
 def test_options_must_be_a_dict():
-    with pytest.raises(ZeroConfigError, match="options must be a dict, got list"):
+    with pytest.raises(ZeroConfigError, match="options must be a dict or the path of a DeepSpeed JSON file, got list"):
         ZeroConfig.from_options([("stage", 3)])
 
 
@@ -96,18 +99,29 @@ def test_deepspeed_dict_is_translated():
 
 
 @pytest.mark.parametrize("ds,pattern", [
-    ({"zero_optimization": {"stage": 3, "overlap_comm": True}},
-     r"DeepSpeed key 'zero_optimization.overlap_comm' is not supported"),
+    ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}},
+     r"DeepSpeed key 'zero_optimization.mics_shard_size' is not supported by zerocompile; translated: "),
+    ({"zero_optimization": {"stage": 3, "overlap_com": True}},
+     r"'zero_optimization.overlap_com' is not supported by zerocompile; did you mean 'zero_optimization.overlap_comm'"),
+    ({"zero_optimization": {"stage": 3, "overlap_comm": "yes"}}, r"'zero_optimization.overlap_comm' = 'yes' is invalid"),
+    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}},
+     r"'zero_optimization.stage3_prefetch_bucket_size' = 0 is invalid; allowed: a number of elements > 0"),
+    ({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}},
+     r"'zero_optimization.cpu_offload' and 'offload_optimizer' both offload"),
+    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+     r"'fp16.fp16_master_weights_and_grads' = True is not supported: zerocompile keeps float32 master"),
+    ({"fp16": {"enabled": True, "auto_cast": True}}, r"'fp16.auto_cast' = True is not supported"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
      r"option 'offload_param' needs stage 3"),
     ({"zero_optimization": {"stage": 3, "offload_param": "cpu"}},
      r"DeepSpeed key 'zero_optimization.offload_param' must be a dict"),
-    ({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 4},
-     r"DeepSpeed key 'train_micro_batch_size_per_gpu' is not supported"),
-    ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}},
-     r"DeepSpeed key 'optimizer' is not supported.*ZeroOptimizer"),
+    ({"zero_optimization": {"stage": 3}, "sparse_attention": {"mode": "fixed"}},
+     r"DeepSpeed key 'sparse_attention' is not supported by zerocompile; translated: .* accepted as "
+     r"training-loop settings: train_batch_size"),
+    ({"zero_optimization": {"stage": 3}, "pipeline": {"stages": 2}}, r"DeepSpeed key 'pipeline' is not supported"),
     ({"bf16": {"enabled": True, "immediate_grad_update": True}}, r"DeepSpeed key 'bf16.immediate_grad_update'"),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, r"enables both 'bf16' and 'fp16'"),
+    ({"bf16": {"enabled": "yes"}}, r"'bf16.enabled' = 'yes' is invalid; allowed: true, false, 'auto'"),
     ({"zero_optimization": {"stage": 5}}, r"option 'stage' = 5 is invalid"),
     ({"zero_optimization": {"reduce_bucket_size": 10, "allgather_bucket_size": 20}}, r"differ"),
     ({"zero_optimization": {"reduce_bucket_size": -1}}, r"'zero_optimization.reduce_bucket_size' = -1 is invalid"),
@@ -203,3 +217,126 @@ def test_offload_optimizer_option_and_its_deepspeed_keys(tmp_path):
             ZeroConfig.from_options({"offload_optimizer": bad})
     with pytest.raises(ZeroConfigError, match=r"DeepSpeed key 'aio.use_direct' is not supported"):
         ZeroConfig.from_options({"zero_optimization": {"stage": 3}, "aio": {"use_direct": True}})
+
+
+# ------------------------------------------------------------------ DeepSpeed configs as they are
+# Written out from DeepSpeed's own examples: the ZeRO-2 and ZeRO-3 configs of the Hugging Face
+# DeepSpeed integration docs (with their "auto" values), the CIFAR-10 example of
+# DeepSpeedExamples, and the ZeRO++ tutorial.
+_AUTO_FP16 = {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+              "hysteresis": 2, "min_loss_scale": 1}
+_HF_LOOP = {
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+HF_ZERO2 = {
+    "fp16": _AUTO_FP16, "bf16": {"enabled": "auto"}, **_HF_LOOP,
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
+                          "reduce_scatter": True, "reduce_bucket_size": 2e8, "contiguous_gradients": True},
+}
+HF_ZERO3 = {
+    "fp16": _AUTO_FP16, "bf16": {"enabled": "auto"}, **_HF_LOOP,
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+                          "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                          "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                          "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                          "stage3_gather_16bit_weights_on_model_save": True},
+}
+CIFAR = {
+    "train_batch_size": 16, "steps_per_print": 2000,
+    "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001,
+                                                 "warmup_num_steps": 1000}},
+    "gradient_clipping": 1.0, "prescale_gradients": False, "bf16": {"enabled": False},
+    "fp16": {"enabled": True, "fp16_master_weights_and_grads": False, "loss_scale": 0, "loss_scale_window": 500,
+             "hysteresis": 2, "min_loss_scale": 1, "initial_scale_power": 15},
+    "wall_clock_breakdown": False,
+    "zero_optimization": {"stage": 0, "allgather_partitions": True, "reduce_scatter": True,
+                          "allgather_bucket_size": 50000000, "reduce_bucket_size": 50000000, "overlap_comm": True,
+                          "contiguous_gradients": True, "cpu_offload": False},
+}
+ZERO_PP = {
+    "train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": 10000000, "reduce_scatter": True,
+                          "zero_quantized_weights": True, "zero_hpz_partition_size": 16,
+                          "zero_quantized_gradients": True, "contiguous_gradients": True, "overlap_comm": True,
+                          "stage3_prefetch_bucket_size": 5e7},
+}
+
+
+@pytest.mark.parametrize("name", ["HF_ZERO2", "HF_ZERO3", "CIFAR", "ZERO_PP"])
+def test_deepspeed_example_configs_translate_from_their_json_files(name, tmp_path, caplog):
+    """Each example, written to a JSON file and given as ``options=path``: the keys with a
+    zerocompile meaning set those options, the training-loop keys are accepted with one log line
+    each saying where that setting lives, and nothing else is left over."""
+    from zerocompile import deepspeed_config
+
+    ds = globals()[name]
+    path = tmp_path / f"{name.lower()}.json"
+    path.write_text(json.dumps(ds))
+    deepspeed_config._advise.cache_clear()
+    with caplog.at_level(logging.INFO, logger="zerocompile"):
+        cfg = ZeroConfig.from_options(str(path))
+        assert ZeroConfig.from_options(path) == cfg                  # a Path as well
+    expected = {
+        "HF_ZERO2": dict(stage=2, param_dtype=None, loss_scale=None, bucket_mb=2e8 * 4 / 2**20, prefetch=True,
+                         offload_optimizer="cpu"),
+        "HF_ZERO3": dict(stage=3, param_dtype=None, loss_scale=None, bucket_mb=ZeroConfig().bucket_mb, prefetch=True,
+                         prefetch_mb=ZeroConfig().prefetch_mb, offload_optimizer="cpu", offload_param="cpu"),
+        "CIFAR": dict(stage=0, param_dtype=torch.float16, bucket_mb=5e7 * 4 / 2**20, prefetch=True,
+                      offload_optimizer=None),
+        "ZERO_PP": dict(stage=3, param_dtype=torch.bfloat16, bucket_mb=1e7 * 4 / 2**20, prefetch_mb=5e7 * 2 / 2**20,
+                        zero_quantized_weights=True, zero_quantized_gradients=True, zero_hpz_partition_size=16),
+    }[name]
+    for field_name, value in expected.items():
+        got = getattr(cfg, field_name)
+        if field_name.startswith("offload_"):
+            got = None if got.device == "none" else got.device
+        assert got == value, (field_name, got, value)
+    if name == "CIFAR":
+        assert (cfg.loss_scale.initial_scale, cfg.loss_scale.window, cfg.loss_scale.hysteresis,
+                cfg.loss_scale.min_scale) == (2.0**15, 500, 2, 1)
+    messages = [r.getMessage() for r in caplog.records if r.name == "zerocompile"]
+    for key in ds:
+        if key in deepspeed_config.TRAINING_LOOP_KEYS or key in deepspeed_config.ACCEPTED_KEYS:
+            (line,) = [m for m in messages if m.startswith(f"DeepSpeed key '{key}' ")]
+            assert ("belongs to the training loop" in line) == (key in deepspeed_config.TRAINING_LOOP_KEYS), line
+    if name == "HF_ZERO3":
+        assert any("'fp16.enabled'" in m and "reads as false" in m for m in messages)
+        assert any("'zero_optimization.reduce_bucket_size'" in m and "keeps zerocompile's default" in m
+                   for m in messages)
+        assert any("'zero_optimization.stage3_gather_16bit_weights_on_model_save'" in m and "full_state_dict" in m
+                   for m in messages)
+        assert any("'gradient_clipping'" in m and "clip_grad_norm_" in m for m in messages)
+
+
+def test_a_deepspeed_json_file_as_torch_compile_options(tmp_path, monkeypatch):
+    """``torch.compile(model, backend="zero", options=path)`` compiles with the file's settings
+    (here stage 2 and bfloat16 compute on one process), ``ZEROCOMPILE_OPTIONS`` still overrides
+    it, and a missing or malformed file is a one-line error naming it."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+                                "train_micro_batch_size_per_gpu": 2}))
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    compiled = torch.compile(model, backend="zero", options=str(path))
+    out = compiled(torch.randn(2, 4))
+    assert out.dtype is torch.bfloat16
+    monkeypatch.setenv("ZEROCOMPILE_OPTIONS", json.dumps({"param_dtype": None, "inner_compiler": "eager"}))
+    from zerocompile.backend import _with_environment_options
+    merged = ZeroConfig.from_options(_with_environment_options(str(path)))
+    assert (merged.stage, merged.param_dtype, merged.inner_compiler) == (2, None, "eager")
+    with pytest.raises(ZeroConfigError, match=r"options = '.*missing.json': no such file"):
+        ZeroConfig.from_options(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\"zero_optimization\": ")
+    with pytest.raises(ZeroConfigError, match=r"options file '.*bad.json' is not a JSON DeepSpeed config"):
+        ZeroConfig.from_options(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(ZeroConfigError, match=r"must hold a JSON object \(a DeepSpeed config\), got list"):
+        ZeroConfig.from_options(bad)

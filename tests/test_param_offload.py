@@ -301,7 +301,8 @@ def test_checkpoints_move_between_offloaded_and_resident_runs(tmp_path):
 
 
 def test_param_offload_errors_and_the_cpu_no_op(tmp_path, caplog):
-    from zerocompile.config import ZeroConfig, ZeroConfigError, translate_deepspeed
+    from zerocompile.config import ZeroConfig, ZeroConfigError
+    from zerocompile.deepspeed_config import translate_deepspeed
 
     with pytest.raises(ZeroConfigError, match=r"'offload_param' needs stage 3 .* not stage 2"):
         ZeroConfig.from_options({"stage": 2, "offload_param": _nvme(tmp_path)})

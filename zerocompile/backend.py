@@ -37,6 +37,8 @@ def _with_environment_options(options):
         raise ZeroConfigError(f"environment variable ZEROCOMPILE_OPTIONS is not valid JSON: {err}") from None
     if not isinstance(extra, dict):
         raise ZeroConfigError("environment variable ZEROCOMPILE_OPTIONS must hold a JSON object, e.g. '{\"stage\": 3}'")
+    if isinstance(options, (str, os.PathLike)):          # a DeepSpeed JSON file
+        options = ZeroConfig.from_options(options)
     if isinstance(options, ZeroConfig):
         options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
     merged = {**(options or {}), **extra}

@@ -195,21 +195,27 @@ class ZeroConfig:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_options(cls, options: dict | "ZeroConfig" | None) -> "ZeroConfig":
-        """Build and validate a config from a ``torch.compile`` ``options`` dict."""
+    def from_options(cls, options: "dict | str | os.PathLike | ZeroConfig | None") -> "ZeroConfig":
+        """Build and validate a config from a ``torch.compile`` ``options`` dict, a
+        DeepSpeed-style dict, or the path of a DeepSpeed JSON config file."""
+        from zerocompile import deepspeed_config
+
         if options is None:
             return cls()
         if isinstance(options, ZeroConfig):
             return options
+        if isinstance(options, (str, os.PathLike)):
+            return cls.from_options(deepspeed_config.load_deepspeed_file(options))
         if not isinstance(options, dict):
             raise ZeroConfigError(
-                f"options must be a dict, got {type(options).__name__}; "
+                f"options must be a dict or the path of a DeepSpeed JSON file, got {type(options).__name__}; "
                 "e.g. options={'stage': 3}")
         names = [f.name for f in fields(cls)]
-        if any(k in options for k in _DEEPSPEED_TOP_LEVEL):
+        if any(k in options for k in (*deepspeed_config.TOP_LEVEL_TRANSLATED, *deepspeed_config.TRAINING_LOOP_KEYS,
+                                      *deepspeed_config.ACCEPTED_KEYS)):
             own = {k: v for k, v in options.items() if k in names}
             ds = {k: v for k, v in options.items() if k not in names}
-            translated = translate_deepspeed(ds)
+            translated = deepspeed_config.translate_deepspeed(ds)
             for key in set(own) & set(translated):
                 raise ZeroConfigError(
                     f"option '{key}' is given both directly and through a DeepSpeed key; give it once")
@@ -400,135 +406,3 @@ def _parse_dtype(name: str, value, allow_none: bool):
     raise ZeroConfigError(f"option '{name}' = {value!r} is invalid; allowed: {allowed}")
 
 
-# ---------------------------------------------------------------------- DeepSpeed dicts
-_DEEPSPEED_TOP_LEVEL = ("zero_optimization", "bf16", "fp16", "communication_data_type", "aio")
-_DEEPSPEED_ZERO_KEYS = ("stage", "reduce_bucket_size", "allgather_bucket_size", "offload_optimizer", "offload_param",
-                        "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
-_DEEPSPEED_TRAINING_LOOP_KEYS = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
-                                 "gradient_accumulation_steps", "gradient_clipping", "steps_per_print")
-"""DeepSpeed keys for what a training script does itself: rejected with that advice, never
-taken for a misspelt zerocompile option."""
-_DEEPSPEED_AIO = {"block_size": "block_size", "thread_count": "threads", "intra_op_parallelism": None,
-                  "queue_depth": None, "single_submit": None, "overlap_events": None, "use_gds": None}
-"""DeepSpeed's ``aio`` keys: the ones with a name here set that offload setting; the others are
-accepted and have no effect (a thread pool with one request per thread does the I/O)."""
-
-
-_DEEPSPEED_FP16_SCALING = {
-    "loss_scale": None, "initial_scale_power": "initial_scale", "loss_scale_window": "window",
-    "hysteresis": "hysteresis", "min_loss_scale": "min_scale", "consecutive_hysteresis": "consecutive_hysteresis",
-}
-
-
-def _translate_fp16_scaling(fp16: dict):
-    """DeepSpeed's ``fp16`` loss-scaling keys -> the ``loss_scale`` option. ``loss_scale`` 0
-    (DeepSpeed's default) is dynamic scaling, a positive value a static scale."""
-    static = fp16.get("loss_scale", 0)
-    if isinstance(static, bool) or not isinstance(static, (int, float)) or static < 0:
-        raise ZeroConfigError(f"DeepSpeed key 'fp16.loss_scale' = {static!r} is invalid; allowed: 0 "
-                              "(dynamic) or a static scale > 0")
-    if static > 0:
-        dynamic_keys = sorted(set(fp16) - {"enabled", "loss_scale"})
-        if dynamic_keys:
-            raise ZeroConfigError(f"DeepSpeed key 'fp16.{dynamic_keys[0]}' applies to dynamic loss scaling, "
-                                  f"but 'fp16.loss_scale' = {static} asks for a static scale")
-        return float(static)
-    out = {}
-    for ds_key, ours in _DEEPSPEED_FP16_SCALING.items():
-        if ours is None or ds_key not in fp16:
-            continue
-        value = fp16[ds_key]
-        if ds_key == "initial_scale_power":
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ZeroConfigError(f"DeepSpeed key 'fp16.initial_scale_power' = {value!r} is invalid; "
-                                      "allowed: an integer")
-            value = 2.0**value
-        out[ours] = value
-    return out or "dynamic"
-
-
-def translate_deepspeed(ds: dict) -> dict:
-    """Translate a DeepSpeed config dict into zerocompile options.
-
-    Translated: ``zero_optimization.stage``, ``zero_optimization.reduce_bucket_size`` /
-    ``allgather_bucket_size`` (elements; bucket_mb = elements x 4 bytes), ``bf16.enabled``,
-    ``fp16.enabled`` (param_dtype float16 and dynamic loss scaling) with ``fp16.loss_scale``,
-    ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``, ``min_loss_scale``,
-    ``consecutive_hysteresis`` (the ``loss_scale`` option), ``communication_data_type``,
-    ``zero_optimization.offload_optimizer``, ``offload_param``, ``zero_quantized_weights``,
-    ``zero_quantized_gradients`` and ``zero_hpz_partition_size`` (the options of those names) with ``aio``'s
-    ``block_size`` and ``thread_count``. Every other key is rejected by name.
-    """
-    out: dict = {}
-    aio: dict = {}
-    for key, value in ds.items():
-        if key == "zero_optimization":
-            if not isinstance(value, dict):
-                raise ZeroConfigError("DeepSpeed key 'zero_optimization' must be a dict")
-            for zkey, zval in value.items():
-                if zkey == "stage":
-                    out["stage"] = zval
-                elif zkey in ("reduce_bucket_size", "allgather_bucket_size"):
-                    if isinstance(zval, bool) or not isinstance(zval, (int, float)) or zval <= 0:
-                        raise ZeroConfigError(
-                            f"DeepSpeed key 'zero_optimization.{zkey}' = {zval!r} is invalid; "
-                            "allowed: a number of elements > 0")
-                    mb = float(zval) * 4 / 2**20
-                    if "bucket_mb" in out and out["bucket_mb"] != mb:
-                        raise ZeroConfigError(
-                            "DeepSpeed keys 'zero_optimization.reduce_bucket_size' and "
-                            "'allgather_bucket_size' differ; zerocompile has one bucket size "
-                            "(bucket_mb): give them the same value")
-                    out["bucket_mb"] = mb
-                elif zkey in ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size"):
-                    out[zkey] = zval
-                elif zkey in ("offload_optimizer", "offload_param"):
-                    if not isinstance(zval, dict):
-                        raise ZeroConfigError(f"DeepSpeed key 'zero_optimization.{zkey}' must be a dict")
-                    out[zkey] = dict(zval)
-                else:
-                    raise ZeroConfigError(
-                        f"DeepSpeed key 'zero_optimization.{zkey}' is not supported by zerocompile; "
-                        f"supported: {', '.join('zero_optimization.' + k for k in _DEEPSPEED_ZERO_KEYS)}. "
-                        "Remove it (see docs/config.md, 'DeepSpeed configs')")
-        elif key in ("bf16", "fp16"):
-            enabled = value.get("enabled", False) if isinstance(value, dict) else value
-            allowed = {"enabled"} | (set(_DEEPSPEED_FP16_SCALING) if key == "fp16" else set())
-            extra = set(value) - allowed if isinstance(value, dict) else set()
-            if extra:
-                raise ZeroConfigError(
-                    f"DeepSpeed key '{key}.{sorted(extra)[0]}' is not supported by zerocompile; "
-                    f"translated: {', '.join(key + '.' + k for k in sorted(allowed))}")
-            if enabled is True or enabled == "auto":
-                dtype = "bfloat16" if key == "bf16" else "float16"
-                if out.get("param_dtype", dtype) != dtype:
-                    raise ZeroConfigError("DeepSpeed config enables both 'bf16' and 'fp16'; choose one")
-                out["param_dtype"] = dtype
-                if key == "fp16":
-                    out["loss_scale"] = _translate_fp16_scaling(value if isinstance(value, dict) else {})
-            elif enabled is not False:
-                raise ZeroConfigError(
-                    f"DeepSpeed key '{key}.enabled' = {enabled!r} is invalid; allowed: true, false")
-        elif key == "communication_data_type":
-            out["reduce_dtype"] = value
-        elif key == "aio":
-            if not isinstance(value, dict):
-                raise ZeroConfigError("DeepSpeed key 'aio' must be a dict")
-            for akey in value:
-                if akey not in _DEEPSPEED_AIO:
-                    raise ZeroConfigError(f"DeepSpeed key 'aio.{akey}' is not supported by zerocompile; "
-                                          f"supported: {', '.join('aio.' + k for k in _DEEPSPEED_AIO)}")
-            aio = {ours: value[k] for k, ours in _DEEPSPEED_AIO.items() if ours and k in value}
-        else:
-            own = [f.name for f in fields(ZeroConfig)]
-            close = difflib.get_close_matches(str(key), own + list(_DEEPSPEED_TOP_LEVEL), n=1)
-            if close and key not in _DEEPSPEED_TRAINING_LOOP_KEYS:
-                raise ZeroConfigError(f"unknown option '{key}'; did you mean '{close[0]}'?")
-            raise ZeroConfigError(
-                f"DeepSpeed key '{key}' is not supported by zerocompile; supported: "
-                f"{', '.join(_DEEPSPEED_TOP_LEVEL)}. Optimizer, scheduler, batch size and clipping "
-                "settings belong in your training script (ZeroOptimizer, clip_grad_norm_)")
-    for kind in ("offload_optimizer", "offload_param"):
-        if aio and kind in out:
-            out[kind] = {**aio, **out[kind]}
-    return out

@@ -1,0 +1,305 @@
+"""DeepSpeed configs as they are: a DeepSpeed JSON file or dict -> zerocompile options.
+
+``translate_deepspeed(ds)`` sorts every key of a DeepSpeed config into one of three kinds:
+
+- **translated**: keys with a zerocompile meaning become the options of that meaning
+  (``zero_optimization.stage``, bucket sizes, offload, ZeRO++, ``overlap_comm``,
+  ``stage3_prefetch_bucket_size``, ``fp16`` with its loss-scale keys, ``bf16``,
+  ``communication_data_type``, ``aio``);
+- **accepted, with advice**: keys that belong to the training loop (batch sizes, gradient
+  accumulation and clipping, optimizer, scheduler), to logging and monitoring, or that name
+  something zerocompile always does or decides itself (contiguous gradient buffers,
+  reduce-scatter, the stage-3 persistence and reuse thresholds). They change nothing; one log
+  line per key and process says where that setting lives in a zerocompile script;
+- **rejected**: anything else raises ``ZeroConfigError`` naming the key.
+
+``"auto"`` (the value HF Trainer fills in from its own arguments) keeps zerocompile's default
+for that key, with a log line. ``load_deepspeed_file(path)`` reads a JSON file for
+``options=path``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+import logging
+import os
+from pathlib import Path
+
+from zerocompile.config import ZeroConfigError
+
+log = logging.getLogger("zerocompile")
+
+TOP_LEVEL_TRANSLATED = ("zero_optimization", "bf16", "bfloat16", "fp16", "communication_data_type", "aio")
+"""Top-level DeepSpeed keys with a zerocompile meaning (``bfloat16`` is DeepSpeed's alias of ``bf16``)."""
+
+ZERO_TRANSLATED = ("stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+                   "stage3_prefetch_bucket_size", "offload_optimizer", "offload_param", "cpu_offload",
+                   "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
+"""``zero_optimization`` keys that become zerocompile options."""
+
+TRAINING_LOOP_KEYS = {
+    "train_batch_size": "the global batch is your DataLoader's batch size x world size x gradient accumulation steps",
+    "train_micro_batch_size_per_gpu": "set it as your DataLoader's batch_size on each rank",
+    "gradient_accumulation_steps": "run several forward/backward passes before opt.step(); gradients accumulate "
+                                   "in the shards (docs/api.md, gradient accumulation)",
+    "gradient_clipping": "call opt.clip_grad_norm_(max_norm) of your ZeroOptimizer before opt.step()",
+    "optimizer": "build it in your script: zerocompile.ZeroOptimizer(model.parameters(), "
+                 "optimizer_class=torch.optim.AdamW, lr=...)",
+    "scheduler": "build any torch.optim.lr_scheduler on your ZeroOptimizer in your script",
+}
+"""DeepSpeed keys for what a zerocompile training script does itself: accepted, with where
+that setting lives."""
+
+ACCEPTED_KEYS = {
+    "steps_per_print": "log from your training loop (zerocompile.stats() has memory and communication)",
+    "wall_clock_breakdown": "time steps in your script or profile them (torch.profiler, "
+                            "benchmarks/step_breakdown.py)",
+    "prescale_gradients": "zerocompile averages gradients in its reduce-scatter (op avg, or a sum divided by "
+                          "the world size in float32)",
+    "gradient_predivide_factor": "zerocompile averages gradients in its reduce-scatter (op avg, or a sum divided "
+                                 "by the world size in float32)",
+    "zero_allow_untested_optimizer": "ZeroOptimizer wraps any torch.optim optimizer",
+    "tensorboard": "log from your training loop",
+    "wandb": "log from your training loop",
+    "csv_monitor": "log from your training loop",
+    "comet": "log from your training loop",
+    "flops_profiler": "profile with torch.profiler or benchmarks/step_breakdown.py",
+    "comms_logger": "zerocompile.stats() counts every collective and its bytes",
+    "activation_checkpointing": "zerocompile decides recomputation in the compiled graph: the recompute option "
+                                "('none', 'auto', 'full'); torch.utils.checkpoint in your model works as well",
+    "memory_breakdown": "zerocompile.stats() reports parameter, gradient and optimizer-state bytes",
+}
+"""Other top-level DeepSpeed keys zerocompile accepts without a setting of its own (logging,
+monitoring, how gradients are averaged, activation checkpointing), with what to use instead."""
+
+ZERO_ACCEPTED_KEYS = {
+    "contiguous_gradients": "zerocompile always packs each bucket's gradients contiguously (bucketing pass)",
+    "reduce_scatter": "zerocompile always reduce-scatters gradients at stages 1-3",
+    "allgather_partitions": "zerocompile always all-gathers updated partitions at stages 1-2",
+    "round_robin_gradients": "zerocompile's partitioning is fixed per parameter",
+    "sub_group_size": "the optimizer step works tile by tile (offload_optimizer's buffer_size)",
+    "stage3_max_live_parameters": "the prefetch pass bounds gathered bytes in flight by prefetch_mb, and "
+                                  "memory_limit_mb bounds the simulated peak",
+    "stage3_max_reuse_distance": "the selective_unshard pass keeps gathered the parameters worth keeping from "
+                                 "forward to backward (unshard_budget_mb), chosen by the cost model",
+    "stage3_param_persistence_threshold": "the selective_unshard pass keeps gathered the parameters worth keeping "
+                                          "from forward to backward (unshard_budget_mb), chosen by the cost model",
+    "stage3_gather_16bit_weights_on_model_save": "save a full model with zerocompile.full_state_dict() or "
+                                                 "zerocompile.save_pretrained(); sharded checkpoints with "
+                                                 "zerocompile's checkpoint functions",
+    "stage3_gather_fp16_weights_on_model_save": "save a full model with zerocompile.full_state_dict() or "
+                                                "zerocompile.save_pretrained()",
+    "ignore_unused_parameters": "parameters that get no gradient keep None as their gradient, and the optimizer "
+                                "skips them, as torch's do",
+    "load_from_fp32_weights": "zerocompile's checkpoints hold the float32 master shards",
+    "elastic_checkpoint": "zerocompile's checkpoints (torch.distributed.checkpoint) load at any world size",
+    "memory_efficient_linear": "no effect in zerocompile",
+}
+"""``zero_optimization`` keys zerocompile accepts without a setting of its own."""
+
+_AIO = {"block_size": "block_size", "thread_count": "threads", "intra_op_parallelism": None,
+        "queue_depth": None, "single_submit": None, "overlap_events": None, "use_gds": None}
+"""DeepSpeed's ``aio`` keys: the ones with a name here set that offload setting; the others are
+accepted and have no effect (a thread pool with one request per thread does the I/O)."""
+
+_FP16_SCALING = {
+    "loss_scale": None, "initial_scale_power": "initial_scale", "loss_scale_window": "window",
+    "hysteresis": "hysteresis", "min_loss_scale": "min_scale", "consecutive_hysteresis": "consecutive_hysteresis",
+}
+
+
+@functools.cache
+def _advise(key: str, advice: str) -> None:
+    # once per key and process: the backend translates the same options for every frame it compiles
+    log.info("DeepSpeed key '%s' has no zerocompile option: %s", key, advice)
+
+
+def load_deepspeed_file(path: str | os.PathLike) -> dict:
+    """The DeepSpeed config in the JSON file ``path`` (``options=path``), translated."""
+    p = Path(path)
+    if not p.is_file():
+        raise ZeroConfigError(f"options = {str(path)!r}: no such file; give a DeepSpeed JSON config file or an "
+                              "options dict such as {'stage': 3}")
+    try:
+        ds = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ZeroConfigError(f"options file {str(path)!r} is not a JSON DeepSpeed config: {err}") from None
+    if not isinstance(ds, dict):
+        raise ZeroConfigError(f"options file {str(path)!r} must hold a JSON object (a DeepSpeed config), got "
+                              f"{type(ds).__name__}")
+    return translate_deepspeed(ds)
+
+
+def _is_auto(where: str, value) -> bool:
+    if value == "auto":
+        _advise(where, "'auto' (filled in by HF Trainer from its arguments) keeps zerocompile's default")
+        return True
+    return False
+
+
+def _elements(where: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ZeroConfigError(f"DeepSpeed key '{where}' = {value!r} is invalid; allowed: a number of elements > 0")
+    return float(value)
+
+
+def _translate_fp16_scaling(fp16: dict):
+    """DeepSpeed's ``fp16`` loss-scaling keys -> the ``loss_scale`` option. ``loss_scale`` 0
+    (DeepSpeed's default) is dynamic scaling, a positive value a static scale."""
+    static = fp16.get("loss_scale", 0)
+    if isinstance(static, bool) or not isinstance(static, (int, float)) or static < 0:
+        raise ZeroConfigError(f"DeepSpeed key 'fp16.loss_scale' = {static!r} is invalid; allowed: 0 "
+                              "(dynamic) or a static scale > 0")
+    if static > 0:
+        dynamic_keys = sorted(set(fp16) - {"enabled", "loss_scale"})
+        if dynamic_keys:
+            raise ZeroConfigError(f"DeepSpeed key 'fp16.{dynamic_keys[0]}' applies to dynamic loss scaling, "
+                                  f"but 'fp16.loss_scale' = {static} asks for a static scale")
+        return float(static)
+    out = {}
+    for ds_key, ours in _FP16_SCALING.items():
+        if ours is None or ds_key not in fp16:
+            continue
+        value = fp16[ds_key]
+        if ds_key == "initial_scale_power":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ZeroConfigError(f"DeepSpeed key 'fp16.initial_scale_power' = {value!r} is invalid; "
+                                      "allowed: an integer")
+            value = 2.0**value
+        out[ours] = value
+    return out or "dynamic"
+
+
+def _translate_zero(section, out: dict) -> None:
+    if not isinstance(section, dict):
+        raise ZeroConfigError("DeepSpeed key 'zero_optimization' must be a dict")
+    for key, value in section.items():
+        where = f"zero_optimization.{key}"
+        if key in ZERO_ACCEPTED_KEYS:
+            _advise(where, ZERO_ACCEPTED_KEYS[key])
+        elif key == "stage":
+            out["stage"] = value
+        elif key in ("reduce_bucket_size", "allgather_bucket_size"):
+            if _is_auto(where, value):
+                continue
+            mb = _elements(where, value) * 4 / 2**20
+            if "bucket_mb" in out and out["bucket_mb"] != mb:
+                raise ZeroConfigError(
+                    "DeepSpeed keys 'zero_optimization.reduce_bucket_size' and 'allgather_bucket_size' differ; "
+                    "zerocompile has one bucket size (bucket_mb): give them the same value")
+            out["bucket_mb"] = mb
+        elif key == "overlap_comm":
+            if not isinstance(value, bool):
+                raise ZeroConfigError(f"DeepSpeed key '{where}' = {value!r} is invalid; allowed: true, false")
+            out["prefetch"] = value
+        elif key == "stage3_prefetch_bucket_size":
+            if not _is_auto(where, value):
+                out["_prefetch_elements"] = _elements(where, value)
+        elif key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size"):
+            out[key] = value
+        elif key == "cpu_offload":           # DeepSpeed's older spelling of offload_optimizer.device "cpu"
+            if not isinstance(value, bool):
+                raise ZeroConfigError(f"DeepSpeed key '{where}' = {value!r} is invalid; allowed: true, false")
+            if value:
+                if "offload_optimizer" in section:
+                    raise ZeroConfigError("DeepSpeed keys 'zero_optimization.cpu_offload' and 'offload_optimizer' "
+                                          "both offload the optimizer state; keep offload_optimizer")
+                out["offload_optimizer"] = {"device": "cpu"}
+        elif key in ("offload_optimizer", "offload_param"):
+            if not isinstance(value, dict):
+                raise ZeroConfigError(f"DeepSpeed key '{where}' must be a dict")
+            out[key] = dict(value)
+        else:
+            known = list(ZERO_TRANSLATED) + list(ZERO_ACCEPTED_KEYS)
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean 'zero_optimization.{close[0]}'?" if close else ""
+            raise ZeroConfigError(
+                f"DeepSpeed key '{where}' is not supported by zerocompile{hint}; translated: "
+                f"{', '.join('zero_optimization.' + k for k in ZERO_TRANSLATED)}; accepted without effect: "
+                f"{', '.join(ZERO_ACCEPTED_KEYS)}. Remove it (see docs/config.md, 'DeepSpeed configs')")
+
+
+_MUST_BE_FALSE = {
+    "fp16_master_weights_and_grads": "zerocompile keeps float32 master weights and gradients shards",
+    "auto_cast": "zerocompile casts parameters and floating-point inputs to param_dtype itself",
+}
+"""``fp16`` keys zerocompile accepts only as false (their default), with why."""
+
+
+def _translate_precision(key: str, value, out: dict) -> None:
+    name = "bf16" if key == "bfloat16" else key
+    enabled = value.get("enabled", False) if isinstance(value, dict) else value
+    allowed = {"enabled"} | (set(_FP16_SCALING) if name == "fp16" else set())
+    if isinstance(value, dict) and name == "fp16":
+        for flag, why in _MUST_BE_FALSE.items():
+            if value.get(flag, False) is not False:
+                raise ZeroConfigError(f"DeepSpeed key 'fp16.{flag}' = {value[flag]!r} is not supported: {why}; "
+                                      "set it to false or remove it")
+        value = {k: v for k, v in value.items() if k not in _MUST_BE_FALSE}
+    extra = set(value) - allowed if isinstance(value, dict) else set()
+    if extra:
+        raise ZeroConfigError(f"DeepSpeed key '{key}.{sorted(extra)[0]}' is not supported by zerocompile; "
+                              f"translated: {', '.join(key + '.' + k for k in sorted(allowed))}")
+    if enabled == "auto":
+        _advise(f"{key}.enabled", "'auto' (filled in by HF Trainer from --fp16/--bf16) reads as false here; set "
+                                  "it to true, or set the param_dtype option")
+        return
+    if enabled is True:
+        dtype = "bfloat16" if name == "bf16" else "float16"
+        if out.get("param_dtype", dtype) != dtype:
+            raise ZeroConfigError("DeepSpeed config enables both 'bf16' and 'fp16'; choose one")
+        out["param_dtype"] = dtype
+        if name == "fp16":
+            out["loss_scale"] = _translate_fp16_scaling(value if isinstance(value, dict) else {})
+    elif enabled is not False:
+        raise ZeroConfigError(f"DeepSpeed key '{key}.enabled' = {enabled!r} is invalid; allowed: true, false, 'auto'")
+
+
+def translate_deepspeed(ds: dict) -> dict:
+    """Translate a DeepSpeed config dict into zerocompile options (see the module docstring
+    and docs/config.md, 'DeepSpeed configs', for every key)."""
+    from zerocompile.config import ZeroConfig   # (config imports this module when it meets a DeepSpeed key)
+
+    out: dict = {}
+    aio: dict = {}
+    for key, value in ds.items():
+        if key == "zero_optimization":
+            _translate_zero(value, out)
+        elif key in ("bf16", "bfloat16", "fp16"):
+            _translate_precision(key, value, out)
+        elif key == "communication_data_type":
+            if value is not None:
+                out["reduce_dtype"] = value
+        elif key == "aio":
+            if not isinstance(value, dict):
+                raise ZeroConfigError("DeepSpeed key 'aio' must be a dict")
+            for akey in value:
+                if akey not in _AIO:
+                    raise ZeroConfigError(f"DeepSpeed key 'aio.{akey}' is not supported by zerocompile; "
+                                          f"supported: {', '.join('aio.' + k for k in _AIO)}")
+            aio = {ours: value[k] for k, ours in _AIO.items() if ours and k in value}
+        elif key in TRAINING_LOOP_KEYS:
+            _advise(key, f"it belongs to the training loop: {TRAINING_LOOP_KEYS[key]}")
+        elif key in ACCEPTED_KEYS:
+            _advise(key, ACCEPTED_KEYS[key])
+        else:
+            own = [f.name for f in dataclasses.fields(ZeroConfig)]
+            close = difflib.get_close_matches(str(key), own + list(TOP_LEVEL_TRANSLATED), n=1)
+            if close:
+                raise ZeroConfigError(f"unknown option '{key}'; did you mean '{close[0]}'?")
+            raise ZeroConfigError(
+                f"DeepSpeed key '{key}' is not supported by zerocompile; translated: "
+                f"{', '.join(TOP_LEVEL_TRANSLATED)}; accepted as training-loop settings: "
+                f"{', '.join(TRAINING_LOOP_KEYS)}; accepted without effect: {', '.join(ACCEPTED_KEYS)}. "
+                "Remove it (see docs/config.md, 'DeepSpeed configs')")
+    elements = out.pop("_prefetch_elements", None)
+    if elements is not None:
+        bytes_per_element = 2 if out.get("param_dtype") in ("bfloat16", "float16") else 4
+        out["prefetch_mb"] = elements * bytes_per_element / 2**20
+    for kind in ("offload_optimizer", "offload_param"):
+        if aio and kind in out:
+            out[kind] = {**aio, **out[kind]}
+    return out
