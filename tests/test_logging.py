@@ -1,0 +1,48 @@
+"""The ``zerocompile`` logger under torch's logging controls: ``TORCH_LOGS="+zerocompile"``
+(debug), ``TORCH_LOGS="zerocompile"`` (info) and ``torch._logging.set_logs(modules=...)``.
+
+torch accepts any importable module's name in ``TORCH_LOGS`` and in ``set_logs(modules=...)``
+(its documented way to log a module that did not register an alias), and zerocompile logs
+to the one logger named after its package, so no registration (a private torch API) is
+needed. These tests fail if torch stops accepting module names there."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SCRIPT = textwrap.dedent("""
+    import logging, sys
+    import torch
+    import zerocompile
+    if sys.argv[1] == "api":
+        torch._logging.set_logs(modules={"zerocompile": logging.DEBUG})
+    model = torch.compile(torch.nn.Linear(4, 2), backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    model(torch.randn(3, 4)).sum().backward()
+""")
+
+
+def _run(settings: str | None, how: str = "env") -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"}
+    if settings is not None:
+        env["TORCH_LOGS"] = settings
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, how], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr
+
+
+def test_torch_logs_controls_the_zerocompile_logger():
+    debug = _run("+zerocompile")
+    assert "joint graph after tag_collectives" in debug           # a pass manager debug line
+    assert "2 parameters (stage 3, world 1) -> eager" in debug     # and the info line
+    info = _run("zerocompile")
+    assert "2 parameters (stage 3, world 1) -> eager" in info
+    assert "joint graph after tag_collectives" not in info
+    quiet = _run(None)
+    assert "-> eager" not in quiet and "after tag_collectives" not in quiet
+    assert "joint graph after tag_collectives" in _run(None, how="api")
