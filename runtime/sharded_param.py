@@ -62,7 +62,8 @@ class ShardedParam:
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
                  bucket_mb: float = 25.0, keep_full: bool = False,
                  offload_optimizer: OffloadSettings = OffloadSettings(),
-                 offload_param: OffloadSettings = OffloadSettings()):
+                 offload_param: OffloadSettings = OffloadSettings(), chunk: torch.Tensor | None = None,
+                 provisional: bool = False):
         if not param.is_contiguous():
             raise ValueError(
                 f"zerocompile: parameter '{name}' is not contiguous (stride {param.stride()}); "
@@ -100,8 +101,22 @@ class ShardedParam:
         self.grad_synced = False
         """The parameter's own ``.grad`` holds the gradient averaged over ranks (set by
         ``ZeroOptimizer`` once it reduced it; cleared by the next forward and by zero_grad)."""
+        self.provisional = provisional
+        """Made by ``zerocompile.materialize`` (stage-3 layout, default options) before any frame
+        compiled; the first frame adopts it with its own options (``capture``)."""
         with _torch_compat.plain_tensor_ops():
-            self._build(param.detach())
+            if chunk is not None:
+                # this rank's chunk, cut already (materialize, load_pretrained): the parameter's
+                # storage holds nothing to read
+                if self.rules is not stage_rules(3):
+                    raise ValueError("ShardedParam: a pre-cut chunk is a stage-3 shard")
+                self.shard = chunk.detach().to(self.dtype)     # the caller's fresh tensor: no copy
+                if self.shard.numel() != self.chunk:
+                    raise ValueError(f"ShardedParam: chunk of {self.shard.numel()} elements, expected {self.chunk}")
+                self.shard.requires_grad_(self.requires_grad)
+                self._free_param_storage()
+            else:
+                self._build(param.detach())
 
     # -- construction -----------------------------------------------------------------
     def _own_chunk(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -259,6 +274,12 @@ def offloads_param(settings: OffloadSettings, device: torch.device) -> bool:
 def get_state(param: torch.Tensor) -> ShardedParam | None:
     """The shard state of ``param``, or None if no compiled frame has used it yet."""
     return getattr(param, _ATTR, None)
+
+
+def detach_state(param: torch.nn.Parameter) -> None:
+    """Remove ``param``'s shard state (a provisional one, replaced by the first frame's)."""
+    if hasattr(param, _ATTR):
+        delattr(param, _ATTR)
 
 
 def attach_state(param: torch.nn.Parameter, state: ShardedParam) -> None:

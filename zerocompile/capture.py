@@ -37,7 +37,7 @@ from zerocompile.runtime.accounting import ACCOUNTING, CollectiveSummary
 from zerocompile.runtime.comm import CommGroup, resolve_group
 from zerocompile.runtime.eager_fallback import eager_only_parameters, install_eager_fallback
 from zerocompile.runtime.fingerprint import check_same_on_all_ranks, fingerprint
-from zerocompile.runtime.sharded_param import ShardedParam, attach_state, get_state
+from zerocompile.runtime.sharded_param import ShardedParam, attach_state, detach_state, get_state, offloads_param
 from zerocompile.runtime.zero_parameter import adopt
 
 log = logging.getLogger("zerocompile")
@@ -255,6 +255,8 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
             continue
         name = (source is not None and _torch_compat.param_fqn(source)) or node.name
         state = get_state(ex)
+        if state is not None and state.provisional:
+            state = _adopt_provisional(ex, state, cfg, group, keep_full=id(ex) in eager_owned)
         if state is None:
             state = _shard_parameter(ex, name, cfg, group, keep_full=id(ex) in eager_owned)
         else:
@@ -274,6 +276,33 @@ def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_f
     ACCOUNTING.states.add(state)
     ACCOUNTING.world_size = group.world
     return state
+
+
+def _adopt_provisional(param, state: ShardedParam, cfg: ZeroConfig, group: CommGroup,
+                       keep_full: bool) -> ShardedParam | None:
+    """The first frame to use a parameter ``zerocompile.materialize`` sharded: where this
+    frame shards it the same way (stage 3 over the same group, its shards in memory, not kept
+    whole for an eager module) the state takes the frame's options; otherwise the full value is
+    gathered back into the parameter (one all-gather: every rank compiles the same frames) and
+    None is returned, so the frame shards it as any parameter."""
+    same_layout = (cfg.stage == 3 and group.name == state.group.name and not keep_full
+                   and not offloads_param(cfg.offload_param, state.device))
+    if same_layout:
+        state.compute_dtype = cfg.param_dtype if cfg.param_dtype is not None and param.is_floating_point() \
+            else state.dtype
+        state.reduce_dtype = cfg.reduce_dtype
+        state.bucket_mb = cfg.bucket_mb
+        state.offload_optimizer = cfg.offload_optimizer
+        state.offload_param = cfg.offload_param
+        state.provisional = False
+        return state
+    full = state.full_from_shards()
+    ACCOUNTING.states.discard(state)
+    detach_state(param)
+    with _torch_compat.plain_tensor_ops(), torch.no_grad():
+        param.untyped_storage().resize_(state.numel * param.element_size())
+        param.copy_(full)
+    return None
 
 
 def _check_compatible(state: ShardedParam, cfg: ZeroConfig, group: CommGroup, name: str) -> None:
