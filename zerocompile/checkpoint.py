@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from zerocompile.dcp_shards import ShardView
 from zerocompile.optimizer import ParamState, ZeroOptimizer
+from zerocompile.progress import track
 from zerocompile.runtime.comm import CommGroup, resolve_group
 from zerocompile.runtime.param_offload import resident_shards
 from zerocompile.runtime.sharded_param import ShardedParam, get_state
@@ -151,12 +152,14 @@ def consolidated_state_dict(path) -> dict:
     metadata = _read_metadata(path)
     meta = json.loads(_read_small(path, metadata, [META_KEY])[META_KEY])
     state = {}
-    for key in meta["model_keys"]:
-        if key not in meta["tied"]:
-            md = metadata.state_dict_metadata[MODEL + key]
-            state[MODEL + key] = torch.empty(md.size, dtype=md.properties.dtype)
+    keys = [key for key in meta["model_keys"] if key not in meta["tied"]]
     with _single_process():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+        # one tensor per load, so that a progress bar can follow a large checkpoint
+        for key in track(keys, f"reading {os.path.basename(path)}"):
+            md = metadata.state_dict_metadata[MODEL + key]
+            one = {MODEL + key: torch.empty(md.size, dtype=md.properties.dtype)}
+            dcp.load(one, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+            state.update(one)
     return {key: state[MODEL + meta["tied"].get(key, key)] for key in meta["model_keys"]}
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from zerocompile import _torch_compat
+from zerocompile.progress import track
 from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, chunk_size, resolve_group
 from zerocompile.runtime.sharded_param import ShardedParam, attach_state, get_state
@@ -267,7 +268,7 @@ def load_pretrained(model: torch.nn.Module, path, *, strict: bool = True) -> tor
         raise KeyError(f"zerocompile.load_pretrained({path}): missing keys {missing}, unexpected keys {unexpected}")
     loaded = set()
     with torch.no_grad(), _torch_compat.plain_tensor_ops():
-        for name, t in entries.items():
+        for name, t in track(list(entries.items()), f"loading {Path(path).name}"):
             if id(t) in loaded:
                 continue
             key = next((a for a in [name, *aliases[id(t)]] if a in source.where), None)
@@ -367,6 +368,7 @@ def save_pretrained(model: torch.nn.Module, directory, *, max_shard_size="5GB", 
     names = ["model.safetensors"] if len(files) == 1 else \
         [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     total = 0
+    bar = iter(track(range(len(entries)), f"saving to {directory.name}") if writer else range(len(entries)))
     for file_name, tensors in zip(names, files):
         out = open(directory / file_name, "wb") if writer else None
         try:
@@ -378,6 +380,7 @@ def save_pretrained(model: torch.nn.Module, directory, *, max_shard_size="5GB", 
                 if out is not None:
                     out.write(_raw_bytes(full))
                 del full
+                next(bar, None)
         finally:
             if out is not None:
                 out.close()
