@@ -25,6 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 INSTALLED = [ROOT / "zerocompile", ROOT / "passes", ROOT / "runtime"]
 TESTS = ROOT / "tests"
 NOT_FEATURE_EXTRAS = ("test", "bench")
+INTEGRATIONS = ROOT / "zerocompile" / "integrations"
+INTEGRATION_EXTRA = "hf"
+"""``zerocompile.integrations`` modules exist to use their libraries (``ZeroTrainer`` subclasses
+``transformers.Trainer``): they import the ``hf`` extra at module level, and nothing imports them
+but the user (``import zerocompile`` does not; the plain-install check below skips them)."""
 TEST_PLUGINS = {"pytest-xdist"}
 """Pytest plugins the test command loads (``make test`` runs ``pytest -n``), which no test imports."""
 """Every other extra serves an optional feature of the installed code (``plot``): its packages are
@@ -101,7 +106,9 @@ def test_base_dependencies_are_what_the_installed_code_imports():
     assert not base - needed, f"declared in [project] dependencies but never imported: {sorted(base - needed)}"
     for extra in feature_extras:
         assert extras[extra] <= set(imported), f"extra {extra!r} declares unused {sorted(extras[extra] - set(imported))}"
-    eager = {d for d in optional & set(imported) if imported[d]["module_level"]}
+    integration_only = {d for d in extras[INTEGRATION_EXTRA] & set(imported)
+                        if all(w.startswith(str(INTEGRATIONS.relative_to(ROOT))) for w in imported[d]["where"])}
+    eager = {d for d in optional & set(imported) if imported[d]["module_level"]} - integration_only
     assert not eager, f"optional-feature packages imported at module level: {_report(imported, eager)}"
 
 
@@ -169,7 +176,9 @@ PLAIN_INSTALL = ONLY_ALLOWED + textwrap.dedent("""
     import pkgutil
     import zerocompile, zerocompile.cli
     for info in pkgutil.walk_packages(zerocompile.__path__, "zerocompile."):
-        __import__(info.name)                    # every installed module imports
+        if not info.name.startswith("zerocompile.integrations."):   # those need the hf extra
+            __import__(info.name)                # every other installed module imports
+    assert not any(m.startswith("zerocompile.integrations.") for m in sys.modules), "imported integrations"
     print("blocked:", sorted(blocked), file=sys.stderr)
     try:
         zerocompile.cli.main(["--help"])
