@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from zerocompile.passes import param_identity
@@ -48,16 +49,20 @@ def insert_param_collectives(gm: torch.fx.GraphModule, ctx: PassContext, plans=N
     group = ctx.group
     indices = param_identity.number_parameters(plans)
     alias_storages = {}     # storage of a stage-2 parameter's example value -> its plan
+    fake_mode = next((v.fake_mode for n in placeholders
+                      if isinstance(v := n.meta.get("example_value"), FakeTensor)), None)
     for node, sp, index in zip(placeholders, plans, indices):
         if sp is None:
             continue
         users = sorted(node.users, key=order.__getitem__)
         new_inputs = []
         with graph.inserting_before(node):
-            for suffix in sp.rules.input_suffixes:
+            for suffix, tensor in zip(sp.rules.input_suffixes, sp.graph_inputs()):
                 ph = graph.placeholder(f"{node.name}{suffix}" if suffix else f"{node.name}_param")
                 ph._dynamo_source = None  # read by AOTAutograd's Dynamo-metadata check
                 ph.meta["zerocompile"] = {"role": _INPUT_ROLES[suffix], "param": sp.name}
+                if fake_mode is not None:   # what later passes propagate fake tensors from
+                    ph.meta["example_value"] = fake_mode.from_tensor(tensor, static_shapes=True)
                 new_inputs.append(ph)
         # just before the first use, so a gathered parameter lives from its first use to its
         # last, not from the start of the graph (placeholders come before every user)

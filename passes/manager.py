@@ -51,6 +51,7 @@ class GraphPass:
 
 
 def _registry() -> list[GraphPass]:
+    from zerocompile.passes.align_compute_dtypes import align_compute_dtypes
     from zerocompile.passes.bucketing import bucketing
     from zerocompile.passes.cast_before_gather import cast_before_gather
     from zerocompile.passes.cast_forward_inputs import cast_forward_inputs
@@ -75,6 +76,9 @@ def _registry() -> list[GraphPass]:
         GraphPass("cast_before_gather", cast_before_gather, ("dynamo",), stages=(3,),
                   requires=("param_collectives",),
                   summary="cast shards to param_dtype before the all-gather, not after"),
+        GraphPass("align_compute_dtypes", align_compute_dtypes, ("dynamo",), requires=("param_collectives",),
+                  enabled=lambda config: config.param_dtype is not None,
+                  summary="cast float32 operands of mixed-dtype matrix products to param_dtype"),
         GraphPass("tag_collectives", tag_collectives, ("joint", "inference"), requires=("param_collectives",),
                   provides=("tags",), optional=False, ensures=ensure_tagged,
                   summary="tag each parameter all-gather / gradient reduce-scatter with its role and parameter",

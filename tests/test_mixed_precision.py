@@ -538,3 +538,59 @@ def test_frames_sharing_a_parameter_must_scale_alike():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="different loss_scale options"):
         torch.compile(f, backend="zero", options={"stage": 0, "inner_compiler": "eager"})(torch.randn(2, 3))
+
+
+class _HFStyleNorm(torch.nn.Module):
+    """An RMSNorm written as Hugging Face writes it: compute in float32, cast back to the
+    input's dtype as read at run time (float32 when Dynamo traces with float32 parameters)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(dtype)
+
+
+class _NormLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.norm = _HFStyleNorm(16)
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, ids):
+        logits = self.head(self.norm(self.emb(ids)))
+        return F.cross_entropy(logits.float().reshape(-1, 32), ids.reshape(-1))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_dtype_reading_model_code_runs_under_param_dtype(stage):
+    """With ``param_dtype`` the graph's parameters become bf16 after Dynamo traced float32 ones,
+    so the norm's cast back to its input dtype is missing and the head's ``linear`` meets a
+    float32 input: ``align_compute_dtypes`` casts that input, and the step matches the same
+    model cast to bf16 (where the norm's cast is there) within bf16 rounding. Disabled, the same
+    model fails with torch's mixed-dtype error."""
+    torch.manual_seed(0)
+    model = _NormLM()
+    ids = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
+    want = _NormLM()
+    want.load_state_dict(model.state_dict())
+    want = want.to(torch.bfloat16)
+    want_loss = want(ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="zero", options={"stage": stage, "inner_compiler": "eager",
+                                                             "param_dtype": "bfloat16"})
+    loss = compiled(ids)
+    loss.backward()
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-2)
+    report = zerocompile.frame_reports()[-1]["results"]["align_compute_dtypes"]
+    assert report["casts"] >= 1 and "skipped" not in report, report
+    torch._dynamo.reset()
+    plain = torch.compile(_NormLM(), backend="zero", options={
+        "stage": stage, "inner_compiler": "eager", "param_dtype": "bfloat16", "disabled_passes": ["align_compute_dtypes"]})
+    with pytest.raises(Exception, match="same dtype|dtype"):
+        plain(ids).backward()

@@ -13,9 +13,6 @@ import os
 import sys
 from collections.abc import Iterable, Iterator
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
 ENV = "ZEROCOMPILE_PROGRESS"
 
 
@@ -37,6 +34,9 @@ def track(items: Iterable, description: str, total: int | None = None) -> Iterat
     if not progress_enabled():
         yield from items
         return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     total = total if total is not None else len(items)      # type: ignore[arg-type]
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
