@@ -104,12 +104,17 @@ def test_zero_trainer_matches_a_single_process_trainer(tmp_path):
 
 
 def _accelerate_runs(rank, world):
+    _distributed_env(rank, world)
+    return {stage: _accelerate_loop(stage) for stage in (2, 3)}
+
+
+def _accelerate_loop(stage: int) -> dict:
     from zerocompile.integrations.accelerate import ZeroAccelerator
 
-    _distributed_env(rank, world)
+    torch._dynamo.reset()
     accelerator = ZeroAccelerator(cpu=True, gradient_accumulation_steps=2)
     model = _llama()
-    model.compile(backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    model.compile(backend="zero", options={"stage": stage, "inner_compiler": "eager"})
     opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 2))
     loader = torch.utils.data.DataLoader(Tokens(16), batch_size=2)
@@ -150,11 +155,11 @@ def _accelerate_reference():
 
 def test_an_accelerate_loop_with_zero_accelerator_matches_one_process():
     """A plain Accelerate loop (accumulation over 2 micro-steps, ``accelerator.clip_grad_norm_``,
-    a schedule) on 2 ranks at stage 3: the model is not wrapped in DDP, the clipped norm is the
-    global one, and losses and final weights equal one process's on the whole batch."""
+    a schedule) on 2 ranks at stages 2 and 3: the model is not wrapped in DDP, the clipped norm
+    is the global one, and losses and final weights equal one process's on the whole batch."""
     want_losses, want_norms, want_state = _accelerate_reference()
-    for r in run_ranks(_accelerate_runs, 2):
-        assert r["wrapped"] == "LlamaForCausalLM", r["wrapped"]
+    for stage, r in ((stage, r) for runs in run_ranks(_accelerate_runs, 2) for stage, r in runs.items()):
+        assert r["wrapped"] == "LlamaForCausalLM", (stage, r["wrapped"])
         assert r["losses"] == pytest.approx(want_losses, rel=1e-5), (r["losses"], want_losses)
         assert r["norms"] == pytest.approx(want_norms, rel=1e-4), (r["norms"], want_norms)
         for key, value in r["state"].items():

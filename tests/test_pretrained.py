@@ -169,13 +169,21 @@ def _gpt_runs(rank, world, path):
     return out
 
 
-def test_the_test_gpt_loads_a_torch_save_file_into_shards(tmp_path):
-    """The test GPT (tied head) built on the meta device, loaded from a ``torch.save`` state
-    dict on 2 ranks at stage 3, trains like the same weights on one process on the whole batch
-    (within 2% with bf16 compute: the provisional shards take the frame's param_dtype)."""
-    path = str(tmp_path / "gpt.pt")
+@pytest.mark.parametrize("layout", ["save_pretrained", "torch.save"])
+def test_the_test_gpt_loads_into_shards(tmp_path, layout):
+    """The test GPT (tied head) built on the meta device, loaded on 2 ranks at stage 3 from a
+    ``zerocompile.save_pretrained`` directory (written in one process: ``model.safetensors``,
+    the tied head once) or a ``torch.save`` state dict, trains like the same weights on one
+    process on the whole batch (within 2% with bf16 compute: the provisional shards take the
+    frame's param_dtype)."""
     model = make_model("gpt")
-    torch.save(model.state_dict(), path)
+    if layout == "save_pretrained":
+        path = str(tmp_path / "gpt")
+        zerocompile.save_pretrained(model, path)
+        assert sorted(os.listdir(path)) == ["model.safetensors"]
+    else:
+        path = str(tmp_path / "gpt.pt")
+        torch.save(model.state_dict(), path)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     want = []
     for step in range(STEPS):
