@@ -199,8 +199,9 @@ def test_the_test_gpt_loads_into_shards(tmp_path, layout):
 
 def test_bad_files_and_inits_are_named(tmp_path):
     """Missing and unexpected keys are listed; a tied name may be missing when its partner is
-    there; a wrong shape names both; an init that leaves a parameter unset names it; one
-    process, uncompiled models load by plain copies."""
+    there; a wrong shape names both; an init that leaves a parameter unset names it; a
+    ZeroOptimizer over meta parameters says to materialize first; one process, uncompiled
+    models load by plain copies."""
     model = make_model("gpt")
     state = model.state_dict()
     path = tmp_path / "gpt.pt"
@@ -227,6 +228,8 @@ def test_bad_files_and_inits_are_named(tmp_path):
 
     with torch.device("meta"):
         bad = Scaled()
+    with pytest.raises(ValueError, match=r"2 parameters are on the meta device .* zerocompile.materialize\(model\)"):
+        zerocompile.ZeroOptimizer(bad.lin.parameters())     # compiled or not: a meta model has no values
     with pytest.raises(ValueError, match=r"parameter 'scale' \(Scaled\) is not initialised by the init function"):
         zerocompile.materialize(bad, device="cpu")
     with torch.device("meta"):

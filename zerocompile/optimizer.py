@@ -121,6 +121,12 @@ class ZeroOptimizer(Optimizer):
         self.skipped_steps = 0
         """Optimizer steps skipped because some rank's gradients were not finite."""
         super().__init__(params, defaults)
+        meta = [tuple(p.shape) for g in self.param_groups for p in g["params"] if p.is_meta]
+        if meta:
+            raise ValueError(f"ZeroOptimizer: {len(meta)} parameters are on the meta device (the first has shape "
+                             f"{meta[0]}), so the model was built under torch.device('meta') and has no values yet. "
+                             "Give it values first: zerocompile.materialize(model) (its own init, shard by shard) or "
+                             "zerocompile.load_pretrained(model, path), before compiling and training it")
         try:  # fail now, not at the first step, on a bad hyperparameter
             probe = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
         except (TypeError, ValueError) as err:
