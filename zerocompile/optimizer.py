@@ -121,7 +121,9 @@ class ZeroOptimizer(Optimizer):
         self.skipped_steps = 0
         """Optimizer steps skipped because some rank's gradients were not finite."""
         super().__init__(params, defaults)
-        meta = [tuple(p.shape) for g in self.param_groups for p in g["params"] if p.is_meta]
+        # a meta parameter zerocompile has not sharded has no values (sharded ones are fine: a
+        # model run on meta inputs end to end, as a plan does)
+        meta = [tuple(p.shape) for g in self.param_groups for p in g["params"] if p.is_meta and get_state(p) is None]
         if meta:
             raise ValueError(f"ZeroOptimizer: {len(meta)} parameters are on the meta device (the first has shape "
                              f"{meta[0]}), so the model was built under torch.device('meta') and has no values yet. "
