@@ -1,7 +1,7 @@
 """``zerocompile.generate``: Hugging Face generate on a stage-3 model, on 2 gloo ranks, against
 the same weights generating eagerly in one process: the same tokens, ranks asking for
-different lengths do not hang, and the gathered parameters alive at any time stay well under
-the whole model."""
+different lengths do not hang, the gathered parameters alive at any time stay under half the
+model, and those in flight under the prefetch limit."""
 
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ def _generate_runs(rank, world):
         except ValueError as err:
             refused = str(err)
         out[how] = {"tokens": tokens.tolist(), "want": want.tolist(), "peak": gathered.peak,
+                    "inflight": gathered.inflight_peak,
                     "model_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
                     "refused": refused}
     return out
@@ -68,7 +69,10 @@ def test_generate_on_a_stage3_model_matches_eager_with_bounded_gathers():
         for how, run in r.items():
             assert run["tokens"] == run["want"], (rank, how, run)
             assert len(run["tokens"][0]) == 8 + 3 + 2 * rank             # each rank got its own length
-            assert 0 < run["peak"] <= 0.35 * run["model_bytes"], (rank, how, run["peak"], run["model_bytes"])
+            # gathered bytes alive follow storages, freed when gloo's thread lets go of them (later
+            # on a loaded machine); those in flight follow the program: at most prefetch_mb
+            assert 0 < run["peak"] < 0.5 * run["model_bytes"], (rank, how, run["peak"], run["model_bytes"])
+            assert 0 < run["inflight"] <= 32 * 1024, (rank, how, run["inflight"])
             assert "synced_gpus=False on more than one rank would hang" in run["refused"]
 
 
