@@ -54,6 +54,24 @@ _QUANTIZE_ROWS = torch.ops.zerocompile.quantize_rows.default
 _DEQUANTIZE_REDUCE = torch.ops.zerocompile.dequantize_reduce.default
 
 
+def _hop(graph: torch.fx.Graph, rows: torch.fx.Node, ranks: int, n: int, group_name: str, dtype: torch.dtype,
+         divisor: float, exchange_before: torch.fx.Node, wait: torch.fx.Node, tags: dict, names: dict,
+         hop: str | None) -> torch.fx.Node:
+    """One quantized exchange: the all-to-all of ``rows`` (``ranks`` rows of ``n`` elements each)
+    over ``group_name``, started before ``exchange_before`` and tagged ``tags``; then, before the
+    reduce-scatter's ``wait``, its own wait and the float32 sum of the rows received, as
+    ``dtype`` divided by ``divisor``. Returns the sum's node."""
+    extra = {"hop": hop} if hop is not None else {}
+    row = quantization.bucket_layout(n, quantization.BLOCK)[2]
+    with graph.inserting_before(exchange_before):
+        exchanged = call(graph, _ALL_TO_ALL, (rows, [row] * ranks, [row] * ranks, group_name), quantized=True,
+                         **extra, **tags)
+    with graph.inserting_before(wait):
+        done = call(graph, _WAIT, (exchanged,), **{**tag(wait), "quantized": True, **extra})
+        return call(graph, _DEQUANTIZE_REDUCE, (done, ranks, n, quantization.BLOCK, dtype, divisor),
+                    role="bucket_unpack", quantized=True, **extra, **names)
+
+
 def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, wait: torch.fx.Node, hops: tuple | None) -> bool:
     inp, reduce_op, world, group_name = node.args
     val = inp.meta["val"]
@@ -62,50 +80,29 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, wait: torch.fx.Node, ho
     fused = inp.target is _PACK_GRADIENTS and len(inp.users) == 1
     grads = list(inp.args[0]) if fused else [inp]
     n = val.numel() // world
-    info = {k: v for k, v in tag(node).items() if k != "role"}
-    names = {k: v for k, v in info.items() if k in ("bucket", "param", "params")}
-    role = tag(node).get("role")
+    tags = dict(tag(node))                       # the reduce-scatter's role, bucket and parameters
+    names = {k: v for k, v in tags.items() if k in ("bucket", "param", "params")}
     divisor = float(world) if reduce_op == "avg" else 1.0
     if hops is not None and hops[0] != group_name:
         hops = None                  # a reduction over another group than the one hpZ splits
     if hops is None:
-        row = quantization.bucket_layout(n, quantization.BLOCK)[2]
         with graph.inserting_before(inp if fused else node):
             rows = call(graph, _QUANTIZE_ROWS, (grads, world, quantization.BLOCK), role="bucket_pack",
                         quantized=True, **names)
-        with graph.inserting_before(node):
-            exchanged = call(graph, _ALL_TO_ALL, (rows, [row] * world, [row] * world, group_name),
-                             role=role, quantized=True, **info)
-        with graph.inserting_before(wait):
-            new_wait = call(graph, _WAIT, (exchanged,), **{**tag(wait), "quantized": True})
-        with graph.inserting_after(new_wait):
-            reduced = call(graph, _DEQUANTIZE_REDUCE, (new_wait, world, n, quantization.BLOCK, val.dtype, divisor),
-                           role="bucket_unpack", quantized=True, **names)
+        reduced = _hop(graph, rows, world, n, group_name, val.dtype, divisor, node, wait, tags, names, None)
     else:
         # hierarchical (hpZ groups of k): within the group, then across groups, with the
         # partial sum in float32 between the hops; see the module docstring
         _, k, intra, cross = hops
         groups = world // k
-        row1 = quantization.bucket_layout(groups * n, quantization.BLOCK)[2]
-        row2 = quantization.bucket_layout(n, quantization.BLOCK)[2]
         with graph.inserting_before(inp if fused else node):
             rows = call(graph, _QUANTIZE_ROWS, (grads, k, quantization.BLOCK, groups), role="bucket_pack",
                         quantized=True, hop="group", **names)
-        with graph.inserting_before(node):
-            first = call(graph, _ALL_TO_ALL, (rows, [row1] * k, [row1] * k, intra), role=role, quantized=True,
-                         hop="group", **info)
+        partial = _hop(graph, rows, k, groups * n, intra, torch.float32, 1.0, node, wait, tags, names, "group")
         with graph.inserting_before(wait):
-            first_wait = call(graph, _WAIT, (first,), **{**tag(wait), "quantized": True, "hop": "group"})
-            partial = call(graph, _DEQUANTIZE_REDUCE,
-                           (first_wait, k, groups * n, quantization.BLOCK, torch.float32, 1.0),
-                           role="bucket_unpack", quantized=True, hop="group", **names)
-            rows2 = call(graph, _QUANTIZE_ROWS, ([partial], groups, quantization.BLOCK), role="bucket_pack",
-                         quantized=True, hop="across", **names)
-            second = call(graph, _ALL_TO_ALL, (rows2, [row2] * groups, [row2] * groups, cross), role=role,
-                          quantized=True, hop="across", **info)
-            new_wait = call(graph, _WAIT, (second,), **{**tag(wait), "quantized": True, "hop": "across"})
-            reduced = call(graph, _DEQUANTIZE_REDUCE, (new_wait, groups, n, quantization.BLOCK, val.dtype, divisor),
-                           role="bucket_unpack", quantized=True, hop="across", **names)
+            rows = call(graph, _QUANTIZE_ROWS, ([partial], groups, quantization.BLOCK), role="bucket_pack",
+                        quantized=True, hop="across", **names)
+        reduced = _hop(graph, rows, groups, n, cross, val.dtype, divisor, wait, wait, tags, names, "across")
     wait.replace_all_uses_with(reduced)
     graph.erase_node(wait)
     graph.erase_node(node)

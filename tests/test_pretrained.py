@@ -14,6 +14,7 @@ import torch
 import zerocompile
 from census import StorageCensus
 from dist_utils import run_ranks
+from harness import train_on_rank_slices
 from models import GPT, make_batch, make_model
 
 transformers = pytest.importorskip("transformers")
@@ -36,19 +37,9 @@ def _train_llama(model, rank=0, world=1):
     """AdamW steps on a fixed batch, each rank on its share; the mean losses."""
     opt = (zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2) if world > 1
            else torch.optim.AdamW(model.parameters(), lr=1e-2))
-    ids, per = _batch(), 4 // world
-    mine = ids[rank * per:(rank + 1) * per]
-    losses = []
-    for _ in range(STEPS):
-        loss = model(input_ids=mine, labels=mine).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if world > 1:
-            torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
+    ids = _batch()
+    return train_on_rank_slices(lambda x, y: model(input_ids=x, labels=y).loss, opt, [(ids, ids)] * STEPS,
+                                rank, world)
 
 
 def _sizes(model):
@@ -155,17 +146,9 @@ def _gpt_runs(rank, world, path):
         zerocompile.load_pretrained(model, path)
         compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager", **extra})
         opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3)
-        losses = []
-        for step in range(STEPS):
-            x, y = make_batch("gpt", step, 8)
-            loss = compiled(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            total = loss.detach().float()
-            torch.distributed.all_reduce(total)
-            losses.append(total.item() / world)
-        out[name] = losses
+        # the bf16 loss is averaged over ranks in float32
+        out[name] = train_on_rank_slices(lambda x, y: compiled(x, y).float(), opt,
+                                         [make_batch("gpt", step, 8) for step in range(STEPS)], rank, world)
     return out
 
 

@@ -34,9 +34,11 @@ from pathlib import Path
 import torch
 
 from zerocompile import _torch_compat
+from zerocompile.checkpoint import _param_names
 from zerocompile.progress import track
 from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, chunk_size, resolve_group
+from zerocompile.runtime.param_offload import resident_shards
 from zerocompile.runtime.sharded_param import ShardedParam, attach_state, get_state
 from zerocompile.runtime.zero_parameter import adopt
 from zerocompile.state_dict import _unwrap
@@ -84,13 +86,6 @@ def _provisional_shard(param: torch.nn.Parameter, name: str, chunk: torch.Tensor
     return state
 
 
-def _fqns(module: torch.nn.Module) -> dict:
-    names = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-    return names
-
-
 def materialize(model: torch.nn.Module, init=None, *, device=None, process_group=None) -> torch.nn.Module:
     """Give a model built on the ``meta`` device its parameters as stage-3 shards and its
     buffers whole, module by module (see the module docstring). Collective: every rank must
@@ -106,7 +101,7 @@ def _materialize(module, init, device, process_group, fill: bool) -> None:
     group = resolve_group(process_group)
     device = torch.device(device) if device is not None else _default_device()
     init = init if init is not None else default_init(module)
-    names = _fqns(module)
+    names = _param_names(module)
     done: dict[int, torch.nn.Parameter] = {}
     checksum = torch.zeros(1, dtype=torch.float64)
     for mod_name, mod in module.named_modules():
@@ -121,7 +116,7 @@ def _materialize(module, init, device, process_group, fill: bool) -> None:
                                          requires_grad=p.requires_grad)
                 done[id(p)] = new
                 mod._parameters[key] = new
-                fresh.append((names.get(id(p), f"{mod_name}.{key}".lstrip(".")), new))
+                fresh.append((names.get(p, f"{mod_name}.{key}".lstrip(".")), new))
         buffers = []
         for key, b in list(mod._buffers.items()):
             if b is not None and b.is_meta:
@@ -287,7 +282,7 @@ def _load_one(t: torch.Tensor, key: str, source: _Source) -> None:
     if state is not None and state.rules.number == 3 and state.storage_freed and not state.materialized:
         start = state.group.rank * state.chunk
         stop = min(start + state.chunk, state.numel)
-        with _resident(state):
+        with resident_shards([state]):
             state.shard.zero_()
             if stop > start:
                 state.shard[: stop - start].copy_(source.flat_range(key, start, stop))
@@ -297,11 +292,6 @@ def _load_one(t: torch.Tensor, key: str, source: _Source) -> None:
         state.write_full(full.to(state.dtype).view(state.shape))
     else:
         t.copy_(full)
-
-
-def _resident(state):
-    from zerocompile.runtime.param_offload import resident_shards
-    return resident_shards([state])
 
 
 # ============================================================================ writing files
@@ -320,7 +310,7 @@ def _header(tensors: list, dtype_of) -> bytes:
     header, offset = {}, 0
     for name, t in tensors:
         dtype = dtype_of(t)
-        nbytes = t.numel() * torch.empty(0, dtype=dtype).element_size()
+        nbytes = t.numel() * dtype.itemsize
         header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -353,7 +343,7 @@ def save_pretrained(model: torch.nn.Module, directory, *, max_shard_size="5GB", 
 
     limit, files, current, size = _parse_size(max_shard_size), [], [], 0
     for name, t in entries:
-        nbytes = t.numel() * torch.empty(0, dtype=dtype_of(t)).element_size()
+        nbytes = t.numel() * dtype_of(t).itemsize
         if current and size + nbytes > limit:
             files.append(current)
             current, size = [], 0
