@@ -37,6 +37,7 @@ the same way everywhere.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import inspect
 import logging
 import math
@@ -120,6 +121,7 @@ class ZeroOptimizer(Optimizer):
         self._scaler_flag: torch.Tensor | None = None   # overflow flag recorded for a GradScaler
         self.skipped_steps = 0
         """Optimizer steps skipped because some rank's gradients were not finite."""
+        self._collected_through = 0      # compile order of the newest frame whose garbage was collected
         super().__init__(params, defaults)
         # a meta parameter zerocompile has not sharded has no values (sharded ones are fine: a
         # model run on meta inputs end to end, as a plan does)
@@ -548,7 +550,20 @@ class ZeroOptimizer(Optimizer):
         self._clipped_scaled = False
         self._scaler_flag = None
         self._clear_deferred()
+        self._collect_compile_garbage()
         return loss
+
+    def _collect_compile_garbage(self) -> None:
+        """After a step in which frames were compiled, run Python's cyclic garbage collector
+        once. Dynamo's tracing leaves reference cycles that hold each compiled frame's example
+        inputs (that step's activations: a decoder layer's hidden states, its position ids);
+        uncollected, they stay alive until the interpreter's next full collection, at a point
+        of its choosing, and every step's peak until then counts them. Collected here, the
+        memory of later steps is the program's own, the same in a real run and in ``plan``."""
+        newest = max((runner.order for runner in list(ACCOUNTING.frames)), default=0)
+        if newest > self._collected_through:
+            self._collected_through = newest
+            gc.collect()
 
     def _step_inner(self) -> None:
         """The inner optimizer's update. Shards kept in files (``offload_param``) are read back
