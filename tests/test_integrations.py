@@ -103,7 +103,7 @@ def test_zero_trainer_matches_a_single_process_trainer(tmp_path):
             assert torch.equal(value, run["trained"][key]), (stage, key)
 
 
-def _refusals() -> dict:
+def _refusals(out: str) -> dict:
     """What ZeroTrainer and ZeroAccelerator say when built without their CPU flag on 2 gloo
     ranks (Accelerate then sets itself up with distributed_type NO)."""
     from accelerate.state import AcceleratorState
@@ -111,7 +111,7 @@ def _refusals() -> dict:
     from zerocompile.integrations.transformers import ZeroTrainer
 
     said = {}
-    args = transformers.TrainingArguments(output_dir="unused", ddp_backend="gloo", report_to=[])   # no use_cpu
+    args = transformers.TrainingArguments(output_dir=out, ddp_backend="gloo", report_to=[])   # no use_cpu
     try:
         ZeroTrainer(model=_llama(), args=args, zero_options={"stage": 2, "inner_compiler": "eager"})
     except RuntimeError as err:
@@ -128,7 +128,7 @@ def _refusals() -> dict:
 
 def _accelerate_runs(rank, world, out):
     _distributed_env(rank, world)
-    refusals = _refusals()
+    refusals = _refusals(os.path.join(out, "refused"))
     return {"refusals": refusals, **{stage: _accelerate_loop(stage, os.path.join(out, f"stage{stage}"))
                                      for stage in (0, 2, 3)}}
 

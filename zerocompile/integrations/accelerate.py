@@ -4,8 +4,8 @@ A plain ``Accelerator`` wraps every model it prepares in ``DistributedDataParall
 runs on several processes, and its ``clip_grad_norm_`` clips each rank's local gradients. With
 zerocompile both are wrong: zerocompile already reduces the gradients (in its compiled
 backward at stages 2-3, in ``ZeroOptimizer.step()`` at stages 0-1), and at stages 2-3 each
-rank holds only a shard of each gradient, so the norm must be taken over all ranks.
-``ZeroAccelerator`` changes exactly these two methods:
+rank holds only a shard of each gradient, so the norm must be taken over all ranks. For
+training, ``ZeroAccelerator`` changes exactly these two methods:
 
 - ``prepare_model`` returns the model as it is (registered with the accelerator and moved to
   its device if nothing is sharded yet, never wrapped);
@@ -121,7 +121,8 @@ class ZeroAccelerator(accelerate.Accelerator):
             opt = zero_optimizer_of(self._optimizers, model.parameters())
             if opt is not None or any(get_state(p) is not None for p in model.parameters()):
                 pairs.append((model, opt))
-                held.add(id(opt))
+                if opt is not None:
+                    held.add(id(opt))
         for opt in self._optimizers:
             inner = getattr(opt, "optimizer", opt)
             if isinstance(inner, ZeroOptimizer) and id(inner) not in held:
