@@ -68,7 +68,9 @@ def check_spans_the_ranks(accelerator: accelerate.Accelerator, who: str, cpu_fla
             f"zerocompile shards the model over {world} ranks. On a machine without GPUs pass {cpu_flag} (or set "
             f"ACCELERATE_USE_CPU=1 in the environment, as `accelerate launch --cpu` does) so that Accelerate runs "
             f"as MULTI_CPU over the {world} ranks; if an Accelerator or PartialState was built earlier in this "
-            f"process without it, that state is kept: build it with the flag, or set the variable before it.")
+            f"process without it, that state is kept: build it with the flag, or set the variable before it. "
+            f"Accelerate also needs the launcher's RANK, WORLD_SIZE and LOCAL_RANK in the environment (torchrun or "
+            f"accelerate launch set them).")
 
 
 def zero_optimizer_of(optimizers, parameters) -> ZeroOptimizer | None:
