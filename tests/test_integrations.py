@@ -1,7 +1,9 @@
 """HF Trainer and Accelerate with zerocompile (``zerocompile.integrations``), on 2 gloo ranks
 against the same training in one process: ``ZeroTrainer`` at stages 2 and 3 (gradient
 accumulation, clipping, a linear schedule with warmup, evaluation, checkpoint and resume) and
-a hand-written Accelerate loop with ``ZeroAccelerator``."""
+a hand-written Accelerate loop with ``ZeroAccelerator`` at stages 0, 2 and 3 (and its
+``save_state`` / ``load_state`` resume against the run that went on); both refuse an Accelerate
+state without the CPU flag."""
 
 from __future__ import annotations
 
@@ -224,6 +226,7 @@ def test_accelerate_save_state_and_load_state_resume_exactly(accelerate_runs):
     have the same losses and clipped norms as the run that went on, and the same final weights
     (the model and optimizer state went through zerocompile's sharded checkpoint, Accelerate's
     scheduler, step and RNG state through its own files)."""
+    assert all(accelerate_runs[0][stage]["state"] for stage in (0, 2, 3))      # rank 0 holds the full states
     for rank, runs in enumerate(accelerate_runs):
         for stage in (0, 2, 3):
             r = runs[stage]

@@ -167,7 +167,8 @@ class ZeroAccelerator(accelerate.Accelerator):
                 if not os.path.isdir(os.path.join(where, _state_dir(index))):
                     raise FileNotFoundError(
                         f"ZeroAccelerator.load_state: {where} has no {_state_dir(index)} directory for zerocompile "
-                        f"model {index}; it was not written by ZeroAccelerator.save_state with the same models prepared")
+                        f"model {index}; it was not written by ZeroAccelerator.save_state with the same models "
+                        "prepared")
             found.append(where)
 
         handle = self.register_load_state_pre_hook(resolved)
