@@ -1,7 +1,9 @@
 """HF Trainer and Accelerate with zerocompile (``zerocompile.integrations``), on 2 gloo ranks
 against the same training in one process: ``ZeroTrainer`` at stages 2 and 3 (gradient
 accumulation, clipping, a linear schedule with warmup, evaluation, checkpoint and resume) and
-a hand-written Accelerate loop with ``ZeroAccelerator``."""
+a hand-written Accelerate loop with ``ZeroAccelerator`` at stages 0, 2 and 3 (and its
+``save_state`` / ``load_state`` resume against the run that went on); both refuse an Accelerate
+state without the CPU flag."""
 
 from __future__ import annotations
 
@@ -103,12 +105,37 @@ def test_zero_trainer_matches_a_single_process_trainer(tmp_path):
             assert torch.equal(value, run["trained"][key]), (stage, key)
 
 
-def _accelerate_runs(rank, world):
+def _refusals(out: str) -> dict:
+    """What ZeroTrainer and ZeroAccelerator say when built without their CPU flag on 2 gloo
+    ranks (Accelerate then sets itself up with distributed_type NO)."""
+    from accelerate.state import AcceleratorState
+    from zerocompile.integrations.accelerate import ZeroAccelerator
+    from zerocompile.integrations.transformers import ZeroTrainer
+
+    said = {}
+    args = transformers.TrainingArguments(output_dir=out, ddp_backend="gloo", report_to=[])   # no use_cpu
+    try:
+        ZeroTrainer(model=_llama(), args=args, zero_options={"stage": 2, "inner_compiler": "eager"})
+    except RuntimeError as err:
+        said["trainer"] = str(err)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        ZeroAccelerator()                                                                          # no cpu=True
+    except RuntimeError as err:
+        said["accelerator"] = str(err)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    torch._dynamo.reset()
+    return said
+
+
+def _accelerate_runs(rank, world, out):
     _distributed_env(rank, world)
-    return {stage: _accelerate_loop(stage) for stage in (2, 3)}
+    refusals = _refusals(os.path.join(out, "refused"))
+    return {"refusals": refusals, **{stage: _accelerate_loop(stage, os.path.join(out, f"stage{stage}"))
+                                     for stage in (0, 2, 3)}}
 
 
-def _accelerate_loop(stage: int) -> dict:
+def _accelerate_setup(stage: int):
     from zerocompile.integrations.accelerate import ZeroAccelerator
 
     torch._dynamo.reset()
@@ -118,9 +145,13 @@ def _accelerate_loop(stage: int) -> dict:
     opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 2))
     loader = torch.utils.data.DataLoader(Tokens(16), batch_size=2)
-    model, opt, loader, schedule = accelerator.prepare(model, opt, loader, schedule)
+    return (accelerator, *accelerator.prepare(model, opt, loader, schedule))
+
+
+def _accelerate_steps(accelerator, model, opt, loader, schedule, saved: str | None = None) -> tuple:
+    """The loop; with ``saved``, ``accelerator.save_state(saved)`` after the second optimizer step."""
     norms, losses = [], []
-    for batch in loader:
+    for i, batch in enumerate(loader):
         with accelerator.accumulate(model):
             loss = model(**batch).loss
             accelerator.backward(loss)
@@ -130,8 +161,24 @@ def _accelerate_loop(stage: int) -> dict:
             schedule.step()
             opt.zero_grad()
         losses.append(accelerator.gather(loss.detach()[None]).mean().item())
-    return {"losses": losses, "norms": norms, "wrapped": type(model).__name__,
-            "state": zerocompile.full_state_dict(model)}
+        if saved is not None and i == 3:
+            accelerator.save_state(saved)
+    return losses, norms
+
+
+def _accelerate_loop(stage: int, saved: str) -> dict:
+    """The loop from the start (saving its state after 2 of its 4 optimizer steps), then fresh
+    objects resumed from that state with ``load_state``: the last 4 micro-steps again."""
+    accelerator, model, opt, loader, schedule = _accelerate_setup(stage)
+    losses, norms = _accelerate_steps(accelerator, model, opt, loader, schedule, saved)
+    run = {"losses": losses, "norms": norms, "wrapped": type(model).__name__,
+           "state": zerocompile.full_state_dict(model), "files": sorted(os.listdir(saved))}
+    accelerator, model, opt, loader, schedule = _accelerate_setup(stage)
+    accelerator.load_state(saved)
+    run["resumed_losses"], run["resumed_norms"] = _accelerate_steps(
+        accelerator, model, opt, accelerator.skip_first_batches(loader, 4), schedule)
+    run["resumed_state"] = zerocompile.full_state_dict(model)
+    return run
 
 
 def _accelerate_reference():
@@ -153,17 +200,54 @@ def _accelerate_reference():
     return losses, norms, model.state_dict()
 
 
-def test_an_accelerate_loop_with_zero_accelerator_matches_one_process():
+@pytest.fixture(scope="module")
+def accelerate_runs(tmp_path_factory):
+    """One 2-rank run for the Accelerate tests: the refusals without a CPU flag, then the loop at
+    stages 0, 2 and 3, each saved after step 2 and resumed from there."""
+    return run_ranks(_accelerate_runs, 2, str(tmp_path_factory.mktemp("accelerate")))
+
+
+def test_an_accelerate_loop_with_zero_accelerator_matches_one_process(accelerate_runs):
     """A plain Accelerate loop (accumulation over 2 micro-steps, ``accelerator.clip_grad_norm_``,
-    a schedule) on 2 ranks at stages 2 and 3: the model is not wrapped in DDP, the clipped norm
-    is the global one, and losses and final weights equal one process's on the whole batch."""
+    a schedule) on 2 ranks at stages 0, 2 and 3: the model is not wrapped in DDP, the clipped
+    norm is the global one, and losses and final weights equal one process's on the whole batch."""
     want_losses, want_norms, want_state = _accelerate_reference()
-    for stage, r in ((stage, r) for runs in run_ranks(_accelerate_runs, 2) for stage, r in runs.items()):
+    for stage, r in ((stage, r) for runs in accelerate_runs for stage, r in runs.items() if stage != "refusals"):
         assert r["wrapped"] == "LlamaForCausalLM", (stage, r["wrapped"])
         assert r["losses"] == pytest.approx(want_losses, rel=1e-5), (r["losses"], want_losses)
         assert r["norms"] == pytest.approx(want_norms, rel=1e-4), (r["norms"], want_norms)
         for key, value in r["state"].items():
             torch.testing.assert_close(value, want_state[key], rtol=1e-5, atol=1e-6)
+
+
+def test_accelerate_save_state_and_load_state_resume_exactly(accelerate_runs):
+    """``accelerator.save_state`` after 2 of 4 optimizer steps, then fresh objects and
+    ``accelerator.load_state`` on the same 2 ranks, at stages 0, 2 and 3: the resumed micro-steps
+    have the same losses and clipped norms as the run that went on, and the same final weights
+    (the model and optimizer state went through zerocompile's sharded checkpoint, Accelerate's
+    scheduler, step and RNG state through its own files)."""
+    assert all(accelerate_runs[0][stage]["state"] for stage in (0, 2, 3))      # rank 0 holds the full states
+    for rank, runs in enumerate(accelerate_runs):
+        for stage in (0, 2, 3):
+            r = runs[stage]
+            assert "zerocompile_state" in r["files"] and "scheduler.bin" in r["files"], (stage, r["files"])
+            assert "optimizer.bin" not in r["files"] and "model.safetensors" not in r["files"], (stage, r["files"])
+            assert r["resumed_losses"] == r["losses"][4:], (rank, stage, r["resumed_losses"], r["losses"])
+            assert r["resumed_norms"] == r["norms"][2:], (rank, stage, r["resumed_norms"], r["norms"])
+            for key, value in r["state"].items():
+                assert torch.equal(r["resumed_state"][key], value), (rank, stage, key)
+
+
+def test_without_the_cpu_flag_every_rank_refuses_and_names_the_fix(accelerate_runs):
+    """On a machine without GPUs, ``ZeroTrainer`` without ``use_cpu=True`` and ``ZeroAccelerator``
+    without ``cpu=True`` would leave Accelerate at distributed_type NO (no data sharding) while
+    zerocompile shards over 2 ranks; both refuse on every rank, naming the flag."""
+    for rank, runs in enumerate(accelerate_runs):
+        said = runs["refusals"]
+        assert "use_cpu=True" in said.get("trainer", ""), (rank, said)
+        assert "cpu=True to ZeroAccelerator" in said.get("accelerator", ""), (rank, said)
+        for text in said.values():
+            assert "distributed_type NO" in text and "ACCELERATE_USE_CPU=1" in text, (rank, text)
 
 
 def test_declared_versions_match_pyproject_and_the_installed_ones():

@@ -9,7 +9,8 @@ What it changes in ``Trainer`` (and why):
   ``torch_compile`` goes through Accelerate's ``TorchDynamoPlugin``, which does not know the
   backend), unless it was compiled in place already; it stays the user's ``PreTrainedModel``;
 - its accelerator is a ``ZeroAccelerator`` (``zerocompile/integrations/accelerate.py``): no
-  ``DistributedDataParallel`` around the model, and gradient clipping over all ranks;
+  ``DistributedDataParallel`` around the model, and gradient clipping over all ranks; an
+  Accelerate state that does not span the ranks (on CPUs, ``use_cpu=True`` missing) is refused;
 - the optimizer is a ``ZeroOptimizer`` around the optimizer class and hyperparameters the
   ``TrainingArguments`` ask for (``optim``, ``learning_rate``, ``weight_decay`` and its
   no-decay groups, betas, epsilon);
@@ -30,14 +31,12 @@ import torch
 import transformers
 
 import zerocompile
-from zerocompile.integrations.accelerate import ZeroAccelerator
+from zerocompile.integrations.accelerate import STATE_DIR, ZeroAccelerator, check_spans_the_ranks
 from zerocompile.optimizer import ZeroOptimizer
 
 TRANSFORMERS_VERSIONS = (">=5.0", "<6")
 """The transformers versions this module is written and tested for (pyproject's extra)."""
 
-STATE_DIR = "zerocompile_state"
-"""The sharded checkpoint (model and optimizer) inside each Trainer checkpoint directory."""
 SCHEDULER_NAME = "scheduler.pt"
 
 
@@ -64,6 +63,7 @@ class ZeroTrainer(transformers.Trainer):
         # adds no state, only two methods, so the instance takes the subclass's class
         if type(self.accelerator) is not ZeroAccelerator:
             self.accelerator.__class__ = ZeroAccelerator
+        check_spans_the_ranks(self.accelerator, "ZeroTrainer", "use_cpu=True in the TrainingArguments")
 
     def create_optimizer(self, model=None):
         opt_model = self.model if model is None else model
