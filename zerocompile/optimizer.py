@@ -110,6 +110,7 @@ class ZeroOptimizer(Optimizer):
         self._warned_unsharded = False   # the warning about parameters no compiled frame used, given
         self._scaler = loss_scale.LossScaler()   # the loss_scale option's, configured by the first frame
         self._clipped_scaled = False     # clip_grad_norm_ ran without knowing of a GradScaler
+        self._clipped_in_step = False    # clip_grad_norm_ ran in this step: the gradient_clipping option does not clip again
         self._deferred_scale: float | None = None
         """A clipping coefficient not yet applied to the gradients of ``self._deferred``: the
         fused kernel multiplies them by it as it reads them in the step (see clip_grad_norm_)."""
@@ -538,6 +539,7 @@ class ZeroOptimizer(Optimizer):
             self._skip_step()
         else:
             try:
+                self._clip_as_configured()
                 self._step_inner()
                 self._after_step()
             finally:
@@ -546,9 +548,22 @@ class ZeroOptimizer(Optimizer):
             scaler.update(overflow)
         self._grads_reduced = False
         self._clipped_scaled = False
+        self._clipped_in_step = False
         self._scaler_flag = None
         self._clear_deferred()
         return loss
+
+    def _clip_as_configured(self) -> None:
+        """The ``gradient_clipping`` option of the frames that use these parameters (DeepSpeed's
+        key): clip the reduced, unscaled gradients' global norm to it, unless ``clip_grad_norm_``
+        was called in this step (that call's clipping stands, it is not applied twice)."""
+        found = {sp.gradient_clipping for p in self._params() if (sp := get_state(p)) is not None}
+        if len(found) > 1:
+            raise ValueError(f"ZeroOptimizer: its parameters come from frames compiled with different "
+                             f"gradient_clipping options ({', '.join(map(str, sorted(found)))}); compile them with one")
+        max_norm = found.pop() if found else 0.0
+        if max_norm > 0 and not self._clipped_in_step:
+            self.clip_grad_norm_(max_norm)
 
     def _step_inner(self) -> None:
         """The inner optimizer's update. Shards kept in files (``offload_param``) are read back
@@ -645,6 +660,7 @@ class ZeroOptimizer(Optimizer):
         """Clear gradients wherever zerocompile keeps them (parameters, replicas, shards)."""
         self._grads_reduced = False
         self._clipped_scaled = False
+        self._clipped_in_step = False
         self._scaler_flag = None
         self._clear_deferred()
         for p in self._params():
@@ -669,8 +685,10 @@ class ZeroOptimizer(Optimizer):
         With a ``torch.amp.GradScaler``, pass it as ``grad_scaler``: the gradients are unscaled
         first, as ``scaler.unscale_(opt)`` would (which cannot reach gradients kept in shards),
         and ``scaler.step(opt)`` then does not unscale again. With the ``loss_scale`` option the
-        gradients are unscaled here by themselves."""
+        gradients are unscaled here by themselves. A model compiled with the ``gradient_clipping``
+        option is not clipped again by the step that follows."""
         self._bind()
+        self._clipped_in_step = True
         if grad_scaler is not None and grad_scaler.is_enabled():
             self._sync_hyperparameters()
             if self._loss_scaler() is not None:
