@@ -217,13 +217,14 @@ def optimizer_from_section(section: dict) -> tuple[type, dict]:
         return cls, kwargs
     if name.lower() in _DEEPSPEED_ONLY_OPTIMIZERS:
         raise ZeroConfigError(f"DeepSpeed optimizer type '{name}' is DeepSpeed's own kernel and not supported by "
-                              "zerocompile; supported: Adam, AdamW, and torch.optim classes by name (SGD, Adagrad, ...)")
+                              "zerocompile; supported: Adam, AdamW, and torch.optim classes by name "
+                              "(SGD, Adagrad, ...)")
     cls = torch.optim.Adagrad if name.lower() == "adagrad" else getattr(torch.optim, name, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
         known = ["Adam", "AdamW"] + [n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
                                      and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)]
         close = difflib.get_close_matches(name, known, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ZeroConfigError(f"DeepSpeed optimizer type '{name}' is not supported{hint}; supported: Adam, AdamW, and "
                               "torch.optim classes by name (SGD, Adagrad, ...)")
     allowed = [p for p in inspect.signature(cls).parameters if p != "params"]
@@ -237,12 +238,13 @@ def schedule_from_section(section: dict, optimizer: torch.optim.Optimizer) -> lr
     cls = lr_schedules.SCHEDULES.get(name)
     if cls is None:
         close = difflib.get_close_matches(name, list(lr_schedules.SCHEDULES), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ZeroConfigError(f"DeepSpeed scheduler type '{name}' is not supported{hint}; supported: "
                               f"{', '.join(lr_schedules.SCHEDULES)}")
     if "last_batch_iteration" in params:
         raise ZeroConfigError("DeepSpeed key 'scheduler.params.last_batch_iteration' is not supported: resume a "
-                              "schedule with scheduler.load_state_dict(...) (zerocompile.save_checkpoint's extra state)")
+                              "schedule with scheduler.load_state_dict(...) (save scheduler.state_dict() in "
+                              "zerocompile.save_checkpoint's extra)")
     allowed = [p for p in inspect.signature(cls).parameters if p != "optimizer"]
     _refuse_unknown("scheduler.params", params, allowed)
     try:

@@ -110,7 +110,7 @@ class ZeroOptimizer(Optimizer):
         self._warned_unsharded = False   # the warning about parameters no compiled frame used, given
         self._scaler = loss_scale.LossScaler()   # the loss_scale option's, configured by the first frame
         self._clipped_scaled = False     # clip_grad_norm_ ran without knowing of a GradScaler
-        self._clipped_in_step = False    # clip_grad_norm_ ran in this step: the gradient_clipping option does not clip again
+        self._clipped_in_step = False    # clip_grad_norm_ ran in this step: gradient_clipping does not clip again
         self._deferred_scale: float | None = None
         """A clipping coefficient not yet applied to the gradients of ``self._deferred``: the
         fused kernel multiplies them by it as it reads them in the step (see clip_grad_norm_)."""
