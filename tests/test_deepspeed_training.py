@@ -355,7 +355,8 @@ def test_auto_values_fill_only_auto_keys_and_must_all_be_given():
 
 def test_unapplied_keys_warn_once_in_a_script_without_logging_configuration(tmp_path):
     """A plain script (no logging set up) sees each unapplied key once on stderr, however many
-    frames the backend compiles, and initialize's batch warning once."""
+    frames the backend compiles, initialize's batch warning once, and once that its own
+    clip_grad_norm_ bound overrides the gradient_clipping option's."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""
         import torch, zerocompile
@@ -366,8 +367,14 @@ def test_unapplied_keys_warn_once_in_a_script_without_logging_configuration(tmp_
             model(torch.randn(2, 3)).sum().backward()
         for _ in range(2):
             model, opt, sched = zerocompile.initialize(torch.nn.Linear(3, 3), config=ds)
+        model = torch.compile(torch.nn.Linear(3, 3), backend="zero",
+                              options={"stage": 0, "inner_compiler": "eager", "gradient_clipping": 0.5})
+        opt = zerocompile.ZeroOptimizer(model.parameters(), lr=0.1)
+        for _ in range(2):          # the user's own bound differs from the option's
             model(torch.randn(2, 3)).sum().backward()
+            opt.clip_grad_norm_(1.0)
             opt.step()
+            opt.zero_grad()
         print("done")
     """))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
@@ -379,3 +386,4 @@ def test_unapplied_keys_warn_once_in_a_script_without_logging_configuration(tmp_
     assert err.count("DeepSpeed key 'train_micro_batch_size_per_gpu' is not applied") == 1, err
     assert err.count("zerocompile.initialize does not apply DeepSpeed's batch settings") == 1, err
     assert "feed 2 samples per rank" in err and "after every 2 backward passes" in err, err
+    assert err.count("clip_grad_norm_(1) in a step of a model compiled with gradient_clipping=0.5") == 1, err

@@ -336,7 +336,7 @@ def translate_deepspeed(ds: dict) -> dict:
                 raise ZeroConfigError(f"unknown option '{key}'; did you mean '{close[0]}'?")
             raise ZeroConfigError(
                 f"DeepSpeed key '{key}' is not supported by zerocompile; translated: "
-                f"{', '.join(TOP_LEVEL_TRANSLATED)}; accepted as training-loop settings: "
+                f"{', '.join(TOP_LEVEL_TRANSLATED)}; accepted as training-loop settings (not applied, with a warning): "
                 f"{', '.join(TRAINING_LOOP_KEYS)}; accepted without effect: {', '.join(ACCEPTED_KEYS)}. "
                 "Remove it (see docs/config.md, 'DeepSpeed configs')")
     if autos:
