@@ -112,7 +112,8 @@ class ZeroOptimizer(Optimizer):
         self._scaler = loss_scale.LossScaler()   # the loss_scale option's, configured by the first frame
         self._clipped_scaled = False     # clip_grad_norm_ ran without knowing of a GradScaler
         self._clipped_to: float | None = None
-        """The max_norm of a clip_grad_norm_ call in this step (the gradient_clipping option does not clip again)."""
+        """The max_norm of a clip_grad_norm_ call in this step, if any: the gradient_clipping
+        option does not clip that step again."""
         self._deferred_scale: float | None = None
         """A clipping coefficient not yet applied to the gradients of ``self._deferred``: the
         fused kernel multiplies them by it as it reads them in the step (see clip_grad_norm_)."""
@@ -562,7 +563,8 @@ class ZeroOptimizer(Optimizer):
         found = {sp.gradient_clipping for p in self._params() if (sp := get_state(p)) is not None}
         if len(found) > 1:
             raise ValueError(f"ZeroOptimizer: its parameters come from frames compiled with different "
-                             f"gradient_clipping options ({', '.join(map(str, sorted(found)))}); compile them with one")
+                             f"gradient_clipping options ({', '.join(map(str, sorted(found)))}); compile them "
+                             "with one")
         max_norm = found.pop() if found else 0.0
         if max_norm > 0 and self._clipped_to is None:
             self.clip_grad_norm_(max_norm)
