@@ -63,7 +63,7 @@ class ShardedParam:
                  bucket_mb: float = 25.0, keep_full: bool = False,
                  offload_optimizer: OffloadSettings = OffloadSettings(),
                  offload_param: OffloadSettings = OffloadSettings(), chunk: torch.Tensor | None = None,
-                 provisional: bool = False):
+                 provisional: bool = False, gradient_clipping: float = 0.0):
         if not param.is_contiguous():
             raise ValueError(
                 f"zerocompile: parameter '{name}' is not contiguous (stride {param.stride()}); "
@@ -89,6 +89,9 @@ class ShardedParam:
         self.bucket_mb = bucket_mb
         self.offload_optimizer = offload_optimizer
         """Where ``ZeroOptimizer`` keeps this parameter's optimizer state (the frame's option)."""
+        self.gradient_clipping = gradient_clipping
+        """The frame's ``gradient_clipping`` option: the global gradient norm ``ZeroOptimizer.step()``
+        clips to (0 = off)."""
         self.requires_grad = param.requires_grad
         self.chunk = chunk_size(self.numel, group.world)
         self.padded_numel = self.chunk * group.world

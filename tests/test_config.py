@@ -117,7 +117,7 @@ def test_deepspeed_dict_is_translated():
      r"DeepSpeed key 'zero_optimization.offload_param' must be a dict"),
     ({"zero_optimization": {"stage": 3}, "sparse_attention": {"mode": "fixed"}},
      r"DeepSpeed key 'sparse_attention' is not supported by zerocompile; translated: .* accepted as "
-     r"training-loop settings: train_batch_size"),
+     r"training-loop settings \(not applied, with a warning\): train_batch_size"),
     ({"zero_optimization": {"stage": 3}, "pipeline": {"stages": 2}}, r"DeepSpeed key 'pipeline' is not supported"),
     ({"bf16": {"enabled": True, "immediate_grad_update": True}}, r"DeepSpeed key 'bf16.immediate_grad_update'"),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, r"enables both 'bf16' and 'fp16'"),
@@ -272,14 +272,17 @@ ZERO_PP = {
 @pytest.mark.parametrize("name", ["HF_ZERO2", "HF_ZERO3", "CIFAR", "ZERO_PP"])
 def test_deepspeed_example_configs_translate_from_their_json_files(name, tmp_path, caplog):
     """Each example, written to a JSON file and given as ``options=path``: the keys with a
-    zerocompile meaning set those options, the training-loop keys are accepted with one log line
-    each saying where that setting lives, and nothing else is left over."""
+    zerocompile meaning set those options (``gradient_clipping`` too), the training-loop keys the
+    backend cannot apply are one WARNING each saying where that setting lives (the ``"auto"`` ones
+    one WARNING together), the other accepted keys one INFO line each, and nothing else is left
+    over."""
     from zerocompile import deepspeed_config
 
     ds = globals()[name]
     path = tmp_path / f"{name.lower()}.json"
     path.write_text(json.dumps(ds))
     deepspeed_config._advise.cache_clear()
+    deepspeed_config.warn_once.cache_clear()
     with caplog.at_level(logging.INFO, logger="zerocompile"):
         cfg = ZeroConfig.from_options(str(path))
         assert ZeroConfig.from_options(path) == cfg                  # a Path as well
@@ -289,7 +292,7 @@ def test_deepspeed_example_configs_translate_from_their_json_files(name, tmp_pat
         "HF_ZERO3": dict(stage=3, param_dtype=None, loss_scale=None, bucket_mb=ZeroConfig().bucket_mb, prefetch=True,
                          prefetch_mb=ZeroConfig().prefetch_mb, offload_optimizer="cpu", offload_param="cpu"),
         "CIFAR": dict(stage=0, param_dtype=torch.float16, bucket_mb=5e7 * 4 / 2**20, prefetch=True,
-                      offload_optimizer=None),
+                      offload_optimizer=None, gradient_clipping=1.0),
         "ZERO_PP": dict(stage=3, param_dtype=torch.bfloat16, bucket_mb=1e7 * 4 / 2**20, prefetch_mb=5e7 * 2 / 2**20,
                         zero_quantized_weights=True, zero_quantized_gradients=True, zero_hpz_partition_size=16),
     }[name]
@@ -302,17 +305,25 @@ def test_deepspeed_example_configs_translate_from_their_json_files(name, tmp_pat
         assert (cfg.loss_scale.initial_scale, cfg.loss_scale.window, cfg.loss_scale.hysteresis,
                 cfg.loss_scale.min_scale) == (2.0**15, 500, 2, 1)
     messages = [r.getMessage() for r in caplog.records if r.name == "zerocompile"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "zerocompile" and r.levelno == logging.WARNING]
+    autos = [m for m in warnings if "'auto', which HF Trainer" in m]
+    assert len(autos) <= 1, autos
     for key in ds:
-        if key in deepspeed_config.TRAINING_LOOP_KEYS or key in deepspeed_config.ACCEPTED_KEYS:
+        if key in deepspeed_config.ACCEPTED_KEYS:
             (line,) = [m for m in messages if m.startswith(f"DeepSpeed key '{key}' ")]
-            assert ("belongs to the training loop" in line) == (key in deepspeed_config.TRAINING_LOOP_KEYS), line
+            assert line not in warnings, line
+        elif key in deepspeed_config.TRAINING_LOOP_KEYS or key == "gradient_clipping":
+            if deepspeed_config.contains_auto(ds[key]):
+                assert autos and key in autos[0], (key, autos)
+            elif key != "gradient_clipping":
+                (line,) = [m for m in warnings if m.startswith(f"DeepSpeed key '{key}' is not applied")]
     if name == "HF_ZERO3":
         assert any("'fp16.enabled'" in m and "reads as false" in m for m in messages)
         assert any("'zero_optimization.reduce_bucket_size'" in m and "keeps zerocompile's default" in m
                    for m in messages)
         assert any("'zero_optimization.stage3_gather_16bit_weights_on_model_save'" in m and "full_state_dict" in m
                    for m in messages)
-        assert any("'gradient_clipping'" in m and "clip_grad_norm_" in m for m in messages)
+        assert "gradient_clipping" in autos[0] and "zerocompile.initialize" in autos[0]
 
 
 def test_a_deepspeed_json_file_as_torch_compile_options(tmp_path, monkeypatch):

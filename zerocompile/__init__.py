@@ -7,6 +7,7 @@
 from zerocompile.backend import zero_backend
 from zerocompile.checkpoint import consolidated_state_dict, load_checkpoint, save_checkpoint
 from zerocompile.config import ZeroConfig, ZeroConfigError
+from zerocompile.deepspeed_training import initialize, training_settings
 from zerocompile.generation import generate
 from zerocompile.optimizer import ZeroOptimizer
 from zerocompile.pretrained import load_pretrained, materialize, save_pretrained
@@ -15,7 +16,7 @@ from zerocompile.state_dict import full_state_dict, gathered_parameters
 
 __all__ = [
     "ZeroConfig", "ZeroConfigError", "ZeroOptimizer", "ZeroStats", "consolidated_state_dict", "frame_reports",
-    "full_state_dict", "gathered_parameters", "generate", "load_pretrained", "materialize", "save_pretrained", "load_checkpoint", "reset_stats", "save_checkpoint", "stats",
-    "zero_backend",
+    "full_state_dict", "gathered_parameters", "generate", "initialize", "load_pretrained", "materialize", "save_pretrained", "load_checkpoint", "reset_stats", "save_checkpoint", "stats",
+    "training_settings", "zero_backend",
 ]
 __version__ = "0.1.0"

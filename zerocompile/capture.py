@@ -271,7 +271,7 @@ def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_f
     compute = cfg.param_dtype if cfg.param_dtype is not None and param.is_floating_point() else param.dtype
     state = ShardedParam(param, name, cfg.stage, group, compute, cfg.reduce_dtype, cfg.bucket_mb,
                          keep_full=keep_full, offload_optimizer=cfg.offload_optimizer,
-                         offload_param=cfg.offload_param)
+                         offload_param=cfg.offload_param, gradient_clipping=cfg.gradient_clipping)
     attach_state(param, state)
     ACCOUNTING.states.add(state)
     ACCOUNTING.world_size = group.world
@@ -294,6 +294,7 @@ def _adopt_provisional(param, state: ShardedParam, cfg: ZeroConfig, group: CommG
         state.bucket_mb = cfg.bucket_mb
         state.offload_optimizer = cfg.offload_optimizer
         state.offload_param = cfg.offload_param
+        state.gradient_clipping = cfg.gradient_clipping
         state.provisional = False
         return state
     full = state.full_from_shards()
@@ -307,7 +308,7 @@ def _adopt_provisional(param, state: ShardedParam, cfg: ZeroConfig, group: CommG
 
 def _check_compatible(state: ShardedParam, cfg: ZeroConfig, group: CommGroup, name: str) -> None:
     want_compute = cfg.param_dtype or state.dtype
-    for option in ("offload_optimizer", "offload_param"):
+    for option in ("offload_optimizer", "offload_param", "gradient_clipping"):
         if getattr(state, option) != getattr(cfg, option):
             raise ValueError(
                 f"zerocompile: parameter '{name}' is already sharded with {option} "

@@ -189,6 +189,13 @@ class ZeroConfig:
     ``reshard_after_forward``; ``k`` must divide the world size; the default process group
     only. See docs/zeropp.md."""
 
+    gradient_clipping: float = 0.0
+    """Clip the gradients' global L2 norm (over all ranks and all of a ``ZeroOptimizer``'s
+    parameters) to this value in every ``ZeroOptimizer.step()``, after reducing and unscaling
+    them, as DeepSpeed's key of the same name (and ``torch.nn.utils.clip_grad_norm_`` in one
+    process). 0 = off. A step in which you call ``opt.clip_grad_norm_`` yourself is clipped
+    by that call only. See docs/api.md, gradient clipping."""
+
     disabled_passes: tuple = field(default_factory=tuple)
     """Names of optional graph passes to skip (see docs/passes.md). Also given as
     ``options={"passes": {"disable": [...]}}``."""
@@ -213,8 +220,10 @@ class ZeroConfig:
         names = [f.name for f in fields(cls)]
         if any(k in options for k in (*deepspeed_config.TOP_LEVEL_TRANSLATED, *deepspeed_config.TRAINING_LOOP_KEYS,
                                       *deepspeed_config.ACCEPTED_KEYS)):
-            own = {k: v for k, v in options.items() if k in names}
-            ds = {k: v for k, v in options.items() if k not in names}
+            # gradient_clipping is both a DeepSpeed key and a field of the same meaning: translated
+            # ("auto" is DeepSpeed's)
+            own = {k: v for k, v in options.items() if k in names and k not in deepspeed_config.TOP_LEVEL_TRANSLATED}
+            ds = {k: v for k, v in options.items() if k not in own}
             translated = deepspeed_config.translate_deepspeed(ds)
             for key in set(own) & set(translated):
                 raise ZeroConfigError(
@@ -286,6 +295,12 @@ class ZeroConfig:
                                   "the backward re-gathers nothing to partition")
         if not isinstance(self.debug_checks, bool):
             raise ZeroConfigError(f"option 'debug_checks' = {self.debug_checks!r} is invalid; allowed: True, False")
+        clip = self.gradient_clipping
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or math.isnan(clip) or clip < 0 \
+                or math.isinf(clip):
+            raise ZeroConfigError(f"option 'gradient_clipping' = {clip!r} is invalid; allowed: a finite number >= 0 "
+                                  "(the largest global gradient norm; 0 = off)")
+        object.__setattr__(self, "gradient_clipping", float(clip))
         _check_mb("prefetch_mb", self.prefetch_mb)
         if self.unshard_budget_mb != "auto":
             _check_mb("unshard_budget_mb", self.unshard_budget_mb, extra=", or 'auto'", allow_inf=True)

@@ -5,17 +5,22 @@
 - **translated**: keys with a zerocompile meaning become the options of that meaning
   (``zero_optimization.stage``, bucket sizes, offload, ZeRO++, ``overlap_comm``,
   ``stage3_prefetch_bucket_size``, ``fp16`` with its loss-scale keys, ``bf16``,
-  ``communication_data_type``, ``aio``);
-- **accepted, with advice**: keys that belong to the training loop (batch sizes, gradient
-  accumulation and clipping, optimizer, scheduler), to logging and monitoring, or that name
-  something zerocompile always does or decides itself (contiguous gradient buffers,
-  reduce-scatter, the stage-3 persistence and reuse thresholds). They change nothing; one log
-  line per key and process says where that setting lives in a zerocompile script;
+  ``communication_data_type``, ``aio``, ``gradient_clipping``);
+- **not applied, with a warning**: the training-loop keys a compiler backend cannot apply
+  (``optimizer``, ``scheduler``, the batch sizes, ``gradient_accumulation_steps`` above 1).
+  One WARNING per key and process (logger ``zerocompile``, which a script without logging
+  configuration shows) says where that setting lives: ``zerocompile.initialize`` applies the
+  optimizer and scheduler sections and checks the batch sizes (``deepspeed_training.py``);
+- **accepted, with advice**: keys for logging and monitoring, or that name something
+  zerocompile always does or decides itself (contiguous gradient buffers, reduce-scatter, the
+  stage-3 persistence and reuse thresholds). They change no number; one INFO line per key and
+  process says what to use instead;
 - **rejected**: anything else raises ``ZeroConfigError`` naming the key.
 
 ``"auto"`` (the value HF Trainer fills in from its own arguments) keeps zerocompile's default
-for that key, with a log line. ``load_deepspeed_file(path)`` reads a JSON file for
-``options=path``.
+for that key, with a log line; the training-loop keys that are ``"auto"`` get one WARNING
+together (HF Trainer, and so ``ZeroTrainer``, applies them from its arguments; nothing else
+does). ``load_deepspeed_file(path)`` reads a JSON file for ``options=path``.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from zerocompile.config import ZeroConfigError
 
 log = logging.getLogger("zerocompile")
 
-TOP_LEVEL_TRANSLATED = ("zero_optimization", "bf16", "bfloat16", "fp16", "communication_data_type", "aio")
+TOP_LEVEL_TRANSLATED = ("zero_optimization", "bf16", "bfloat16", "fp16", "communication_data_type", "aio",
+                        "gradient_clipping")
 """Top-level DeepSpeed keys with a zerocompile meaning (``bfloat16`` is DeepSpeed's alias of ``bf16``)."""
 
 ZERO_TRANSLATED = ("stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
@@ -41,17 +47,19 @@ ZERO_TRANSLATED = ("stage", "reduce_bucket_size", "allgather_bucket_size", "over
 """``zero_optimization`` keys that become zerocompile options."""
 
 TRAINING_LOOP_KEYS = {
-    "train_batch_size": "the global batch is your DataLoader's batch size x world size x gradient accumulation steps",
+    "train_batch_size": "the global batch is your DataLoader's batch size x world size x gradient accumulation "
+                        "steps (zerocompile.initialize checks the three agree)",
     "train_micro_batch_size_per_gpu": "set it as your DataLoader's batch_size on each rank",
-    "gradient_accumulation_steps": "run several forward/backward passes before opt.step(); gradients accumulate "
-                                   "in the shards (docs/api.md, gradient accumulation)",
-    "gradient_clipping": "call opt.clip_grad_norm_(max_norm) of your ZeroOptimizer before opt.step()",
-    "optimizer": "build it in your script: zerocompile.ZeroOptimizer(model.parameters(), "
-                 "optimizer_class=torch.optim.AdamW, lr=...)",
-    "scheduler": "build any torch.optim.lr_scheduler on your ZeroOptimizer in your script",
+    "gradient_accumulation_steps": "run that many forward/backward passes per opt.step(), each loss divided by it "
+                                   "as DeepSpeed's engine.backward does; gradients accumulate in the shards "
+                                   "(docs/api.md, gradient accumulation)",
+    "optimizer": "build it with zerocompile.initialize(model, config=...), or in your script: "
+                 "zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=...)",
+    "scheduler": "build it with zerocompile.initialize(model, config=...) (DeepSpeed's schedules), or any "
+                 "torch.optim.lr_scheduler on your ZeroOptimizer",
 }
-"""DeepSpeed keys for what a zerocompile training script does itself: accepted, with where
-that setting lives."""
+"""DeepSpeed keys for what a zerocompile training script does itself: not applied by the
+backend, with a warning saying where that setting lives."""
 
 ACCEPTED_KEYS = {
     "steps_per_print": "log from your training loop (zerocompile.stats() has memory and communication)",
@@ -115,6 +123,31 @@ _FP16_SCALING = {
 def _advise(key: str, advice: str) -> None:
     # once per key and process: the backend translates the same options for every frame it compiles
     log.info("DeepSpeed key '%s' has no zerocompile option: %s", key, advice)
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    """``message`` as a WARNING of the ``zerocompile`` logger, once per process (the backend
+    translates the same options for every frame it compiles). Python's last-resort handler
+    shows it in a script that configures no logging."""
+    log.warning("%s", message)
+
+
+def contains_auto(value) -> bool:
+    """Whether ``value`` (a DeepSpeed value, or a section of them) is or holds ``"auto"``."""
+    if isinstance(value, dict):
+        return any(contains_auto(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(contains_auto(v) for v in value)
+    return value == "auto"
+
+
+def gradient_clipping(value) -> float:
+    """DeepSpeed's ``gradient_clipping`` value -> the option (0 = off)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ZeroConfigError(f"DeepSpeed key 'gradient_clipping' = {value!r} is invalid; allowed: a number >= 0 "
+                              "(0 = off), or 'auto' under HF Trainer")
+    return float(value)
 
 
 def load_deepspeed_file(path: str | os.PathLike) -> dict:
@@ -265,6 +298,7 @@ def translate_deepspeed(ds: dict) -> dict:
 
     out: dict = {}
     aio: dict = {}
+    autos: list[str] = []
     for key, value in ds.items():
         if key == "zero_optimization":
             _translate_zero(value, out)
@@ -281,8 +315,18 @@ def translate_deepspeed(ds: dict) -> dict:
                     raise ZeroConfigError(f"DeepSpeed key 'aio.{akey}' is not supported by zerocompile; "
                                           f"supported: {', '.join('aio.' + k for k in _AIO)}")
             aio = {ours: value[k] for k, ours in _AIO.items() if ours and k in value}
+        elif key == "gradient_clipping":
+            if value == "auto":
+                autos.append(key)
+            else:
+                out["gradient_clipping"] = gradient_clipping(value)
         elif key in TRAINING_LOOP_KEYS:
-            _advise(key, f"it belongs to the training loop: {TRAINING_LOOP_KEYS[key]}")
+            if contains_auto(value):
+                autos.append(key)
+            elif key == "gradient_accumulation_steps" and value == 1:
+                _advise(key, "1 is what a loop without accumulation does")
+            else:
+                warn_once(f"DeepSpeed key '{key}' is not applied by the 'zero' backend: {TRAINING_LOOP_KEYS[key]}")
         elif key in ACCEPTED_KEYS:
             _advise(key, ACCEPTED_KEYS[key])
         else:
@@ -292,9 +336,14 @@ def translate_deepspeed(ds: dict) -> dict:
                 raise ZeroConfigError(f"unknown option '{key}'; did you mean '{close[0]}'?")
             raise ZeroConfigError(
                 f"DeepSpeed key '{key}' is not supported by zerocompile; translated: "
-                f"{', '.join(TOP_LEVEL_TRANSLATED)}; accepted as training-loop settings: "
+                f"{', '.join(TOP_LEVEL_TRANSLATED)}; accepted as training-loop settings (not applied, with a warning): "
                 f"{', '.join(TRAINING_LOOP_KEYS)}; accepted without effect: {', '.join(ACCEPTED_KEYS)}. "
                 "Remove it (see docs/config.md, 'DeepSpeed configs')")
+    if autos:
+        keys = f"keys {', '.join(autos)} are" if len(autos) > 1 else f"key {autos[0]} is"
+        warn_once(f"DeepSpeed {keys} 'auto', which HF Trainer (and so ZeroTrainer) fills in from its own arguments "
+                  "and applies itself; nothing else applies them. Outside HF Trainer give them values: "
+                  "zerocompile.initialize(model, config=..., auto_values={...}) (docs/api.md)")
     elements = out.pop("_prefetch_elements", None)
     if elements is not None:
         bytes_per_element = 2 if out.get("param_dtype") in ("bfloat16", "float16") else 4

@@ -50,6 +50,7 @@ import torch
 from torch.optim import Optimizer
 
 from zerocompile import _torch_compat, loss_scale
+from zerocompile.deepspeed_config import warn_once
 from zerocompile.optimizer_rules import check_elementwise
 from zerocompile.runtime import cpu_extension, fused_adam
 from zerocompile.runtime.offload_settings import OffloadSettings
@@ -111,6 +112,9 @@ class ZeroOptimizer(Optimizer):
         self._warned_unsharded = False   # the warning about parameters no compiled frame used, given
         self._scaler = loss_scale.LossScaler()   # the loss_scale option's, configured by the first frame
         self._clipped_scaled = False     # clip_grad_norm_ ran without knowing of a GradScaler
+        self._clipped_to: float | None = None
+        """The max_norm of a clip_grad_norm_ call in this step, if any: the gradient_clipping
+        option does not clip that step again."""
         self._deferred_scale: float | None = None
         """A clipping coefficient not yet applied to the gradients of ``self._deferred``: the
         fused kernel multiplies them by it as it reads them in the step (see clip_grad_norm_)."""
@@ -540,6 +544,7 @@ class ZeroOptimizer(Optimizer):
             self._skip_step()
         else:
             try:
+                self._clip_as_configured()
                 self._step_inner()
                 self._after_step()
             finally:
@@ -548,6 +553,7 @@ class ZeroOptimizer(Optimizer):
             scaler.update(overflow)
         self._grads_reduced = False
         self._clipped_scaled = False
+        self._clipped_to = None
         self._scaler_flag = None
         self._clear_deferred()
         self._collect_compile_garbage()
@@ -564,6 +570,23 @@ class ZeroOptimizer(Optimizer):
         if newest > self._collected_through:
             self._collected_through = newest
             gc.collect()
+
+    def _clip_as_configured(self) -> None:
+        """The ``gradient_clipping`` option of the frames that use these parameters (DeepSpeed's
+        key): clip the reduced, unscaled gradients' global norm to it, unless ``clip_grad_norm_``
+        was called in this step (that call's clipping stands, it is not applied twice)."""
+        found = {sp.gradient_clipping for p in self._params() if (sp := get_state(p)) is not None}
+        if len(found) > 1:
+            raise ValueError(f"ZeroOptimizer: its parameters come from frames compiled with different "
+                             f"gradient_clipping options ({', '.join(map(str, sorted(found)))}); compile them "
+                             "with one")
+        max_norm = found.pop() if found else 0.0
+        if max_norm > 0 and self._clipped_to is None:
+            self.clip_grad_norm_(max_norm)
+        elif max_norm > 0 and self._clipped_to != max_norm:
+            warn_once(f"ZeroOptimizer: clip_grad_norm_({self._clipped_to:g}) in a step of a model compiled with "
+                      f"gradient_clipping={max_norm:g}: your call's bound is the one applied (the option clips "
+                      "only the steps in which you do not clip)")
 
     def _step_inner(self) -> None:
         """The inner optimizer's update. Shards kept in files (``offload_param``) are read back
@@ -660,6 +683,7 @@ class ZeroOptimizer(Optimizer):
         """Clear gradients wherever zerocompile keeps them (parameters, replicas, shards)."""
         self._grads_reduced = False
         self._clipped_scaled = False
+        self._clipped_to = None
         self._scaler_flag = None
         self._clear_deferred()
         for p in self._params():
@@ -684,8 +708,10 @@ class ZeroOptimizer(Optimizer):
         With a ``torch.amp.GradScaler``, pass it as ``grad_scaler``: the gradients are unscaled
         first, as ``scaler.unscale_(opt)`` would (which cannot reach gradients kept in shards),
         and ``scaler.step(opt)`` then does not unscale again. With the ``loss_scale`` option the
-        gradients are unscaled here by themselves."""
+        gradients are unscaled here by themselves. A model compiled with the ``gradient_clipping``
+        option is not clipped again by the step that follows."""
         self._bind()
+        self._clipped_to = float(max_norm)
         if grad_scaler is not None and grad_scaler.is_enabled():
             self._sync_hyperparameters()
             if self._loss_scaler() is not None:
