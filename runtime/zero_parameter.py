@@ -12,7 +12,9 @@ identity, shape, stride, ``isinstance(p, nn.Parameter)``), but its class becomes
   which names ``zerocompile.gathered_parameters`` and ``zerocompile.full_state_dict``.
   One write is exact without communication, because every rank holds the whole source:
   ``p.copy_(full_value)`` (what ``load_state_dict`` does) scatters the new value into this
-  rank's shard.
+  rank's shard. ``model.state_dict()`` gives the shard as a DTensor (``ShardedParam.state_dict_value``,
+  what torch's ``get_model_state_dict`` and DCP work with), and ``p.copy_`` of such a DTensor
+  writes it back into the shard; ``torch.zeros_like(p)`` and its kin read the metadata only.
 - **Gradients.** ``p.grad`` returns the gradient only where it is the gradient one process
   would have: stages 0 and 1 on one rank, and stage 0 after ``ZeroOptimizer`` averaged it
   over ranks. Elsewhere the gradient lives in flat shards (stages 2/3) or is this rank's

@@ -6,14 +6,13 @@ and training on. At every stage on 2 gloo ranks, against an uninterrupted run an
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
-from torch.distributed.tensor import DTensor
-
 import zerocompile
 from dist_utils import run_ranks
 from harness import train_on_rank_slices
@@ -27,9 +26,9 @@ def _batches(start, stop):
     return (make_batch(MODEL, step, 8) for step in range(start, stop))
 
 
-def _build(stage, seed=0):
+def _build(stage, seed=0, **options):
     model = torch.compile(make_model(MODEL, seed=seed), backend="zero",
-                          options={"stage": stage, "inner_compiler": "eager"})
+                          options={"stage": stage, "inner_compiler": "eager", **options})
     opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
     return model, opt
 
@@ -69,12 +68,26 @@ def _worker(rank, world, root):
         again = train_on_rank_slices(model, opt, _batches(2, 4), rank, world)
         torch._dynamo.reset()
         fresh, fresh_opt = _build(stage, seed=123)          # torchtitan: load before the first forward
-        _load(fresh, fresh_opt, path)
+        _load(fresh._orig_mod if stage % 2 else fresh, fresh_opt, path)    # the original module works too
         resumed = train_on_rank_slices(fresh, fresh_opt, _batches(2, 4), rank, world)
         out[stage] = {"first": first, "uninterrupted": uninterrupted, "again": again, "resumed": resumed,
                       "final": final, "resumed_final": zerocompile.full_state_dict(fresh), "saved": saved,
                       "kinds": kinds}
         torch._dynamo.reset()
+    # stage 2 with a param_dtype: the parameters' storage is freed too, so they come as DTensors,
+    # and loading one back all-gathers the bfloat16 replica
+    model, opt = _build(2, param_dtype="bfloat16")
+    train_on_rank_slices(model, opt, _batches(0, 2), rank, world)
+    path = os.path.join(root, "stage2-bf16")
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    uninterrupted = train_on_rank_slices(model, opt, _batches(2, 4), rank, world)
+    final = zerocompile.full_state_dict(model)
+    _load(model, opt, path)
+    again = train_on_rank_slices(model, opt, _batches(2, 4), rank, world)
+    out["bf16"] = {"kinds": _kinds(msd), "uninterrupted": uninterrupted, "again": again, "final": final,
+                   "again_final": zerocompile.full_state_dict(model)}
+    torch._dynamo.reset()
     return out
 
 
@@ -131,7 +144,9 @@ def test_saved_values_are_the_full_model_and_optimizer_state(runs, stage):
              "optim": {"state": {name: {"step": torch.tensor(0.0), "exp_avg": torch.empty_like(p),
                                         "exp_avg_sq": torch.empty_like(p)}
                                  for name, p in model.named_parameters()}}}
-    dcp.load(plain, checkpoint_id=os.path.join(root, f"stage{stage}"), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # "assuming the intent is to load in a single process"
+        dcp.load(plain, checkpoint_id=os.path.join(root, f"stage{stage}"), no_dist=True)
     saved = results[0][stage]["saved"]
     for key, value in plain["model"].items():
         assert torch.equal(value, saved[key]), key
@@ -153,7 +168,17 @@ def test_state_dict_values_are_dtensors_where_state_is_sharded(runs):
     for stage in (1, 2, 3):
         assert kinds[stage]["optim"] == {"step": "Tensor", "exp_avg": "DTensor", "exp_avg_sq": "DTensor"}
     assert "zerocompile.full_state_dict(model)" in kinds[3]["full_state_dict"]
-    assert DTensor is not None
+
+
+def test_a_param_dtype_model_reloads_its_dtensors_exactly(runs):
+    _, results, _, _ = runs
+    for rank_result in results:
+        r = rank_result["bf16"]
+        assert r["kinds"]["wte.weight"] == "DTensor"
+        assert r["again"] == r["uninterrupted"]
+    r = results[0]["bf16"]
+    for key, value in r["final"].items():
+        assert torch.equal(r["again_final"][key], value), key
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_rank_at_another_stage(runs):

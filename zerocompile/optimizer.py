@@ -826,13 +826,18 @@ class ZeroOptimizer(Optimizer):
         if unknown:
             raise ValueError(f"ZeroOptimizer.load_state_dict: state for parameters {unknown[:4]} that no param "
                              "group of the state dict lists")
+        if "loss_scaler" in meta:       # at once: the next backward already uses this scale
+            self.load_loss_scaler_state(meta["loss_scaler"])
+        if self._inner is None and any(get_state(positions[key]) is None and optimizer_state_dict.is_sharded_value(v)
+                                       for key, st in state_dict["state"].items() for v in st.values()):
+            # shards of parameters not sharded yet (a forward shards them): read when binding
+            self._pending_state = {_TORCH_LAYOUT: state_dict}
+            return
         states = {}
         for key, values in state_dict["state"].items():
             p = positions[key]
             values, sharded = optimizer_state_dict.imported(p, repr(key), values)
             states[p] = ParamState(values, sharded=sharded)
-        if "loss_scaler" in meta:       # at once: the next backward already uses this scale
-            self.load_loss_scaler_state(meta["loss_scaler"])
         self.load_checkpoint_state(states, [{k: v for k, v in g.items() if k != "params"} for g in saved_groups])
 
     def _load_per_rank(self, state_dict: dict, meta: dict) -> None:
@@ -852,6 +857,9 @@ class ZeroOptimizer(Optimizer):
     def _load_inner(self, state_dict: dict) -> None:
         if _PARAM_STATES in state_dict:         # from load_checkpoint_state()
             self._apply_param_states(state_dict[_PARAM_STATES])
+            return
+        if _TORCH_LAYOUT in state_dict:         # from load_state_dict(), waiting for the shards
+            self.load_state_dict(state_dict[_TORCH_LAYOUT])
             return
         shapes = [[tuple(t.shape) for t in ts] for ts in self._bound]
         saved = [[tuple(s) for s in ss] for ss in state_dict["zerocompile"]["shapes"]]
@@ -1052,6 +1060,9 @@ def _all_reduce_max(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
 
 _PARAM_STATES = "zerocompile_param_states"
 """Key of ``ZeroOptimizer._pending_state`` that holds ``{param: ParamState}`` from a checkpoint."""
+_TORCH_LAYOUT = "zerocompile_torch_layout"
+"""Key of ``ZeroOptimizer._pending_state`` that holds a state dict with sharded values of parameters
+that were not sharded when it was loaded."""
 
 
 @dataclass
