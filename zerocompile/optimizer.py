@@ -636,8 +636,8 @@ class ZeroOptimizer(Optimizer):
         if self._warned_unsharded or all(group.world <= 1 for group, _ in full):
             return
         grads = [g for items in full.values() for sp, g in items if sp is None]
-        if not grads:
-            return
+        if not grads or not any(bool(g.any()) for g in grads):
+            return      # none, or all zero: torch's _init_optim_state stepping before the first forward
         self._warned_unsharded = True
         shapes = ", ".join(str(list(g.shape)) for g in grads[:4]) + (", ..." if len(grads) > 4 else "")
         log.warning(
