@@ -92,8 +92,9 @@ class ShardView(torch.Tensor):
             f"zerocompile: {func} on a sharded value (a DTensor over zerocompile's flat shards, from "
             "model.state_dict() or ZeroOptimizer.state_dict()): it holds this rank's elements for "
             "torch.distributed.checkpoint (dcp.save / dcp.load) and model/optimizer load_state_dict only. "
-            "For full values use zerocompile.full_state_dict(model) (StateDictOptions(full_state_dict=True) "
-            "of torch's state-dict helpers cannot gather these shards), or zerocompile.gathered_parameters(model)")
+            "Save with dcp.save or zerocompile.save_checkpoint; for full values use "
+            "zerocompile.full_state_dict(model) (StateDictOptions(full_state_dict=True) of torch's state-dict "
+            "helpers cannot gather these shards), or zerocompile.gathered_parameters(model)")
 
     def __reduce_ex__(self, protocol):
         # torch.save of a per-rank state dict: the elements, not the storage-less wrapper

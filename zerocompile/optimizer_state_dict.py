@@ -33,6 +33,7 @@ def exported(p: torch.Tensor, target: torch.Tensor, value):
 
 
 def is_sharded_value(value) -> bool:
+    """Whether ``value`` is a sharded value ``exported`` made (a DTensor over a ``ShardView``)."""
     return local_part(value) is not None
 
 
@@ -42,9 +43,8 @@ def imported(p: torch.Tensor, name: str, values: dict) -> tuple[dict, bool]:
     every tensor is whole. ``name`` names ``p`` in errors."""
     sp = get_state(p)
     sharded_now = sp is not None and sp.rules.shards_master
-    views = {k: v for k, v in values.items() if local_part(v) is not None}
     out = {}
-    if sharded_now and views:
+    if sharded_now and any(local_part(v) is not None for v in values.values()):
         start, stop = sp.own_range()
         for key, value in values.items():
             view = local_part(value)
