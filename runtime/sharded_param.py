@@ -36,6 +36,7 @@ import functools
 import torch
 
 from zerocompile import _torch_compat
+from zerocompile.dcp_shards import sharded_tensor
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, chunk_size
 from zerocompile.runtime.offload_settings import OffloadSettings
 from zerocompile.runtime.param_offload import resident_shards
@@ -218,6 +219,51 @@ class ShardedParam:
                 self._flat_replica[: self.numel].copy_(flat)
             if self.materialized:
                 self.param.copy_(full)
+
+    # -- state dicts (model.state_dict(), ZeroOptimizer.state_dict()) --------------------
+    def own_range(self) -> tuple[int, int]:
+        """The flat elements ``[start, stop)`` of the parameter this rank's shard holds (empty
+        for a rank past the end: its shard is all padding)."""
+        start = min(self.group.rank * self.chunk, self.numel)
+        return start, min(start + self.chunk, self.numel)
+
+    def sharded_value(self, flat: torch.Tensor) -> torch.Tensor:
+        """A tensor of the parameter's shape whose shard on this rank is ``flat`` (``chunk``
+        elements, zero-padded: the master shard or element-wise optimizer state), as state
+        dicts give it: a ``DTensor`` over the shards on several ranks
+        (``zerocompile.dcp_shards.sharded_tensor``), the whole tensor (a view) on one."""
+        start, stop = self.own_range()
+        if self.group.world == 1:
+            return flat[: self.numel].view(self.shape)
+        return sharded_tensor(flat[: stop - start], self.shape, start, self.group.group)
+
+    @_on_plain_tensors
+    def state_dict_value(self) -> torch.Tensor:
+        """The parameter's value in ``model.state_dict()`` where its storage is freed: its
+        master shard as ``sharded_value`` (a copy of it where the shard lives in a file)."""
+        shard = self.shard.detach()
+        if self.shard_file is not None:
+            with resident_shards([self]):
+                shard = shard.clone()
+        return self.sharded_value(shard)
+
+    @_on_plain_tensors
+    def write_own_elements(self, values: torch.Tensor) -> None:
+        """Write the flat elements ``own_range()`` of new master values into the shard, and
+        refresh what holds full values from the shards (a replica; a gathered parameter): an
+        all-gather then, a collective every rank makes."""
+        start, stop = self.own_range()
+        with torch.no_grad():
+            with resident_shards([self], write=True):
+                self.shard[: stop - start].copy_(values.reshape(-1))
+            if not (self.rules.keeps_replica or self.materialized):
+                return
+            with resident_shards([self]):
+                gathered = all_gather_flat(self.shard.detach(), self.group.world, self.group.name)
+            if self.rules.keeps_replica:
+                self._flat_replica.copy_(gathered.to(self._flat_replica.dtype))
+            if self.materialized:
+                self.param.copy_(gathered[: self.numel].view(self.shape))
 
     # -- what eager code may do with the parameter (runtime/zero_parameter.py) ------------
     def values_freed(self) -> bool:

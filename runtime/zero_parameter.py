@@ -12,7 +12,9 @@ identity, shape, stride, ``isinstance(p, nn.Parameter)``), but its class becomes
   which names ``zerocompile.gathered_parameters`` and ``zerocompile.full_state_dict``.
   One write is exact without communication, because every rank holds the whole source:
   ``p.copy_(full_value)`` (what ``load_state_dict`` does) scatters the new value into this
-  rank's shard.
+  rank's shard. ``model.state_dict()`` gives the shard as a DTensor (``ShardedParam.state_dict_value``,
+  what torch's ``get_model_state_dict`` and DCP work with), and ``p.copy_`` of such a DTensor
+  writes it back into the shard; ``torch.zeros_like(p)`` and its kin read the metadata only.
 - **Gradients.** ``p.grad`` returns the gradient only where it is the gradient one process
   would have: stages 0 and 1 on one rank, and stage 0 after ``ZeroOptimizer`` averaged it
   over ranks. Elsewhere the gradient lives in flat shards (stages 2/3) or is this rank's
@@ -33,8 +35,10 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from zerocompile import _torch_compat
+from zerocompile.dcp_shards import local_part
 
 _METADATA_METHODS = frozenset({
     "size", "stride", "dim", "numel", "nelement", "element_size", "is_contiguous", "storage_offset",
@@ -46,6 +50,8 @@ _METADATA_ATTRIBUTES = frozenset({
     "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested", "is_mkldnn", "itemsize", "nbytes",
     "names", "_base", "_version", "output_nr", "_cdata", "is_mps", "is_xpu", "retains_grad",
 })
+_LIKE_FACTORIES = frozenset({"zeros_like", "empty_like", "ones_like", "full_like"})
+"""New tensors shaped like the parameter: they read its metadata only."""
 _HOW_TO_READ = (
     "Read parameters inside `with zerocompile.gathered_parameters(model): ...` (a collective: every "
     "rank must enter it), take `zerocompile.full_state_dict(model)` for a copy, or save with "
@@ -158,12 +164,19 @@ def _check_eager_use(param: ZeroParameter, func, args, kwargs):
         raise ParameterNotGatheredError(
             f"zerocompile: cannot change requires_grad of parameter '{state.name}' after zerocompile "
             "sharded it; freeze parameters before the first compiled forward.")
+    if kind == "call" and name == "copy_" and args and args[0] is param and len(args) >= 2 \
+            and isinstance(args[1], DTensor):
+        return lambda: _copy_from_dtensor(param, args[1])
     if not state.values_freed():
         return None
     if (kind == "get" and name in _METADATA_ATTRIBUTES) or (kind == "call" and name in _METADATA_METHODS):
         return None
+    if kind == "call" and name in _LIKE_FACTORIES:
+        return None     # a new tensor of the parameter's shape (torch's _init_optim_state: zeros_like)
     if kind == "call" and name == "copy_" and args and args[0] is param and len(args) >= 2:
         return lambda: _copy_into_shards(param, args[1])
+    if kind == "call" and name == "detach" and _torch_compat.called_from_module_state_dict():
+        return state.state_dict_value      # model.state_dict(): the sharded value
     what = f"`.{name}`" if kind == "get" else f"`{name}`"
     raise ParameterNotGatheredError(
         f"zerocompile: {what} on parameter '{state.name}' {tuple(param.shape)}, whose storage is freed "
@@ -181,6 +194,42 @@ def _copy_into_shards(param: ZeroParameter, source) -> ZeroParameter:
     source = torch.as_tensor(source, device=state.device)
     with _torch_compat.plain_tensor_ops():
         state.write_full(source.expand(state.shape))
+    return param
+
+
+def _copy_from_dtensor(param: ZeroParameter, source: DTensor) -> ZeroParameter:
+    """``param.copy_(dtensor)`` (``load_state_dict`` of a state dict with sharded values). Where
+    ``source`` holds exactly this rank's elements of the parameter (a value ``model.state_dict()``
+    gave, loaded in place by ``dcp.load``), they are written into the shard; any other DTensor
+    is gathered whole (``full_tensor()``, a collective) and written as a full value."""
+    state = param.zero_state
+    if torch.is_grad_enabled() and param.requires_grad:
+        raise RuntimeError(
+            "a leaf Variable that requires grad is being used in an in-place operation "
+            f"(parameter '{state.name}'); wrap the write in `with torch.no_grad():`")
+    if tuple(source.shape) != state.shape:
+        raise RuntimeError(f"zerocompile: copy_ of a value of shape {tuple(source.shape)} into parameter "
+                           f"'{state.name}' of shape {state.shape}")
+    view = local_part(source)
+    if view is None:
+        full = source.full_tensor()
+        with _torch_compat.plain_tensor_ops():
+            state.write_full(full)
+        return param
+    start, stop = state.own_range() if state.rules.shards_master else (0, state.numel)
+    if (view.start, view.start + view.flat.numel()) != (start, stop):
+        raise ValueError(
+            f"zerocompile: the value loaded into parameter '{state.name}' holds its elements "
+            f"[{view.start}, {view.start + view.flat.numel()}), but this rank (rank {state.group.rank} of "
+            f"{state.group.world}, stage {state.stage}) holds [{start}, {stop}): a sharded value loads only "
+            "into the layout it was taken from. Load checkpoints through torch.distributed.checkpoint: "
+            "dcp.load into get_model_state_dict(model) (or model.state_dict()) of this model, which "
+            "reshards, then set_model_state_dict / load_state_dict")
+    with _torch_compat.plain_tensor_ops():
+        if state.rules.shards_master:
+            state.write_own_elements(view.flat)
+        else:
+            state.write_full(view.flat.view(state.shape))
     return param
 
 

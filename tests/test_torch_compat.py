@@ -137,6 +137,27 @@ def test_dcp_saves_and_loads_through_the_checkpointable_protocol(tmp_path):
     assert torch.equal(whole, full), "DCP no longer saves through __create_write_items__"
 
 
+def test_module_state_dict_detaches_each_parameter_in_save_to_state_dict():
+    """``Module.state_dict()`` takes ``param.detach()`` inside ``_save_to_state_dict`` (what a
+    freed ``ZeroParameter`` answers with its sharded value)."""
+    seen = []
+
+    class Recording(torch.nn.Parameter):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "detach":
+                seen.append(_torch_compat.called_from_module_state_dict())
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+    layer = torch.nn.Linear(2, 2)
+    layer.weight = Recording(layer.weight.detach())
+    layer.state_dict()
+    assert seen == [True], "Module.state_dict() no longer calls param.detach() in _save_to_state_dict"
+    layer.weight.detach()
+    assert seen == [True, False]
+
+
 def test_plain_tensor_ops_skips_subclass_torch_function():
     calls = []
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 
 import torch
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
@@ -411,6 +412,25 @@ def plain_tensor_ops():
     itself uses; Dynamo traces it, so ``ZeroParameter.__torch_function__`` compiles to nothing.
     """
     return torch._C.DisableTorchFunctionSubclass()
+
+
+def called_from_module_state_dict(depth: int = 6) -> bool:
+    """Whether a ``Module.state_dict()`` is the caller, within ``depth`` frames: its
+    ``_save_to_state_dict`` takes ``param.detach()`` of each parameter (``keep_vars=False``),
+    and a ``ZeroParameter`` whose storage is freed answers that with its sharded value.
+
+    Why private: ``torch.nn.Module._save_to_state_dict`` is the (documented, overridable) method
+    that writes a module's own entries; its name, and that it calls ``detach`` on each
+    parameter, are what ``tests/test_torch_compat.py`` checks.
+    """
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_save_to_state_dict":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def inside_dynamo_trace() -> bool:

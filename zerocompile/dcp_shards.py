@@ -12,6 +12,12 @@ between any two layouts by intersecting boxes.
 boxes through DCP's ``_Checkpointable`` protocol (``__create_write_items__``,
 ``__create_chunk_list__``, ``__get_tensor_shard__``; see ``zerocompile/_torch_compat.py``).
 Each box is a view into the flat shard, so loading writes into the shard in place.
+
+``sharded_tensor`` wraps a ``ShardView`` in a ``DTensor`` over the shard's process group: the
+value ``model.state_dict()`` gives for a parameter whose values live only in shards, and
+``ZeroOptimizer.state_dict()`` for sharded optimizer state, as FSDP2 gives DTensors. torch's
+``torch.distributed.checkpoint.state_dict`` helpers pass them through and DCP reads and writes
+their boxes (a DTensor hands DCP's protocol to its local tensor); ``local_part`` reads one back.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import math
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from zerocompile import _torch_compat
 
@@ -68,15 +76,29 @@ class ShardView(torch.Tensor):
             view._pieces.append((torch.Size(offsets), flat[pos:pos + n].view(sizes)))
             pos += n
         view._properties = TensorProperties(dtype=flat.dtype)
+        view.flat = flat
+        """The elements this view describes (a view of a shard, or a copy of one)."""
+        view.start = start
+        """Flat index of ``flat[0]`` in the whole tensor."""
         return view
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.detach.default:
             return args[0]
+        if func is torch.ops.aten.view.default and tuple(args[1]) == tuple(args[0].shape):
+            return ShardView(args[0].flat, args[0].shape, args[0].start)     # DTensor.from_local's view_as
         raise NotImplementedError(
-            f"zerocompile: {func} on a ShardView; it only describes a shard to "
-            "torch.distributed.checkpoint")
+            f"zerocompile: {func} on a sharded value (a DTensor over zerocompile's flat shards, from "
+            "model.state_dict() or ZeroOptimizer.state_dict()): it holds this rank's elements for "
+            "torch.distributed.checkpoint (dcp.save / dcp.load) and model/optimizer load_state_dict only. "
+            "Save with dcp.save or zerocompile.save_checkpoint; for full values use "
+            "zerocompile.full_state_dict(model) (StateDictOptions(full_state_dict=True) of torch's state-dict "
+            "helpers cannot gather these shards), or zerocompile.gathered_parameters(model)")
+
+    def __reduce_ex__(self, protocol):
+        # torch.save of a per-rank state dict: the elements, not the storage-less wrapper
+        return (ShardView, (self.flat.detach().clone(), tuple(self.shape), self.start))
 
     def __repr__(self, *args, **kwargs):
         return f"ShardView(shape={tuple(self.shape)}, dtype={self.dtype}, boxes={len(self._pieces)})"
@@ -96,3 +118,25 @@ class ShardView(torch.Tensor):
             if offsets == index.offset:
                 return piece
         raise ValueError(f"zerocompile: no box at offset {index.offset} for '{index.fqn}'")
+
+
+def sharded_tensor(flat: torch.Tensor, shape: tuple, start: int, group) -> torch.Tensor:
+    """The elements ``[start, start + flat.numel())`` of a tensor of ``shape`` held by this rank
+    of the process group ``group`` (``flat``: 1-D, the rest lives on the other ranks), as a
+    ``DTensor`` whose local tensor is a ``ShardView``. Placement ``Shard(0)`` (``Replicate()``
+    for a 0-dim tensor, which one rank holds) says only that the value is distributed: where
+    each element lives is what the ``ShardView`` tells DCP."""
+    shape = torch.Size(shape)
+    mesh = DeviceMesh.from_group(group, device_type=flat.device.type)
+    view = ShardView(flat, shape, start)
+    if len(shape) == 0:
+        return DTensor.from_local(view, mesh, [Replicate()], run_check=False)
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(view, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+
+
+def local_part(value) -> ShardView | None:
+    """The ``ShardView`` behind a value made by ``sharded_tensor`` (or a bare one), else None."""
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    return value if isinstance(value, ShardView) else None

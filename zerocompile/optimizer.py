@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
-from zerocompile import _torch_compat, loss_scale
+from zerocompile import _torch_compat, loss_scale, optimizer_state_dict
 from zerocompile.deepspeed_config import warn_once
 from zerocompile.optimizer_rules import check_elementwise
 from zerocompile.runtime import cpu_extension, fused_adam
@@ -175,11 +175,17 @@ class ZeroOptimizer(Optimizer):
                 bound = self._bound[gi][pi]
                 if target is bound:
                     continue
-                if self._inner.state.get(bound):
-                    raise RuntimeError(
-                        f"ZeroOptimizer: parameter {tuple(p.shape)} of group {gi} was sharded after the "
-                        "optimizer had already stepped it; run one forward of every compiled model "
-                        "before the first optimizer step")
+                held = self._inner.state.get(bound)
+                if held:
+                    if bound is not p or isinstance(self._inner, OffloadedAdam):
+                        raise RuntimeError(
+                            f"ZeroOptimizer: parameter {tuple(p.shape)} of group {gi} was sharded after the "
+                            "optimizer had already stepped it; run one forward of every compiled model "
+                            "before the first optimizer step")
+                    # state of the whole parameter (stepped or loaded before the first forward, the
+                    # same on every rank): cut into this rank's shard
+                    self._inner.state[target] = self._state_for_target(p, target, ParamState(dict(held), False), gi)
+                    del self._inner.state[bound]
                 self._check_one_group()
                 self._bound[gi][pi] = target
                 self._inner.param_groups[gi]["params"][pi] = target
@@ -668,8 +674,8 @@ class ZeroOptimizer(Optimizer):
         if self._warned_unsharded or all(group.world <= 1 for group, _ in full):
             return
         grads = [g for items in full.values() for sp, g in items if sp is None]
-        if not grads:
-            return
+        if not grads or not any(bool(g.any()) for g in grads):
+            return      # none, or all zero: torch's _init_optim_state stepping before the first forward
         self._warned_unsharded = True
         shapes = ", ".join(str(list(g.shape)) for g in grads[:4]) + (", ..." if len(grads) > 4 else "")
         log.warning(
@@ -801,35 +807,88 @@ class ZeroOptimizer(Optimizer):
         self._deferred_scale = None
 
     def state_dict(self) -> dict:
-        """This rank's shard state (the inner optimizer's state dict plus layout metadata)."""
+        """torch's layout (``state`` keyed by each parameter's position in the param groups,
+        ``param_groups`` with those positions as ``params``), sharded state as DTensors (see
+        ``zerocompile.optimizer_state_dict``), plus a ``"zerocompile"`` entry (optimizer class,
+        rank, world size, the ``loss_scale`` option's scaler state). No communication."""
         self._bind()
         self._sync_hyperparameters()
-        sd = self._inner.state_dict()
-        group = self._layout_group()
-        sd["zerocompile"] = {"rank": group.rank, "world_size": group.world,
-                             "optimizer_class": self.optimizer_class.__name__,
-                             "shapes": [[tuple(t.shape) for t in ts] for ts in self._bound]}
+        state, groups, index = {}, [], 0
+        for group, targets in zip(self.param_groups, self._bound):
+            ids = []
+            for p, target in zip(group["params"], targets):
+                values = self._target_state(target)
+                if values:
+                    state[index] = {k: optimizer_state_dict.exported(p, target, v) for k, v in values.items()}
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        layout = self._layout_group()
+        meta = {"rank": layout.rank, "world_size": layout.world, "optimizer_class": self.optimizer_class.__name__}
         scaler_state = self.loss_scaler_state()
         if scaler_state is not None:
-            sd["zerocompile"]["loss_scaler"] = scaler_state
-        return sd
+            meta["loss_scaler"] = scaler_state
+        return {"state": state, "param_groups": groups, "zerocompile": meta}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict saved by ``state_dict()`` on the same rank of the same world size."""
-        meta = state_dict.get("zerocompile")
-        if meta is None:
-            raise ValueError("ZeroOptimizer.load_state_dict: not a ZeroOptimizer state dict "
-                             "(no 'zerocompile' entry); it must come from ZeroOptimizer.state_dict()")
+        """Load a state dict in torch's layout: what ``state_dict()`` gave (on this rank, or
+        filled by ``dcp.load``), or what torch's ``set_optimizer_state_dict`` passes. Saved
+        parameters map to yours by position in the param groups, as in torch."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("ZeroOptimizer.load_state_dict: not an optimizer state dict (it needs 'state' and "
+                             "'param_groups'); it must come from ZeroOptimizer.state_dict() or torch's "
+                             "get_optimizer_state_dict")
+        meta = state_dict.get("zerocompile") or {}
+        if meta.get("optimizer_class", self.optimizer_class.__name__) != self.optimizer_class.__name__:
+            raise ValueError(f"ZeroOptimizer.load_state_dict: state of {meta['optimizer_class']}, "
+                             f"but this optimizer wraps {self.optimizer_class.__name__}")
+        if "shapes" in meta:            # the per-rank layout of earlier versions: flat shards
+            self._load_per_rank(state_dict, meta)
+            return
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
+            raise ValueError(
+                "ZeroOptimizer.load_state_dict: the state dict's param groups (sizes "
+                f"{[len(s['params']) for s in saved_groups]}) do not match this optimizer's "
+                f"({[len(g['params']) for g in self.param_groups]})")
+        positions = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            positions.update(zip(saved["params"], group["params"]))
+        group = self._layout_group()
+        if "rank" in meta and (meta["rank"], meta["world_size"]) != (group.rank, group.world) and any(
+                optimizer_state_dict.is_sharded_value(v) for st in state_dict["state"].values() for v in st.values()):
+            raise ValueError(
+                f"ZeroOptimizer.load_state_dict: this state was saved by rank {meta['rank']} of "
+                f"{meta['world_size']}, but this is rank {group.rank} of {group.world}; load each "
+                "rank's own file with the same world size, or save and load with torch.distributed.checkpoint, "
+                "which reshards")
+        unknown = [key for key in state_dict["state"] if key not in positions]
+        if unknown:
+            raise ValueError(f"ZeroOptimizer.load_state_dict: state for parameters {unknown[:4]} that no param "
+                             "group of the state dict lists")
+        if "loss_scaler" in meta:       # at once: the next backward already uses this scale
+            self.load_loss_scaler_state(meta["loss_scaler"])
+        if self._inner is None and any(get_state(positions[key]) is None and optimizer_state_dict.is_sharded_value(v)
+                                       for key, st in state_dict["state"].items() for v in st.values()):
+            # shards of parameters not sharded yet (a forward shards them): read when binding
+            self._pending_state = {_TORCH_LAYOUT: state_dict}
+            return
+        states = {}
+        for key, values in state_dict["state"].items():
+            p = positions[key]
+            values, sharded = optimizer_state_dict.imported(p, repr(key), values)
+            states[p] = ParamState(values, sharded=sharded)
+        self.load_checkpoint_state(states, [{k: v for k, v in g.items() if k != "params"} for g in saved_groups])
+
+    def _load_per_rank(self, state_dict: dict, meta: dict) -> None:
         group = self._layout_group()
         if (meta["rank"], meta["world_size"]) != (group.rank, group.world):
             raise ValueError(
                 f"ZeroOptimizer.load_state_dict: this state was saved by rank {meta['rank']} of "
                 f"{meta['world_size']}, but this is rank {group.rank} of {group.world}; load each "
                 "rank's own file with the same world size")
-        if meta["optimizer_class"] != self.optimizer_class.__name__:
-            raise ValueError(f"ZeroOptimizer.load_state_dict: state of {meta['optimizer_class']}, "
-                             f"but this optimizer wraps {self.optimizer_class.__name__}")
-        if "loss_scaler" in meta:       # at once: the next backward already uses this scale
+        if "loss_scaler" in meta:
             self.load_loss_scaler_state(meta["loss_scaler"])
         if self._inner is None:
             self._pending_state = state_dict
@@ -839,6 +898,9 @@ class ZeroOptimizer(Optimizer):
     def _load_inner(self, state_dict: dict) -> None:
         if _PARAM_STATES in state_dict:         # from load_checkpoint_state()
             self._apply_param_states(state_dict[_PARAM_STATES])
+            return
+        if _TORCH_LAYOUT in state_dict:         # from load_state_dict(), waiting for the shards
+            self.load_state_dict(state_dict[_TORCH_LAYOUT])
             return
         shapes = [[tuple(t.shape) for t in ts] for ts in self._bound]
         saved = [[tuple(s) for s in ss] for ss in state_dict["zerocompile"]["shapes"]]
@@ -1039,6 +1101,9 @@ def _all_reduce_max(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
 
 _PARAM_STATES = "zerocompile_param_states"
 """Key of ``ZeroOptimizer._pending_state`` that holds ``{param: ParamState}`` from a checkpoint."""
+_TORCH_LAYOUT = "zerocompile_torch_layout"
+"""Key of ``ZeroOptimizer._pending_state`` that holds a state dict with sharded values of parameters
+that were not sharded when it was loaded."""
 
 
 @dataclass
