@@ -163,20 +163,37 @@ class ZeroOptimizer(Optimizer):
                 self._pending_state = None
             return
         # a parameter first sharded after binding: swap it in while it has no state
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                target = self._target(p)
-                bound = self._bound[gi][pi]
-                if target is bound:
-                    continue
-                if self._inner.state.get(bound):
-                    raise RuntimeError(
-                        f"ZeroOptimizer: parameter {tuple(p.shape)} of group {gi} was sharded after the "
-                        "optimizer had already stepped it; run one forward of every compiled model "
-                        "before the first optimizer step")
-                self._check_one_group()
-                self._bound[gi][pi] = target
-                self._inner.param_groups[gi]["params"][pi] = target
+        moved = [(gi, pi) for gi, group in enumerate(self.param_groups)
+                 for pi, p in enumerate(group["params"]) if self._target(p) is not self._bound[gi][pi]]
+        if not moved:
+            return
+        self._check_one_group()
+        if any(self._inner.state.get(self._bound[gi][pi]) for gi, pi in moved):
+            self._rebind_with_state()
+            return
+        for gi, pi in moved:
+            target = self._target(self.param_groups[gi]["params"][pi])
+            self._bound[gi][pi] = target
+            self._inner.param_groups[gi]["params"][pi] = target
+
+    def _rebind_with_state(self) -> None:
+        """Some parameters that hold optimizer state were sharded since the inner optimizer
+        bound (``state_dict()`` or a checkpoint loaded before the first forward bound it to the
+        whole parameters): build the inner optimizer again over the current targets, with the
+        kernel and offload settings their frames ask for, and cut each whole state into this
+        rank's shard. Exact: element-wise state is the same on every rank (whole parameters
+        step from averaged gradients), so each rank's chunk of it is its shard's state."""
+        states = {}
+        for group, targets in zip(self.param_groups, self._bound):
+            for p, target in zip(group["params"], targets):
+                values = self._target_state(target)
+                if values:
+                    states[p] = ParamState(dict(values), sharded=target is not p)
+        log.info("ZeroOptimizer: %d parameters with optimizer state were sharded after the optimizer bound "
+                 "to them whole; their state is cut into this rank's shards", len(states))
+        self._inner = None
+        self._pending_state = {_PARAM_STATES: states}
+        self._bind()
 
     def _make_inner(self, groups: list[dict]) -> tuple[Optimizer, str]:
         """The inner optimizer over ``groups`` (whose params are the targets) and its kernel
@@ -760,7 +777,13 @@ class ZeroOptimizer(Optimizer):
         self._deferred_scale = None
 
     def state_dict(self) -> dict:
-        """This rank's shard state (the inner optimizer's state dict plus layout metadata)."""
+        """This rank's shard state (the inner optimizer's state dict plus layout metadata).
+
+        Before the optimizer binds (no step yet, nothing loaded: what ``accelerate.prepare``
+        reads) it holds no state: the param groups' hyperparameters only, and reading it binds
+        nothing, so the first forward still decides what each parameter's shard is."""
+        if self._inner is None and self._pending_state is None:
+            return self._unbound_state_dict()
         self._bind()
         self._sync_hyperparameters()
         sd = self._inner.state_dict()
@@ -790,6 +813,9 @@ class ZeroOptimizer(Optimizer):
                              f"but this optimizer wraps {self.optimizer_class.__name__}")
         if "loss_scaler" in meta:       # at once: the next backward already uses this scale
             self.load_loss_scaler_state(meta["loss_scaler"])
+        if meta["shapes"] is None:      # from an optimizer not bound yet: hyperparameters only
+            self._load_hyperparameters(state_dict)
+            return
         if self._inner is None:
             self._pending_state = state_dict
         else:
@@ -810,6 +836,35 @@ class ZeroOptimizer(Optimizer):
             for key, value in loaded.items():
                 if key != "params":
                     outer[key] = value
+
+    def _unbound_state_dict(self) -> dict:
+        """``state_dict()`` of an optimizer that has not bound: no state, the param groups'
+        hyperparameters, ``shapes`` None."""
+        groups, index = [], 0
+        for group in self.param_groups:
+            count = len(group["params"])
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": list(range(index, index + count))})
+            index += count
+        group = self._layout_group()
+        sd = {"state": {}, "param_groups": groups,
+              "zerocompile": {"rank": group.rank, "world_size": group.world,
+                              "optimizer_class": self.optimizer_class.__name__, "shapes": None}}
+        scaler_state = self.loss_scaler_state()
+        if scaler_state is not None:
+            sd["zerocompile"]["loss_scaler"] = scaler_state
+        return sd
+
+    def _load_hyperparameters(self, state_dict: dict) -> None:
+        """Load the hyperparameters of an unbound optimizer's ``state_dict()`` (it has no state)."""
+        saved = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("ZeroOptimizer.load_state_dict: the saved param groups hold different numbers "
+                             "of parameters than this optimizer's")
+        for outer, loaded in zip(self.param_groups, saved):
+            outer.update({k: v for k, v in loaded.items() if k != "params"})
+        if self._inner is not None:
+            self._sync_hyperparameters()
 
     def _layout_group(self) -> CommGroup:
         for p in self._params():
