@@ -58,7 +58,7 @@ from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup, all_reduce_sum, resolve_group
 from zerocompile.runtime.sharded_param import get_state
 from zerocompile.runtime.step_collectives import all_gather_concat, all_reduce_mean_, reduce_scatter_mean
-from zerocompile.runtime.zero_parameter import raw_grad, set_raw_grad
+from zerocompile.runtime.zero_parameter import raw_grad, set_gradient_reducer, set_raw_grad
 
 _DEFAULT_BUCKET_MB = 25.0
 KERNEL_CHOICES = ("auto", "fused", "torch")
@@ -317,6 +317,7 @@ class ZeroOptimizer(Optimizer):
         if getattr(self, "_scaler", None) is not None:    # the frames using them read its scale
             for p in self.param_groups[-1]["params"]:
                 loss_scale.claim(p, self._scaler)
+                set_gradient_reducer(p, weakref.WeakMethod(self._gradients_for_reading))
         if getattr(self, "_inner", None) is not None:
             group = self.param_groups[-1]
             targets = [self._target(p) for p in group["params"]]
@@ -350,9 +351,19 @@ class ZeroOptimizer(Optimizer):
 
     def _reduce_gradients(self) -> None:
         """Bring every gradient to where the inner optimizer reads it, averaged over ranks and,
-        with the ``loss_scale`` option, divided by the scale where the backward left it scaled."""
-        if self._grads_reduced:
+        with the ``loss_scale`` option, divided by the scale where the backward left it scaled.
+
+        Called by the step, by ``clip_grad_norm_`` and by the first read of a ``p.grad`` after a
+        backward (``runtime/zero_parameter.py``). A compiled forward after that (more
+        micro-batches before the step) makes its parameters' gradients stale
+        (``ShardedParam.grad_reduced``), and the next call reduces them again: at stage 0 the
+        all-reduce of what was averaged plus the new local part (averaging values equal on
+        every rank leaves them as they are), at stage 1 the whole local gradient into the
+        shard, at stages 2 and 3 nothing (the backward reduced the new part)."""
+        states = [sp for p in self._params() if (sp := get_state(p)) is not None]
+        if self._grads_reduced and all(sp.grad_reduced for sp in states):
             return
+        again = self._grads_reduced     # some gradients were reduced before the last backward
         scaler = self._loss_scaler()
         scale = scaler.scale if scaler is not None else None
         full = defaultdict(list)        # (group, reduce dtype) -> replicated grads to all-reduce
@@ -362,7 +373,7 @@ class ZeroOptimizer(Optimizer):
             sp = get_state(p)
             own = raw_grad(p)
             if sp is None or not sp.rules.shards_master:
-                if own is not None:
+                if own is not None and (sp is None or not again or not sp.grad_synced):
                     group = self._group_of(sp)
                     rd = sp.reduce_dtype if sp is not None else torch.float32
                     full[(group, rd)].append((sp, own))
@@ -370,6 +381,9 @@ class ZeroOptimizer(Optimizer):
             key = (sp.group, sp.reduce_dtype)
             scaled = scale if scale is not None and loss_scale.holds_scaled_gradient(sp) else None
             if sp.rules.reduces_in_step:
+                if again and sp.grad_reduced and own is None:
+                    continue
+                self._check_unchanged_since_reduced(sp)
                 grad = raw_grad(sp.replica)
                 eager = None
                 if p is not sp.replica and own is not None:   # eager use of a freed parameter
@@ -384,7 +398,15 @@ class ZeroOptimizer(Optimizer):
                     to_scatter[key].append((sp, eager, grad is not None, None))
                 continue
             if scaled is not None and sp.shard.grad is not None:
-                sp.shard.grad.div_(scaled)
+                if not sp.grad_unscaled:
+                    sp.shard.grad.div_(scaled)
+                    sp.grad_unscaled = True
+                elif not sp.grad_reduced:
+                    raise RuntimeError(
+                        f"ZeroOptimizer: a backward added loss-scaled gradients to parameter '{sp.name}', "
+                        "whose gradient had already been unscaled (read through p.grad, clipped, or stepped "
+                        "without zero_grad() after it). With the loss_scale option, read and clip gradients "
+                        "after the last micro-batch's backward, and call opt.zero_grad() after each step")
             if own is not None:      # stages 2/3: a gradient from eager use of the parameter
                 to_scatter[key].append((sp, own, True, None))
                 set_raw_grad(p, None)
@@ -405,7 +427,30 @@ class ZeroOptimizer(Optimizer):
                     sp.shard.grad.add_(shard_grad)
                 else:
                     sp.shard.grad = shard_grad if scaled is not None else shard_grad.clone()
+        for sp in states:
+            sp.grad_reduced = True
+            if sp.rules.reduces_in_step and sp.shard.grad is not None:
+                sp.reduced_grad_version = sp.shard.grad._version
         self._grads_reduced = True
+
+    def _gradients_for_reading(self) -> None:
+        """What a read of ``p.grad`` calls first (``runtime/zero_parameter.py``): the gradients
+        reduced, and a clipping coefficient still deferred applied, so the reader sees the
+        values the step would use."""
+        self._reduce_gradients()
+        self._apply_deferred()
+
+    @staticmethod
+    def _check_unchanged_since_reduced(sp) -> None:
+        """Stage 1 reduces the whole local gradient into the shard again after more micro-batches;
+        that replaces the shard gradient, so it must still be what the last reduction left."""
+        grad = sp.shard.grad
+        if grad is not None and sp.reduced_grad_version is not None and grad._version != sp.reduced_grad_version:
+            raise RuntimeError(
+                f"ZeroOptimizer: at stage 1 the averaged gradient of parameter '{sp.name}' was changed in place "
+                "(through p.grad: clipped or scaled) and then a backward added local gradients to it before the "
+                "step; the two cannot be combined exactly. Change or clip gradients after the last micro-batch's "
+                "backward, or use stage 0 or 2")
 
     # ------------------------------------------------------------------ loss scaling
     def _loss_scaler(self) -> loss_scale.LossScaler | None:
@@ -522,6 +567,7 @@ class ZeroOptimizer(Optimizer):
             sp = get_state(p)
             if sp is not None and sp.rules.reduces_in_step:
                 sp.shard.grad = None     # as after a step: the full gradients stay until zero_grad()
+                sp.forget_reduction()
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
@@ -631,6 +677,7 @@ class ZeroOptimizer(Optimizer):
                 replicas[(sp.group, sp.dtype)].append((sp, sp.refresh_param))
             if sp.rules.reduces_in_step:
                 sp.shard.grad = None     # the full gradients stay until zero_grad()
+                sp.forget_reduction()
             sp.release()                 # eager-gathered copies are stale now
         for (group, dtype), items in replicas.items():
             with resident_shards([sp for sp, _ in items]):     # offload_param: shards read back
@@ -668,7 +715,7 @@ class ZeroOptimizer(Optimizer):
             sp = get_state(p)
             holders = [p] if sp is None else {id(t): t for t in (p, sp.replica, sp.shard) if t is not None}.values()
             if sp is not None:
-                sp.grad_synced = False
+                sp.forget_reduction()
             for t in holders:
                 grad = raw_grad(t)
                 if grad is None:
@@ -733,9 +780,9 @@ class ZeroOptimizer(Optimizer):
     def _defer_clip(self, coef: torch.Tensor, owned: list, replicated: list) -> bool:
         """Leave the clipping coefficient for the fused kernel to apply as it reads each
         gradient in the step (one pass over the gradients fewer), where that gives the numbers
-        of multiplying now, bit for bit, and nothing can read the gradients in between: every
-        gradient is a float32 shard gradient (stages 2/3: ``p.grad`` raises there) that the
-        fused kernel updates from. A backward that adds to a gradient before the step applies
+        of multiplying now, bit for bit: every gradient is a float32 shard gradient (stages
+        2/3) that the fused kernel updates from; a read of ``p.grad`` in between applies it
+        first (``_gradients_for_reading``). A backward that adds to a gradient before the step applies
         the coefficient to it first (a hook on the shard, run before accumulation), so the
         result is that of clipping in place. Returns whether it deferred."""
         if replicated or not owned or not isinstance(self._inner, fused_adam.FusedAdam):
