@@ -115,6 +115,7 @@ class ZeroParameter(torch.nn.Parameter):
         if not pending:
             return None     # no gradient anywhere: None is the truth
         if _called_from_zero_grad():
+            state.forget_reduction()    # it sets the gradient to None or zeroes it
             return pending[0]
         reduce = gradient_reducer(self)
         if reduce is not None:
