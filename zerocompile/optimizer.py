@@ -548,8 +548,8 @@ class ZeroOptimizer(Optimizer):
                     "scaler.unscale_(opt) would)")
             inv_scale = scale.double().reciprocal().float()
         else:
-            # scaler.unscale_(opt) already divided what p.grad showed (it can only where p.grad is
-            # the whole gradient: one rank, or parameters no compiled frame uses)
+            # scaler.unscale_(opt) already divided what p.grad showed: the reduced gradients (its
+            # first read reduced them), the shard gradients' DTensors at stages 1-3
             inv_scale = None
             earlier = tuple(state["found_inf_per_device"].values())
         self._reduce_gradients()
