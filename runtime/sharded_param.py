@@ -38,6 +38,7 @@ import torch
 from zerocompile import _torch_compat
 from zerocompile.dcp_shards import sharded_tensor
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, chunk_size
+from zerocompile.runtime.grad_view import sharded_gradient
 from zerocompile.runtime.offload_settings import OffloadSettings
 from zerocompile.runtime.param_offload import resident_shards
 from zerocompile.runtime.stages import Stage, stage_rules
@@ -105,6 +106,15 @@ class ShardedParam:
         self.grad_synced = False
         """The parameter's own ``.grad`` holds the gradient averaged over ranks (set by
         ``ZeroOptimizer`` once it reduced it; cleared by the next forward and by zero_grad)."""
+        self.grad_reduced = False
+        """``ZeroOptimizer`` reduced this parameter's gradient and no compiled forward has run
+        since whose backward could add to it (set by its reduction; cleared by a forward with
+        grad enabled, by zero_grad, and at stage 1 by the step that drops the shard gradient)."""
+        self.grad_unscaled = False
+        """The shard gradient was divided by the ``loss_scale`` option's scale (cleared with it)."""
+        self.reduced_grad_version: int | None = None
+        """Stage 1: the shard gradient's ``_version`` right after ``ZeroOptimizer`` reduce-scattered
+        it (None: not reduced), to see whether anything changed it in place since."""
         self.provisional = provisional
         """Made by ``zerocompile.materialize`` (stage-3 layout, default options) before any frame
         compiled; the first frame adopts it with its own options (``capture``)."""
@@ -283,6 +293,28 @@ class ShardedParam:
         holders = {id(t): t for t in (self.param, self.replica, self.shard) if t is not None}
         return [g for t in holders.values() if (g := raw_grad(t)) is not None]
 
+    def reduced_gradient(self):
+        """The gradient averaged over ranks, as this rank holds it, once ``ZeroOptimizer`` reduced
+        it (None before, or where it lives in the parameter's own ``.grad``): on one rank the
+        whole gradient (a view of the shard gradient in the parameter's shape); on several a
+        ``DTensor`` of the flattened gradient, ``Shard(0)`` over the group, whose local part is
+        a view of this rank's shard gradient (``runtime/grad_view.py``)."""
+        if not (self.rules.shards_master and self.grad_reduced):
+            return None
+        grad = raw_grad(self.shard)
+        if grad is None:
+            return None
+        if self.group.world == 1:
+            return grad[: self.numel].view(self.shape)
+        return sharded_gradient(grad, self.numel, self.group)
+
+    def forget_reduction(self) -> None:
+        """The gradients were cleared or zeroed: nothing is reduced or unscaled any more."""
+        self.grad_synced = False
+        self.grad_reduced = False
+        self.grad_unscaled = False
+        self.reduced_grad_version = None
+
     def where_gradient_lives(self) -> str:
         if self.rules.reduces_in_backward:
             return (f"at stage {self.stage} its gradient is reduce-scattered into flat shards, "
@@ -295,7 +327,7 @@ class ShardedParam:
         for t in (self.replica, self.shard):
             if t is not None and t is not self.param:
                 set_raw_grad(t, None)
-        self.grad_synced = False
+        self.forget_reduction()
 
     # -- accounting -------------------------------------------------------------------
     def storages(self) -> tuple[dict[int, int], dict[int, int]]:

@@ -15,13 +15,18 @@ identity, shape, stride, ``isinstance(p, nn.Parameter)``), but its class becomes
   rank's shard. ``model.state_dict()`` gives the shard as a DTensor (``ShardedParam.state_dict_value``,
   what torch's ``get_model_state_dict`` and DCP work with), and ``p.copy_`` of such a DTensor
   writes it back into the shard; ``torch.zeros_like(p)`` and its kin read the metadata only.
-- **Gradients.** ``p.grad`` returns the gradient only where it is the gradient one process
-  would have: stages 0 and 1 on one rank, and stage 0 after ``ZeroOptimizer`` averaged it
-  over ranks. Elsewhere the gradient lives in flat shards (stages 2/3) or is this rank's
-  un-reduced part (stages 0/1 on several ranks), so ``p.grad`` raises
-  ``GradientNotGatheredError`` pointing to ``ZeroOptimizer.clip_grad_norm_`` instead of
-  returning None or a local value (``torch.nn.utils.clip_grad_norm_`` would silently clip
-  nothing, or clip by a rank-local norm). ``p.grad = None`` clears the gradient wherever
+- **Gradients.** ``p.grad`` is the gradient averaged over ranks, as one process on the whole
+  batch would have it. On several ranks the first read after a backward asks the
+  ``ZeroOptimizer`` that steps the parameter (``set_gradient_reducer``) to reduce every
+  gradient it holds, as its step would: at stages 0 and 1 that is a collective, so every rank
+  must read (``torch.nn.utils.clip_grad_norm_`` does, in the same order everywhere); at stages
+  2 and 3 the backward reduced them already. Then ``p.grad`` is the averaged full gradient at
+  stage 0, and at stages 1-3 a ``DTensor`` of the flattened gradient whose local part is this
+  rank's shard gradient (``runtime/grad_view.py``): torch's norm and clipping functions
+  compute the global norm and scale the shards the step updates, as with FSDP2. A later
+  backward before the step adds to what was reduced, and the optimizer reduces the new part
+  again. Without such an optimizer ``p.grad`` raises ``GradientNotGatheredError`` instead
+  of returning None or a rank-local value. ``p.grad = None`` clears the gradient wherever
   zerocompile keeps it. ``zero_grad`` of modules and optimizers keeps working (see
   ``_called_from_zero_grad``).
 
@@ -63,7 +68,7 @@ class ParameterNotGatheredError(RuntimeError):
 
 
 class GradientNotGatheredError(RuntimeError):
-    """Eager code read ``p.grad`` where it is not the gradient a single process would have."""
+    """Eager code read ``p.grad`` of a parameter whose gradient no ``ZeroOptimizer`` averages."""
 
 
 def _func_name(func) -> tuple[str, str]:
@@ -116,15 +121,22 @@ class ZeroParameter(torch.nn.Parameter):
         if not pending:
             return None     # no gradient anywhere: None is the truth
         if _called_from_zero_grad():
+            state.forget_reduction()    # it sets the gradient to None or zeroes it
             return pending[0]
+        reduce = gradient_reducer(self)
+        if reduce is not None:
+            reduce()        # the optimizer averages every gradient it holds (see the module docstring)
+            if state.grad_is_exact():
+                return raw_grad(self)
+            reduced = state.reduced_gradient()
+            if reduced is not None:
+                return reduced
         raise GradientNotGatheredError(
             f"zerocompile: `.grad` of parameter '{state.name}' (stage {state.stage}, {state.group.world} "
-            f"ranks) is not the gradient a single process would have: {state.where_gradient_lives()}. "
-            "Clip with `opt.clip_grad_norm_(max_norm)` of your zerocompile.ZeroOptimizer (it returns the "
-            "global norm, as torch.nn.utils.clip_grad_norm_ would on one process), and read the global "
-            "gradient norm from its return value. With a torch.amp.GradScaler, call "
-            "`opt.clip_grad_norm_(max_norm, grad_scaler=scaler)` instead of `scaler.unscale_(opt)` "
-            "followed by clipping: it unscales the gradients where they live first.")
+            f"ranks) is not the gradient a single process would have: {state.where_gradient_lives()}, "
+            "and no zerocompile.ZeroOptimizer holds this parameter to average it. Build the optimizer "
+            "over it (`zerocompile.ZeroOptimizer(model.parameters(), ...)`): then `p.grad` and "
+            "torch.nn.utils.clip_grad_norm_ are exact, and `opt.clip_grad_norm_(max_norm)` clips too.")
 
     @grad.setter
     def grad(self, value):
@@ -243,6 +255,23 @@ def adopt(param: torch.nn.Parameter) -> None:
         raise TypeError(
             f"zerocompile: parameters of class {type(param).__name__} (a subclass of nn.Parameter) "
             "cannot be sharded; use plain nn.Parameter")
+
+
+_REDUCER_ATTR = "_zerocompile_grad_reducer"
+
+
+def set_gradient_reducer(param: torch.Tensor, reduce) -> None:
+    """``reduce`` (a ``weakref.WeakMethod`` of the ``ZeroOptimizer`` that steps ``param``: its
+    gradient reduction) is what a read of ``param.grad`` calls first. The optimizer built last
+    for a parameter wins."""
+    setattr(param, _REDUCER_ATTR, reduce)
+
+
+def gradient_reducer(param: torch.Tensor):
+    """The reduction ``set_gradient_reducer`` registered for ``param`` (None: none, or its
+    optimizer is gone)."""
+    ref = getattr(param, _REDUCER_ATTR, None)
+    return ref() if ref is not None else None
 
 
 def raw_grad(param: torch.Tensor):

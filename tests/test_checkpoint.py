@@ -139,26 +139,33 @@ def _same_layout_worker(rank, world, name, stage, opt_name, options, fresh_loads
     states["bound"] = zerocompile.full_state_dict(model, rank0_only=False)
     for when in fresh_loads:
         model, opt = _build(name, stage, opt_name, seed=7, options=options)
-        if when == "after first forward":
+        if when == AFTER:
             _first_forward(model, opt, rank, world, name)
+        if when == READ_BEFORE:     # accelerate.prepare reads the optimizer before any forward
+            opt.load_state_dict(opt.state_dict())
         extras.append(zerocompile.load_checkpoint(ckpt, model, opt))
+        if when == READ_LOADED:     # binds the loaded state to the whole parameters
+            opt.load_state_dict(opt.state_dict())
         runs[when] = _train(model, opt, rank, world, 2, 4, name)
         states[when] = zerocompile.full_state_dict(model, rank0_only=False)
     return runs, states, extras, rng
 
 
 BEFORE, AFTER = "before first forward", "after first forward"
+READ_BEFORE = "state_dict() read before first forward"
+READ_LOADED = "state_dict() read after loading, before first forward"
 
 
 @pytest.mark.parametrize("name,stage,opt_name,options,fresh_loads", [
-    ("scaled", 3, "adamw", (), (AFTER,)),
+    ("scaled", 3, "adamw", (), (AFTER, READ_BEFORE, READ_LOADED)),
     ("scaled", 1, "sgd", (), (BEFORE,)),        # whole state cut into shards at binding (0-dim too)
-    ("mlp", 2, "adamw", (("param_dtype", "bfloat16"),), (AFTER,)),   # freed parameter storage
+    ("mlp", 2, "adamw", (("param_dtype", "bfloat16"),), (AFTER, READ_BEFORE, READ_LOADED)),   # freed parameter storage
 ])
 def test_resume_on_the_same_layout_is_bitwise(name, stage, opt_name, options, fresh_loads, tmp_path):
     """Saved after step 2 on 2 ranks; steps 3-4 after loading into the same (bound, sharded)
-    model and optimizer, and into new ones before or after their first forward, equal the
-    uninterrupted steps 3-4 bit for bit."""
+    model and optimizer, and into new ones before or after their first forward (also with the
+    optimizer's state_dict() read before the first forward, before or after the load, as
+    accelerate.prepare does), equal the uninterrupted steps 3-4 bit for bit."""
     runs, states, extras, rng = run_ranks(_same_layout_worker, 2, name, stage, opt_name, options,
                                           fresh_loads, str(tmp_path / "ckpt"))[0]
     assert set(runs) == {"uninterrupted", "bound", *fresh_loads}

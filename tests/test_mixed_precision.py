@@ -24,7 +24,6 @@ from harness import Run, assert_matches, reference, zero_train_many
 from models import MLP, make_batch
 from zerocompile.config import ZeroConfig, ZeroConfigError
 from zerocompile.loss_scale import LossScaleError, LossScaler, LossScaleSettings
-from zerocompile.runtime.zero_parameter import GradientNotGatheredError
 
 # torch says it will stop passing itself to optimizers' step; ZeroOptimizer hides that (see
 # zerocompile/optimizer.py), but pytest records warnings under its own filters
@@ -367,16 +366,27 @@ def test_explicit_unscale_where_the_gradient_is_whole_then_clip():
         torch.testing.assert_close(zerocompile.full_state_dict(model)[key], value)
 
 
-def test_explicit_unscale_of_sharded_gradients_raises_and_clip_takes_the_scaler():
-    model, opt = _one_process(3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
-    scaler.scale(model(*_batch())).backward()
-    with pytest.raises(GradientNotGatheredError):
-        scaler.unscale_(opt)          # the gradient lives in a flat shard: p.grad refuses
-    opt.clip_grad_norm_(0.5, grad_scaler=scaler)
-    scaler.step(opt)
-    scaler.update()
-    assert opt.skipped_steps == 0 and scaler.get_scale() == INIT_SCALE
+def test_explicit_unscale_of_sharded_gradients_then_torch_clipping_equals_clip_with_the_scaler():
+    """``scaler.unscale_(opt)`` then ``torch.nn.utils.clip_grad_norm_`` (the AMP recipe) reaches
+    the shard gradients through p.grad: the same as ``opt.clip_grad_norm_(..., grad_scaler=)``."""
+    states = []
+    for torch_way in (True, False):
+        model, opt = _one_process(3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+        for step in range(2):
+            scaler.scale(model(*_batch(step))).backward()
+            if torch_way:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            else:
+                opt.clip_grad_norm_(0.5, grad_scaler=scaler)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert opt.skipped_steps == 0 and scaler.get_scale() == INIT_SCALE
+        states.append(zerocompile.full_state_dict(model))
+    for key, value in states[1].items():
+        torch.testing.assert_close(states[0][key], value, msg=key)
 
 
 def test_clipping_scaled_gradients_without_the_scaler_is_refused():

@@ -203,6 +203,7 @@ class FrameRunner:
             sp = self._state_of(arg, plan)
             if grad_mode:
                 sp.grad_synced = False   # this run's backward adds local gradients
+                sp.grad_reduced = False
             states.append(sp)
             new_args.extend(sp.graph_inputs())
         if self._new_states:

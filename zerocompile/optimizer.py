@@ -60,7 +60,7 @@ from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup, all_reduce_sum, resolve_group
 from zerocompile.runtime.sharded_param import get_state
 from zerocompile.runtime.step_collectives import all_gather_concat, all_reduce_mean_, reduce_scatter_mean
-from zerocompile.runtime.zero_parameter import raw_grad, set_raw_grad
+from zerocompile.runtime.zero_parameter import raw_grad, set_gradient_reducer, set_raw_grad
 
 _DEFAULT_BUCKET_MB = 25.0
 KERNEL_CHOICES = ("auto", "fused", "torch")
@@ -169,26 +169,37 @@ class ZeroOptimizer(Optimizer):
                 self._pending_state = None
             return
         # a parameter first sharded after binding: swap it in while it has no state
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                target = self._target(p)
-                bound = self._bound[gi][pi]
-                if target is bound:
-                    continue
-                held = self._inner.state.get(bound)
-                if held:
-                    if bound is not p or isinstance(self._inner, OffloadedAdam):
-                        raise RuntimeError(
-                            f"ZeroOptimizer: parameter {tuple(p.shape)} of group {gi} was sharded after the "
-                            "optimizer had already stepped it; run one forward of every compiled model "
-                            "before the first optimizer step")
-                    # state of the whole parameter (stepped or loaded before the first forward, the
-                    # same on every rank): cut into this rank's shard
-                    self._inner.state[target] = self._state_for_target(p, target, ParamState(dict(held), False), gi)
-                    del self._inner.state[bound]
-                self._check_one_group()
-                self._bound[gi][pi] = target
-                self._inner.param_groups[gi]["params"][pi] = target
+        moved = [(gi, pi) for gi, group in enumerate(self.param_groups)
+                 for pi, p in enumerate(group["params"]) if self._target(p) is not self._bound[gi][pi]]
+        if not moved:
+            return
+        self._check_one_group()
+        if any(self._inner.state.get(self._bound[gi][pi]) for gi, pi in moved):
+            self._rebind_with_state()
+            return
+        for gi, pi in moved:
+            target = self._target(self.param_groups[gi]["params"][pi])
+            self._bound[gi][pi] = target
+            self._inner.param_groups[gi]["params"][pi] = target
+
+    def _rebind_with_state(self) -> None:
+        """Some parameters that hold optimizer state were sharded since the inner optimizer
+        bound (``state_dict()`` or a checkpoint loaded before the first forward bound it to the
+        whole parameters): build the inner optimizer again over the current targets, with the
+        kernel and offload settings their frames ask for, and cut each whole state into this
+        rank's shard. Exact: element-wise state is the same on every rank (whole parameters
+        step from averaged gradients), so each rank's chunk of it is its shard's state."""
+        states = {}
+        for group, targets in zip(self.param_groups, self._bound):
+            for p, target in zip(group["params"], targets):
+                values = self._target_state(target)
+                if values:
+                    states[p] = ParamState(dict(values), sharded=target is not p)
+        log.info("ZeroOptimizer: %d parameters with optimizer state were sharded after the optimizer bound "
+                 "to them whole; their state is cut into this rank's shards", len(states))
+        self._inner = None
+        self._pending_state = {_PARAM_STATES: states}
+        self._bind()
 
     def _make_inner(self, groups: list[dict]) -> tuple[Optimizer, str]:
         """The inner optimizer over ``groups`` (whose params are the targets) and its kernel
@@ -312,6 +323,7 @@ class ZeroOptimizer(Optimizer):
         if getattr(self, "_scaler", None) is not None:    # the frames using them read its scale
             for p in self.param_groups[-1]["params"]:
                 loss_scale.claim(p, self._scaler)
+                set_gradient_reducer(p, weakref.WeakMethod(self._gradients_for_reading))
         if getattr(self, "_inner", None) is not None:
             group = self.param_groups[-1]
             targets = [self._target(p) for p in group["params"]]
@@ -345,9 +357,19 @@ class ZeroOptimizer(Optimizer):
 
     def _reduce_gradients(self) -> None:
         """Bring every gradient to where the inner optimizer reads it, averaged over ranks and,
-        with the ``loss_scale`` option, divided by the scale where the backward left it scaled."""
-        if self._grads_reduced:
+        with the ``loss_scale`` option, divided by the scale where the backward left it scaled.
+
+        Called by the step, by ``clip_grad_norm_`` and by the first read of a ``p.grad`` after a
+        backward (``runtime/zero_parameter.py``). A compiled forward after that (more
+        micro-batches before the step) makes its parameters' gradients stale
+        (``ShardedParam.grad_reduced``), and the next call reduces them again: at stage 0 the
+        all-reduce of what was averaged plus the new local part (averaging values equal on
+        every rank leaves them as they are), at stage 1 the whole local gradient into the
+        shard, at stages 2 and 3 nothing (the backward reduced the new part)."""
+        states = [sp for p in self._params() if (sp := get_state(p)) is not None]
+        if self._grads_reduced and all(sp.grad_reduced for sp in states):
             return
+        again = self._grads_reduced     # some gradients were reduced before the last backward
         scaler = self._loss_scaler()
         scale = scaler.scale if scaler is not None else None
         full = defaultdict(list)        # (group, reduce dtype) -> replicated grads to all-reduce
@@ -357,7 +379,7 @@ class ZeroOptimizer(Optimizer):
             sp = get_state(p)
             own = raw_grad(p)
             if sp is None or not sp.rules.shards_master:
-                if own is not None:
+                if own is not None and (sp is None or not again or not sp.grad_synced):
                     group = self._group_of(sp)
                     rd = sp.reduce_dtype if sp is not None else torch.float32
                     full[(group, rd)].append((sp, own))
@@ -365,6 +387,9 @@ class ZeroOptimizer(Optimizer):
             key = (sp.group, sp.reduce_dtype)
             scaled = scale if scale is not None and loss_scale.holds_scaled_gradient(sp) else None
             if sp.rules.reduces_in_step:
+                if again and sp.grad_reduced and own is None:
+                    continue
+                self._check_unchanged_since_reduced(sp)
                 grad = raw_grad(sp.replica)
                 eager = None
                 if p is not sp.replica and own is not None:   # eager use of a freed parameter
@@ -379,7 +404,15 @@ class ZeroOptimizer(Optimizer):
                     to_scatter[key].append((sp, eager, grad is not None, None))
                 continue
             if scaled is not None and sp.shard.grad is not None:
-                sp.shard.grad.div_(scaled)
+                if not sp.grad_unscaled:
+                    sp.shard.grad.div_(scaled)
+                    sp.grad_unscaled = True
+                elif not sp.grad_reduced:
+                    raise RuntimeError(
+                        f"ZeroOptimizer: a backward added loss-scaled gradients to parameter '{sp.name}', "
+                        "whose gradient had already been unscaled (read through p.grad, clipped, or stepped "
+                        "without zero_grad() after it). With the loss_scale option, read and clip gradients "
+                        "after the last micro-batch's backward, and call opt.zero_grad() after each step")
             if own is not None:      # stages 2/3: a gradient from eager use of the parameter
                 to_scatter[key].append((sp, own, True, None))
                 set_raw_grad(p, None)
@@ -400,7 +433,30 @@ class ZeroOptimizer(Optimizer):
                     sp.shard.grad.add_(shard_grad)
                 else:
                     sp.shard.grad = shard_grad if scaled is not None else shard_grad.clone()
+        for sp in states:
+            sp.grad_reduced = True
+            if sp.rules.reduces_in_step and sp.shard.grad is not None:
+                sp.reduced_grad_version = sp.shard.grad._version
         self._grads_reduced = True
+
+    def _gradients_for_reading(self) -> None:
+        """What a read of ``p.grad`` calls first (``runtime/zero_parameter.py``): the gradients
+        reduced, and a clipping coefficient still deferred applied, so the reader sees the
+        values the step would use."""
+        self._reduce_gradients()
+        self._apply_deferred()
+
+    @staticmethod
+    def _check_unchanged_since_reduced(sp) -> None:
+        """Stage 1 reduces the whole local gradient into the shard again after more micro-batches;
+        that replaces the shard gradient, so it must still be what the last reduction left."""
+        grad = sp.shard.grad
+        if grad is not None and sp.reduced_grad_version is not None and grad._version != sp.reduced_grad_version:
+            raise RuntimeError(
+                f"ZeroOptimizer: at stage 1 the averaged gradient of parameter '{sp.name}' was changed in place "
+                "(through p.grad: clipped or scaled) and then a backward added local gradients to it before the "
+                "step; the two cannot be combined exactly. Change or clip gradients after the last micro-batch's "
+                "backward, or use stage 0 or 2")
 
     # ------------------------------------------------------------------ loss scaling
     def _loss_scaler(self) -> loss_scale.LossScaler | None:
@@ -498,8 +554,8 @@ class ZeroOptimizer(Optimizer):
                     "scaler.unscale_(opt) would)")
             inv_scale = scale.double().reciprocal().float()
         else:
-            # scaler.unscale_(opt) already divided what p.grad showed (it can only where p.grad is
-            # the whole gradient: one rank, or parameters no compiled frame uses)
+            # scaler.unscale_(opt) already divided what p.grad showed: the reduced gradients (its
+            # first read reduced them), the shard gradients' DTensors at stages 1-3
             inv_scale = None
             earlier = tuple(state["found_inf_per_device"].values())
         self._reduce_gradients()
@@ -517,6 +573,7 @@ class ZeroOptimizer(Optimizer):
             sp = get_state(p)
             if sp is not None and sp.rules.reduces_in_step:
                 sp.shard.grad = None     # as after a step: the full gradients stay until zero_grad()
+                sp.forget_reduction()
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
@@ -658,6 +715,7 @@ class ZeroOptimizer(Optimizer):
                 replicas[(sp.group, sp.dtype)].append((sp, sp.refresh_param))
             if sp.rules.reduces_in_step:
                 sp.shard.grad = None     # the full gradients stay until zero_grad()
+                sp.forget_reduction()
             sp.release()                 # eager-gathered copies are stale now
         for (group, dtype), items in replicas.items():
             with resident_shards([sp for sp, _ in items]):     # offload_param: shards read back
@@ -696,7 +754,7 @@ class ZeroOptimizer(Optimizer):
             sp = get_state(p)
             holders = [p] if sp is None else {id(t): t for t in (p, sp.replica, sp.shard) if t is not None}.values()
             if sp is not None:
-                sp.grad_synced = False
+                sp.forget_reduction()
             for t in holders:
                 grad = raw_grad(t)
                 if grad is None:
@@ -763,9 +821,9 @@ class ZeroOptimizer(Optimizer):
     def _defer_clip(self, coef: torch.Tensor, owned: list, replicated: list) -> bool:
         """Leave the clipping coefficient for the fused kernel to apply as it reads each
         gradient in the step (one pass over the gradients fewer), where that gives the numbers
-        of multiplying now, bit for bit, and nothing can read the gradients in between: every
-        gradient is a float32 shard gradient (stages 2/3: ``p.grad`` raises there) that the
-        fused kernel updates from. A backward that adds to a gradient before the step applies
+        of multiplying now, bit for bit: every gradient is a float32 shard gradient (stages
+        2/3) that the fused kernel updates from; a read of ``p.grad`` in between applies it
+        first (``_gradients_for_reading``). A backward that adds to a gradient before the step applies
         the coefficient to it first (a hook on the shard, run before accumulation), so the
         result is that of clipping in place. Returns whether it deferred."""
         if replicated or not owned or not isinstance(self._inner, fused_adam.FusedAdam):
@@ -810,7 +868,14 @@ class ZeroOptimizer(Optimizer):
         """torch's layout (``state`` keyed by each parameter's position in the param groups,
         ``param_groups`` with those positions as ``params``), sharded state as DTensors (see
         ``zerocompile.optimizer_state_dict``), plus a ``"zerocompile"`` entry (optimizer class,
-        rank, world size, the ``loss_scale`` option's scaler state). No communication."""
+        rank, world size, the ``loss_scale`` option's scaler state). No communication.
+
+        Before the optimizer binds (no step yet, nothing loaded: what ``accelerate.prepare``
+        reads) it holds no state: the param groups' hyperparameters only (``"shapes": None`` in
+        the ``"zerocompile"`` entry), and reading it binds nothing, so the first forward still
+        decides what each parameter's shard is."""
+        if self._inner is None and self._pending_state is None:
+            return self._unbound_state_dict()
         self._bind()
         self._sync_hyperparameters()
         state, groups, index = {}, [], 0
@@ -890,6 +955,9 @@ class ZeroOptimizer(Optimizer):
                 "rank's own file with the same world size")
         if "loss_scaler" in meta:
             self.load_loss_scaler_state(meta["loss_scaler"])
+        if meta["shapes"] is None:      # from an optimizer not bound yet: hyperparameters only
+            self._load_hyperparameters(state_dict)
+            return
         if self._inner is None:
             self._pending_state = state_dict
         else:
@@ -913,6 +981,35 @@ class ZeroOptimizer(Optimizer):
             for key, value in loaded.items():
                 if key != "params":
                     outer[key] = value
+
+    def _unbound_state_dict(self) -> dict:
+        """``state_dict()`` of an optimizer that has not bound: no state, the param groups'
+        hyperparameters, ``shapes`` None."""
+        groups, index = [], 0
+        for group in self.param_groups:
+            count = len(group["params"])
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": list(range(index, index + count))})
+            index += count
+        group = self._layout_group()
+        sd = {"state": {}, "param_groups": groups,
+              "zerocompile": {"rank": group.rank, "world_size": group.world,
+                              "optimizer_class": self.optimizer_class.__name__, "shapes": None}}
+        scaler_state = self.loss_scaler_state()
+        if scaler_state is not None:
+            sd["zerocompile"]["loss_scaler"] = scaler_state
+        return sd
+
+    def _load_hyperparameters(self, state_dict: dict) -> None:
+        """Load the hyperparameters of an unbound optimizer's ``state_dict()`` (it has no state)."""
+        saved = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("ZeroOptimizer.load_state_dict: the saved param groups hold different numbers "
+                             "of parameters than this optimizer's")
+        for outer, loaded in zip(self.param_groups, saved):
+            outer.update({k: v for k, v in loaded.items() if k != "params"})
+        if self._inner is not None:
+            self._sync_hyperparameters()
 
     def _layout_group(self) -> CommGroup:
         for p in self._params():

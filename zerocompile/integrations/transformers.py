@@ -78,7 +78,7 @@ class ZeroTrainer(transformers.Trainer):
         return self.optimizer
 
     def _has_mixed_mesh_grads(self, model) -> bool:
-        return False          # zerocompile's gradients are not DTensors (and .grad of a shard is not read)
+        return False          # zerocompile's DTensor gradients (p.grad at stages 1-3) share one mesh
 
     # -- saving and resuming ----------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
