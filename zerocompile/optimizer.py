@@ -55,7 +55,10 @@ from zerocompile.runtime.offload_settings import OffloadSettings
 from zerocompile.runtime.offloaded_adam import OffloadedAdam
 from zerocompile.runtime.param_offload import resident_shards
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime.comm import CommGroup, all_reduce_sum, resolve_group
+from zerocompile.runtime.comm import CommGroup, all_reduce_sum, is_fake_group, resolve_group
+from zerocompile.runtime.grad_participation import (Holder, fill_missing, gradient_counts, participation_error,
+                                                    ranks_holding)
+from zerocompile.runtime.leaf_modules import leaf_of
 from zerocompile.runtime.sharded_param import get_state
 from zerocompile.runtime.step_collectives import all_gather_concat, all_reduce_mean_, reduce_scatter_mean
 from zerocompile.runtime.zero_parameter import raw_grad, set_raw_grad
@@ -336,6 +339,7 @@ class ZeroOptimizer(Optimizer):
         with the ``loss_scale`` option, divided by the scale where the backward left it scaled."""
         if self._grads_reduced:
             return
+        self._agree_on_gradients()
         scaler = self._loss_scaler()
         scale = scaler.scale if scaler is not None else None
         full = defaultdict(list)        # (group, reduce dtype) -> replicated grads to all-reduce
@@ -389,6 +393,32 @@ class ZeroOptimizer(Optimizer):
                 else:
                     sp.shard.grad = shard_grad if scaled is not None else shard_grad.clone()
         self._grads_reduced = True
+
+    def _agree_on_gradients(self) -> None:
+        """Make every rank hold the same set of gradients to reduce: a zero gradient where
+        another rank has one and this rank's data did not reach the parameter; at stage 3,
+        outside leaf modules, an error on every rank instead (runtime/grad_participation.py)."""
+        group = self._layout_group()
+        if group.world == 1 or is_fake_group(group):
+            return
+        holders = []
+        for p in self._params():
+            if not p.requires_grad:
+                continue
+            sp = get_state(p)
+            tensors = [p]
+            if sp is not None and sp.rules.reduces_in_step and sp.replica is not p:
+                tensors.append(sp.replica)
+            holders += [Holder(p, t, raw_grad(t) is not None) for t in tensors]
+        counts = gradient_counts([h.has_grad for h in holders], group, self._device())
+        partial = fill_missing(holders, counts, group.world)
+        stage = max((sp.stage for p in self._params() if (sp := get_state(p)) is not None), default=0)
+        refused = [h for h in partial if leaf_of(h.param) is None
+                   and (sp.stage if (sp := get_state(h.param)) is not None else stage) == 3]
+        if refused:
+            roots = [m for frame in list(ACCOUNTING.frames) for m in getattr(frame, "_hook_roots", ())]
+            names = [_param_name(h.param, roots) for h in refused]
+            raise participation_error(names, ranks_holding(refused, group, self._device()), roots)
 
     # ------------------------------------------------------------------ loss scaling
     def _loss_scaler(self) -> loss_scale.LossScaler | None:
@@ -956,6 +986,18 @@ class ZeroOptimizer(Optimizer):
         opt.step()
         return {k for k in same_shape
                 if isinstance(opt.state[probe].get(k), torch.Tensor) and opt.state[probe][k].shape == probe.shape}
+
+
+def _param_name(param, roots) -> str:
+    """``param``'s name: its shard state's, or its name under one of ``roots``."""
+    sp = get_state(param)
+    if sp is not None:
+        return sp.name
+    for root in roots:
+        for name, p in root.named_parameters():
+            if p is param:
+                return name
+    return f"of shape {list(param.shape)}"
 
 
 def _norm(grads: list, norm_type: float, device) -> torch.Tensor:
