@@ -9,9 +9,11 @@ mixture-of-experts expert no token of this rank was routed to gets no gradient h
 reduction over only the gradients present would give each rank other buckets, and gloo
 aborts the process ("Received data size doesn't match expected size").
 
-So before reducing, the ranks count, per gradient holder (each trainable parameter, and its
-stage-1 replica where that is a separate tensor), how many of them hold a gradient: one
-all-reduce of one int32 per holder, every step (``gradient_counts``; skipped on one rank).
+So before reducing, the ranks agree on which gradient holders (each trainable parameter, and
+its stage-1 replica where that is a separate tensor) hold a gradient: every step one
+all-reduce of 16 bytes compares a hash of this rank's set across ranks, and only where the
+sets differ a second all-reduce of one int32 per holder counts the ranks holding each
+(``gradient_counts``; nothing on one rank).
 A holder with a gradient on some ranks gets a zero gradient on the others (what that rank
 contributes: its data did not reach the parameter), so every rank reduces the same set, in
 the same buckets, as ``DistributedDataParallel(find_unused_parameters=True)`` does. A holder
@@ -26,12 +28,15 @@ on every rank that names its module and the fix, ``zerocompile.set_leaf_modules`
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
 
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime.comm import CommGroup, all_gather_flat, all_reduce_sum, is_fake_group
+from zerocompile.runtime.comm import CommGroup, all_gather_flat, all_reduce_sum
+
+_c10d = torch.ops._c10d_functional
 
 
 @dataclass
@@ -44,10 +49,22 @@ class Holder:
 
 
 def gradient_counts(present: list[bool], group: CommGroup, device) -> list[int]:
-    """How many ranks of ``group`` have each entry of ``present`` true (one all-reduce of
-    ``len(present)`` int32; no communication on one rank or on a fake group)."""
-    if group.world == 1 or is_fake_group(group) or not present:
-        return [group.world * int(p) for p in present]     # nothing to compare: taken as agreed
+    """How many ranks of ``group`` have each entry of ``present`` true.
+
+    The common case, every rank the same: one all-reduce (MAX) of two int64, a hash of
+    ``present`` and its negation, which gives the largest and the smallest hash at once. Only
+    where they differ, a second all-reduce (SUM) of one int32 per entry counts. No
+    communication on one rank; on a fake group (``zerocompile plan``) the first all-reduce
+    is issued (and counted) like on a real one and reads as agreed."""
+    if group.world == 1:
+        return [int(p) for p in present]
+    digest = hashlib.sha256(bytes(present)).digest()
+    value = int.from_bytes(digest[:8], "little") >> 2       # fits an int64, and so does -value
+    pair = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    ACCOUNTING.record("all_reduce", pair.numel() * pair.element_size())
+    top, neg_bottom = _c10d.wait_tensor(_c10d.all_reduce(pair, "max", group.name)).tolist()
+    if top == -neg_bottom:
+        return [group.world * int(p) for p in present]
     flags = torch.tensor(present, dtype=torch.int32, device=device)
     ACCOUNTING.record("all_reduce", flags.numel() * flags.element_size())
     return all_reduce_sum(flags, group.world, group.name).tolist()

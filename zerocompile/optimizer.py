@@ -55,7 +55,7 @@ from zerocompile.runtime.offload_settings import OffloadSettings
 from zerocompile.runtime.offloaded_adam import OffloadedAdam
 from zerocompile.runtime.param_offload import resident_shards
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime.comm import CommGroup, all_reduce_sum, is_fake_group, resolve_group
+from zerocompile.runtime.comm import CommGroup, all_reduce_sum, resolve_group
 from zerocompile.runtime.grad_participation import (Holder, fill_missing, gradient_counts, participation_error,
                                                     ranks_holding)
 from zerocompile.runtime.leaf_modules import leaf_of
@@ -399,7 +399,7 @@ class ZeroOptimizer(Optimizer):
         another rank has one and this rank's data did not reach the parameter; at stage 3,
         outside leaf modules, an error on every rank instead (runtime/grad_participation.py)."""
         group = self._layout_group()
-        if group.world == 1 or is_fake_group(group):
+        if group.world == 1:
             return
         holders = []
         for p in self._params():
