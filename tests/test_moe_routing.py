@@ -8,6 +8,9 @@ expert 2, and no token reaches expert 3. Against one process on the whole batch:
   sharded between steps;
 - stage 3 without it raises, on every rank, an error naming the module and the fix (before,
   one rank died in gloo: "Received data size doesn't match expected size").
+
+Experts of their own class (Dynamo compiles each one's forward as a frame) are run too: in a
+leaf at stage 3 (exact), and without one at stages 0 (exact) and 1 (refused, clearly).
 """
 
 from __future__ import annotations
@@ -24,11 +27,25 @@ from harness import rank_slice
 D, E, H, STEPS, BATCH = 8, 4, 16, 3, 8
 
 
-class MoEBlock(nn.Module):
+class Expert(nn.Module):
+    """An expert of your own class: Dynamo compiles its forward as a frame of its own (unlike
+    an ``nn.Sequential``'s), which then runs on the ranks whose tokens reach the expert only."""
+
     def __init__(self):
         super().__init__()
+        self.up = nn.Linear(D, H)
+        self.down = nn.Linear(H, D)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, own_experts: bool = False):
+        super().__init__()
         self.router = nn.Linear(D, E, bias=False)
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, D)) for _ in range(E))
+        self.experts = nn.ModuleList(Expert() if own_experts else nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, D))
+                                     for _ in range(E))
         self.used: set[int] = set()       # experts some token reached, over all forwards
 
     def forward(self, x):
@@ -46,19 +63,19 @@ class MoEBlock(nn.Module):
 
 
 class MoENet(nn.Module):
-    def __init__(self):
+    def __init__(self, own_experts: bool = False):
         super().__init__()
         self.inp = nn.Linear(D, D)
-        self.moe = MoEBlock()
+        self.moe = MoEBlock(own_experts)
         self.head = nn.Linear(D, 3)
 
     def forward(self, x, y):
         return F.mse_loss(self.head(self.moe(x + self.inp(x))), y)
 
 
-def _model() -> MoENet:
+def _model(own_experts: bool = False) -> MoENet:
     torch.manual_seed(0)
-    model = MoENet()
+    model = MoENet(own_experts)
     with torch.no_grad():
         model.moe.router.weight.copy_(torch.eye(E, D) * 4)   # expert i <- feature i
         model.moe.router.weight[3] = 0.0                      # expert 3: logit 0
@@ -81,8 +98,8 @@ def _optimizer(params, zero: bool):
         else torch.optim.AdamW(params, **kw)
 
 
-def _reference() -> dict:
-    model = _model()
+def _reference(own_experts: bool = False) -> dict:
+    model = _model(own_experts)
     opt = _optimizer(model.parameters(), zero=False)
     losses = []
     for step in range(STEPS):
@@ -94,11 +111,11 @@ def _reference() -> dict:
     return {"losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def _train(rank: int, world: int, stage: int, leaf: bool) -> dict:
+def _train(rank: int, world: int, stage: int, leaf: bool, own_experts: bool) -> dict:
     from zerocompile.runtime.sharded_param import get_state
 
     torch._dynamo.reset()
-    model = _model()
+    model = _model(own_experts)
     if leaf:
         assert zerocompile.set_leaf_modules(model, [MoEBlock]) == ["moe"]
     compiled = torch.compile(model, backend="zero", options={"stage": stage, "inner_compiler": "eager"})
@@ -122,7 +139,9 @@ def _train(rank: int, world: int, stage: int, leaf: bool) -> dict:
             "used": sorted(model.moe.used), "expert_freed": expert_freed}
 
 
-CONFIGS = [(0, False), (1, False), (2, False), (3, True), (3, False)]
+# (stage, set_leaf_modules, experts of their own class)
+CONFIGS = [(0, False, False), (1, False, False), (2, False, False), (3, True, True), (3, False, False),
+           (0, False, True), (1, False, True)]
 
 
 def _all_configs(rank: int, world: int) -> dict:
@@ -131,7 +150,7 @@ def _all_configs(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_ranks(_all_configs, 2), _reference()
+    return run_ranks(_all_configs, 2), {own: _reference(own) for own in (False, True)}
 
 
 def _assert_routing(result: dict, rank: int) -> None:
@@ -150,28 +169,47 @@ def _assert_exact(result: dict, ref: dict) -> None:
 def test_stages_0_to_2_are_exact_without_options(runs, stage):
     per_rank, ref = runs
     for rank, results in enumerate(per_rank):
-        result = results[(stage, False)]
+        result = results[(stage, False, False)]
         assert "error" not in result, result.get("error")
-        # the routing the test is about: expert 2 on rank 0 only, expert 3 nowhere
         _assert_routing(result, rank)
-        _assert_exact(result, ref)
+        _assert_exact(result, ref[False])
 
 
 def test_stage3_with_leaf_modules_is_exact_and_sharded(runs):
+    """With experts of their own class: nothing inside the leaf compiles, so no expert frame
+    issues collectives on some ranks only."""
     per_rank, ref = runs
     for rank, results in enumerate(per_rank):
-        result = results[(3, True)]
+        result = results[(3, True, True)]
         assert "error" not in result, result.get("error")
         _assert_routing(result, rank)
         assert all(result["expert_freed"]), "the leaf's parameters must be sharded again after each step"
-        _assert_exact(result, ref)
+        _assert_exact(result, ref[True])
 
 
 def test_stage3_without_leaf_modules_names_the_module_and_the_fix_on_every_rank(runs):
     per_rank, _ = runs
     for results in per_rank:
-        error = results[(3, False)].get("error")
+        error = results[(3, False, False)].get("error")
         assert error is not None, "stage 3 with rank-dependent routing must refuse"
         assert "module 'moe' (MoEBlock)" in error
         assert "zerocompile.set_leaf_modules(model, [MoEBlock])" in error
         assert "'moe.experts.2.0.weight' (ranks [0])" in error
+
+
+def test_experts_compiled_as_frames_of_their_own(runs):
+    """Stage 0: an expert frame that runs on some ranks only issues no collective (it has none,
+    so it is not checked either): exact. Stage 1: such a frame shards its expert's parameters
+    on those ranks only; the step finds the ranks holding them differently and refuses on every
+    rank, naming the module and the fix, instead of an abort in gloo."""
+    per_rank, ref = runs
+    for rank, results in enumerate(per_rank):
+        result = results[(0, False, True)]
+        assert "error" not in result, result.get("error")
+        _assert_routing(result, rank)
+        _assert_exact(result, ref[True])
+        error = results[(1, False, True)].get("error")
+        assert error is not None and "are sharded on some ranks only" in error, error
+        assert "module 'moe' (MoEBlock)" in error
+        assert "zerocompile.set_leaf_modules(model, [MoEBlock])" in error
+    assert per_rank[0][(1, False, True)]["error"] == per_rank[1][(1, False, True)]["error"]

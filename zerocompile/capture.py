@@ -164,8 +164,12 @@ class FrameRunner:
         summaries = [self._forward_summary(),
                      self.partitioner.backward_summary]
         sequences = [s.sequence for s in summaries]
-        check_same_on_all_ranks(fingerprint(sequences), self.partitioner.ctx.group, self.frame, sequences,
-                                device=_frame_device(self.plans))
+        # a frame without collectives cannot put the ranks out of step, and it may run on some
+        # ranks only (an expert only some ranks' tokens reach, a recompile for a shape one rank
+        # met): checking it would be the collective that does
+        if any(len(seq) for seq in sequences):
+            check_same_on_all_ranks(fingerprint(sequences), self.partitioner.ctx.group, self.frame, sequences,
+                                    device=_frame_device(self.plans))
         self._checked = True
 
     def _state_of(self, arg, plan: ShardedParam) -> ShardedParam:

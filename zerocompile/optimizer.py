@@ -56,8 +56,8 @@ from zerocompile.runtime.offloaded_adam import OffloadedAdam
 from zerocompile.runtime.param_offload import resident_shards
 from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup, all_reduce_sum, resolve_group
-from zerocompile.runtime.grad_participation import (Holder, fill_missing, gradient_counts, participation_error,
-                                                    ranks_holding)
+from zerocompile.runtime.grad_participation import (Holder, compare_holders, fill_missing, layout_differences,
+                                                    participation_error)
 from zerocompile.runtime.leaf_modules import leaf_of
 from zerocompile.runtime.sharded_param import get_state
 from zerocompile.runtime.step_collectives import all_gather_concat, all_reduce_mean_, reduce_scatter_mean
@@ -397,7 +397,8 @@ class ZeroOptimizer(Optimizer):
     def _agree_on_gradients(self) -> None:
         """Make every rank hold the same set of gradients to reduce: a zero gradient where
         another rank has one and this rank's data did not reach the parameter; at stage 3,
-        outside leaf modules, an error on every rank instead (runtime/grad_participation.py)."""
+        outside leaf modules, and wherever ranks shard a parameter differently, an error on
+        every rank instead (runtime/grad_participation.py)."""
         group = self._layout_group()
         if group.world == 1:
             return
@@ -406,19 +407,28 @@ class ZeroOptimizer(Optimizer):
             if not p.requires_grad:
                 continue
             sp = get_state(p)
-            tensors = [p]
-            if sp is not None and sp.rules.reduces_in_step and sp.replica is not p:
-                tensors.append(sp.replica)
-            holders += [Holder(p, t, raw_grad(t) is not None) for t in tensors]
-        counts = gradient_counts([h.has_grad for h in holders], group, self._device())
-        partial = fill_missing(holders, counts, group.world)
+            # what decides how it is reduced: whole (stage 0, or no state) or into its stage's shards
+            layout = 0 if sp is None or not sp.rules.shards_master else 1 + sp.stage
+            replica = sp.replica if sp is not None and sp.rules.reduces_in_step and sp.replica is not p else None
+            holders += [Holder(p, p, layout), Holder(p, replica, 0)]
+        rows = compare_holders(holders, group, self._device())
+        if rows is None:
+            return
+        roots = {id(m): m for frame in list(ACCOUNTING.frames) for m in getattr(frame, "_hook_roots", ())}
+        roots = sorted(roots.values(), key=lambda m: -sum(1 for _ in m.parameters()))   # the model first
+        split = layout_differences(holders, rows)
+        if split:
+            raise participation_error([_param_name(h.param, roots) for h, _ in split], [d for _, d in split], roots,
+                                      "are sharded on some ranks only, by a compiled frame that ran on those ranks "
+                                      "only")
+        partial = fill_missing(holders, rows)
         stage = max((sp.stage for p in self._params() if (sp := get_state(p)) is not None), default=0)
-        refused = [h for h in partial if leaf_of(h.param) is None
+        refused = [(h, ranks) for h, ranks in partial if leaf_of(h.param) is None
                    and (sp.stage if (sp := get_state(h.param)) is not None else stage) == 3]
         if refused:
-            roots = [m for frame in list(ACCOUNTING.frames) for m in getattr(frame, "_hook_roots", ())]
-            names = [_param_name(h.param, roots) for h in refused]
-            raise participation_error(names, ranks_holding(refused, group, self._device()), roots)
+            raise participation_error([_param_name(h.param, roots) for h, _ in refused],
+                                      [f"ranks {ranks}" for _, ranks in refused], roots,
+                                      "got a gradient on some ranks only at stage 3")
 
     # ------------------------------------------------------------------ loss scaling
     def _loss_scaler(self) -> loss_scale.LossScaler | None:
@@ -989,15 +999,14 @@ class ZeroOptimizer(Optimizer):
 
 
 def _param_name(param, roots) -> str:
-    """``param``'s name: its shard state's, or its name under one of ``roots``."""
-    sp = get_state(param)
-    if sp is not None:
-        return sp.name
-    for root in roots:
+    """``param``'s name under the largest of ``roots`` that holds it (the model: the same name
+    on every rank), else its shard state's."""
+    for root in sorted(roots, key=lambda m: -sum(1 for _ in m.parameters())):
         for name, p in root.named_parameters():
             if p is param:
                 return name
-    return f"of shape {list(param.shape)}"
+    sp = get_state(param)
+    return sp.name if sp is not None else f"of shape {list(param.shape)}"
 
 
 def _norm(grads: list, norm_type: float, device) -> torch.Tensor:
