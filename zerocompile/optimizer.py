@@ -999,9 +999,9 @@ class ZeroOptimizer(Optimizer):
 
 
 def _param_name(param, roots) -> str:
-    """``param``'s name under the largest of ``roots`` that holds it (the model: the same name
-    on every rank), else its shard state's."""
-    for root in sorted(roots, key=lambda m: -sum(1 for _ in m.parameters())):
+    """``param``'s name under the first of ``roots`` (largest first: the model, so the name is
+    the same on every rank) that holds it, else its shard state's."""
+    for root in roots:
         for name, p in root.named_parameters():
             if p is param:
                 return name
