@@ -213,3 +213,16 @@ def test_experts_compiled_as_frames_of_their_own(runs):
         assert "module 'moe' (MoEBlock)" in error
         assert "zerocompile.set_leaf_modules(model, [MoEBlock])" in error
     assert per_rank[0][(1, False, True)]["error"] == per_rank[1][(1, False, True)]["error"]
+
+
+def test_set_leaf_modules_refuses_what_it_cannot_mark():
+    model = _model()
+    with pytest.raises(TypeError, match="expected a list of nn.Module classes"):
+        zerocompile.set_leaf_modules(model, ["MoEBlock"])
+    with pytest.raises(ValueError, match="no module of MoENet is a Expert"):
+        zerocompile.set_leaf_modules(model, [Expert])
+    assert zerocompile.set_leaf_modules(model, [MoEBlock, nn.Sequential]) == [
+        "moe", "moe.experts.0", "moe.experts.1", "moe.experts.2", "moe.experts.3"]
+    # one process: the leaf's forward runs (eagerly) and computes what it did before
+    x, y = _batch(0)
+    torch.testing.assert_close(model(x, y), _model()(x, y))
