@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from zerocompile.runtime.leaf_modules import is_leaf
 from zerocompile.runtime.sharded_param import get_state
 
 
@@ -37,7 +38,9 @@ def _gather_on_demand(module: torch.nn.Module, args) -> None:
 
 
 def _runs_eagerly(module: torch.nn.Module) -> bool:
-    return bool(getattr(module.forward, "_torchdynamo_disable", False))
+    # a leaf module's forward is disabled too, but it gathers its parameters itself on entry
+    # (runtime/leaf_modules.py): they are sharded like any other
+    return bool(getattr(module.forward, "_torchdynamo_disable", False)) and not is_leaf(module)
 
 
 def eager_only_parameters(root: torch.nn.Module) -> set:

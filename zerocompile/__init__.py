@@ -11,12 +11,13 @@ from zerocompile.deepspeed_training import initialize, training_settings
 from zerocompile.generation import generate
 from zerocompile.optimizer import ZeroOptimizer
 from zerocompile.pretrained import load_pretrained, materialize, save_pretrained
+from zerocompile.runtime.leaf_modules import set_leaf_modules
 from zerocompile.runtime.accounting import ZeroStats, frame_reports, reset_stats, stats
 from zerocompile.state_dict import full_state_dict, gathered_parameters
 
 __all__ = [
     "ZeroConfig", "ZeroConfigError", "ZeroOptimizer", "ZeroStats", "consolidated_state_dict", "frame_reports",
-    "full_state_dict", "gathered_parameters", "generate", "initialize", "load_pretrained", "materialize", "save_pretrained", "load_checkpoint", "reset_stats", "save_checkpoint", "stats",
+    "full_state_dict", "gathered_parameters", "generate", "initialize", "load_pretrained", "materialize", "save_pretrained", "load_checkpoint", "reset_stats", "save_checkpoint", "set_leaf_modules", "stats",
     "training_settings", "zero_backend",
 ]
 __version__ = "0.1.0"

@@ -37,6 +37,7 @@ from zerocompile.runtime.accounting import ACCOUNTING, CollectiveSummary
 from zerocompile.runtime.comm import CommGroup, resolve_group
 from zerocompile.runtime.eager_fallback import eager_only_parameters, install_eager_fallback
 from zerocompile.runtime.fingerprint import check_same_on_all_ranks, fingerprint
+from zerocompile.runtime.leaf_modules import leaf_modules
 from zerocompile.runtime.sharded_param import ShardedParam, attach_state, detach_state, get_state, offloads_param
 from zerocompile.runtime.zero_parameter import adopt
 
@@ -163,8 +164,12 @@ class FrameRunner:
         summaries = [self._forward_summary(),
                      self.partitioner.backward_summary]
         sequences = [s.sequence for s in summaries]
-        check_same_on_all_ranks(fingerprint(sequences), self.partitioner.ctx.group, self.frame, sequences,
-                                device=_frame_device(self.plans))
+        # a frame without collectives cannot put the ranks out of step, and it may run on some
+        # ranks only (an expert only some ranks' tokens reach, a recompile for a shape one rank
+        # met): checking it would be the collective that does
+        if any(len(seq) for seq in sequences):
+            check_same_on_all_ranks(fingerprint(sequences), self.partitioner.ctx.group, self.frame, sequences,
+                                    device=_frame_device(self.plans))
         self._checked = True
 
     def _state_of(self, arg, plan: ShardedParam) -> ShardedParam:
@@ -264,7 +269,21 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
             _check_compatible(state, cfg, group, name)
         loss_scale.register(ex, cfg.loss_scale, name)
         plans.append(state)
+    _shard_leaf_parameters(roots.values(), cfg, group, eager_owned)
     return plans, list(roots.values()), eager_owned
+
+
+def _shard_leaf_parameters(roots, cfg: ZeroConfig, group: CommGroup, eager_owned: set) -> None:
+    """Shard the parameters of the leaf modules under ``roots`` (``set_leaf_modules``): no
+    frame takes them as inputs (a leaf runs eagerly and gathers them on entry), so the first
+    frame of the model that holds them gives them their state, with its options."""
+    for root in roots:
+        for prefix, leaf in leaf_modules(root):
+            for name, param in leaf.named_parameters():
+                if get_state(param) is None:
+                    full = f"{prefix}.{name}" if prefix else name
+                    _shard_parameter(param, full, cfg, group, keep_full=id(param) in eager_owned)
+                    loss_scale.register(param, cfg.loss_scale, full)
 
 
 def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_full: bool) -> ShardedParam:

@@ -58,6 +58,9 @@ from zerocompile.runtime.offloaded_adam import OffloadedAdam
 from zerocompile.runtime.param_offload import resident_shards
 from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup, all_reduce_sum, resolve_group
+from zerocompile.runtime.grad_participation import (Holder, compare_holders, fill_missing, layout_differences,
+                                                    participation_error)
+from zerocompile.runtime.leaf_modules import leaf_of
 from zerocompile.runtime.sharded_param import get_state
 from zerocompile.runtime.step_collectives import all_gather_concat, all_reduce_mean_, reduce_scatter_mean
 from zerocompile.runtime.zero_parameter import raw_grad, set_gradient_reducer, set_raw_grad
@@ -370,6 +373,7 @@ class ZeroOptimizer(Optimizer):
         if self._grads_reduced and all(sp.grad_reduced for sp in states):
             return
         again = self._grads_reduced     # some gradients were reduced before the last backward
+        self._agree_on_gradients()
         scaler = self._loss_scaler()
         scale = scaler.scale if scaler is not None else None
         full = defaultdict(list)        # (group, reduce dtype) -> replicated grads to all-reduce
@@ -457,6 +461,42 @@ class ZeroOptimizer(Optimizer):
                 "(through p.grad: clipped or scaled) and then a backward added local gradients to it before the "
                 "step; the two cannot be combined exactly. Change or clip gradients after the last micro-batch's "
                 "backward, or use stage 0 or 2")
+
+    def _agree_on_gradients(self) -> None:
+        """Make every rank hold the same set of gradients to reduce: a zero gradient where
+        another rank has one and this rank's data did not reach the parameter; at stage 3,
+        outside leaf modules, and wherever ranks shard a parameter differently, an error on
+        every rank instead (runtime/grad_participation.py)."""
+        group = self._layout_group()
+        if group.world == 1:
+            return
+        holders = []
+        for p in self._params():
+            if not p.requires_grad:
+                continue
+            sp = get_state(p)
+            # what decides how it is reduced: whole (stage 0, or no state) or into its stage's shards
+            layout = 0 if sp is None or not sp.rules.shards_master else 1 + sp.stage
+            replica = sp.replica if sp is not None and sp.rules.reduces_in_step and sp.replica is not p else None
+            holders += [Holder(p, p, layout), Holder(p, replica, 0)]
+        rows = compare_holders(holders, group, self._device())
+        if rows is None:
+            return
+        roots = {id(m): m for frame in list(ACCOUNTING.frames) for m in getattr(frame, "_hook_roots", ())}
+        roots = sorted(roots.values(), key=lambda m: -sum(1 for _ in m.parameters()))   # the model first
+        split = layout_differences(holders, rows)
+        if split:
+            raise participation_error([_param_name(h.param, roots) for h, _ in split], [d for _, d in split], roots,
+                                      "are sharded on some ranks only, by a compiled frame that ran on those ranks "
+                                      "only")
+        partial = fill_missing(holders, rows)
+        stage = max((sp.stage for p in self._params() if (sp := get_state(p)) is not None), default=0)
+        refused = [(h, ranks) for h, ranks in partial if leaf_of(h.param) is None
+                   and (sp.stage if (sp := get_state(h.param)) is not None else stage) == 3]
+        if refused:
+            raise participation_error([_param_name(h.param, roots) for h, _ in refused],
+                                      [f"ranks {ranks}" for _, ranks in refused], roots,
+                                      "got a gradient on some ranks only at stage 3")
 
     # ------------------------------------------------------------------ loss scaling
     def _loss_scaler(self) -> loss_scale.LossScaler | None:
@@ -1156,6 +1196,17 @@ class ZeroOptimizer(Optimizer):
         opt.step()
         return {k for k in same_shape
                 if isinstance(opt.state[probe].get(k), torch.Tensor) and opt.state[probe][k].shape == probe.shape}
+
+
+def _param_name(param, roots) -> str:
+    """``param``'s name under the first of ``roots`` (largest first: the model, so the name is
+    the same on every rank) that holds it, else its shard state's."""
+    for root in roots:
+        for name, p in root.named_parameters():
+            if p is param:
+                return name
+    sp = get_state(param)
+    return sp.name if sp is not None else f"of shape {list(param.shape)}"
 
 
 def _norm(grads: list, norm_type: float, device) -> torch.Tensor:

@@ -1,0 +1,96 @@
+"""Leaf modules: modules whose parameters are gathered together, at the module's entry.
+
+A module whose forward runs parts of itself only for some inputs (a mixture of experts
+whose experts run only when the router sends them tokens) issues data-dependent
+collectives if each part gathers its own parameters: one rank gathers expert 2, the other
+does not, and the ranks' collective sequences part. ``zerocompile.set_leaf_modules(model,
+[MoEBlock])`` (DeepSpeed's ``set_z3_leaf_modules``) makes each such module one unit:
+
+- its ``forward`` runs eagerly, outside Dynamo (a graph break at its call; nothing inside
+  it is compiled, as with ``torch.compiler.disable``), so no compiled frame inside it issues
+  collectives of its own;
+- on entry it gathers all of its parameters (and its submodules'), whatever the routing,
+  in one fixed order: every rank issues the same all-gathers;
+- its parameters are sharded like any other (the first compiled frame whose model holds
+  the module shards them, ``capture._param_states``); gathered ones stay gathered until
+  ``ZeroOptimizer.step()``, which reduces their gradients (zeros where a rank's data did
+  not reach a parameter, ``runtime/grad_participation.py``) and frees them.
+
+The cost: the leaf's parameters are whole on every rank from its forward to the optimizer
+step (as DeepSpeed holds a leaf's parameters through its forward), and the leaf's own
+compute runs eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerocompile.runtime.sharded_param import get_state
+
+_LEAF = "_zerocompile_leaf"
+"""Attribute on a leaf module and on each of its parameters: the module's name in the model."""
+
+
+def set_leaf_modules(model: torch.nn.Module, classes) -> list[str]:
+    """Make every module of ``model`` that is an instance of one of ``classes`` a leaf module
+    (see the module docstring); return their names. Call it before the first compiled
+    forward. Raises if no module of ``model`` is of those classes."""
+    classes = tuple(classes) if isinstance(classes, (list, tuple, set)) else (classes,)
+    if not classes or not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
+        raise TypeError(f"zerocompile.set_leaf_modules: expected a list of nn.Module classes, got {classes!r}")
+    marked = []
+    for name, module in model.named_modules():
+        if isinstance(module, classes):
+            _make_leaf(module, name)
+            marked.append(name)
+    if not marked:
+        raise ValueError(
+            f"zerocompile.set_leaf_modules: no module of {model.__class__.__name__} is a "
+            f"{' or '.join(c.__name__ for c in classes)}")
+    return marked
+
+
+def is_leaf(module: torch.nn.Module) -> bool:
+    return getattr(module, _LEAF, None) is not None
+
+
+def leaf_of(param: torch.Tensor) -> str | None:
+    """The name of the leaf module ``param`` belongs to, None if it belongs to none."""
+    return getattr(param, _LEAF, None)
+
+
+def _make_leaf(module: torch.nn.Module, name: str) -> None:
+    if is_leaf(module):
+        return
+    original = module.forward
+
+    @torch.compiler.disable
+    def forward(*args, **kwargs):
+        gather_leaf_parameters(module)
+        return original(*args, **kwargs)
+
+    module.forward = forward
+    setattr(module, _LEAF, name)
+    for param in module.parameters():
+        if leaf_of(param) is None:          # an enclosing leaf marked first keeps its name
+            setattr(param, _LEAF, name)
+
+
+def gather_leaf_parameters(module: torch.nn.Module) -> None:
+    """Gather every freed parameter of ``module`` and its submodules, in ``parameters()``
+    order (the same on every rank): an all-gather each, none for those gathered already."""
+    for param in module.parameters():
+        state = get_state(param)
+        if state is not None:
+            state.materialize()
+
+
+def leaf_modules(root: torch.nn.Module):
+    """``(name, module)`` of each outermost leaf module under ``root`` (names relative to it)."""
+    skip = []
+    for name, module in root.named_modules():
+        if any(name.startswith(prefix) for prefix in skip):
+            continue
+        if is_leaf(module):
+            skip.append(f"{name}." if name else "")
+            yield name, module
