@@ -519,3 +519,21 @@ def unscale_and_check_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Te
     Why private: ``torch._amp_foreach_non_finite_check_and_unscale_`` is GradScaler's own fused
     kernel (one launch per device and dtype on GPUs)."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def trace_checkpointed_regions_with_side_effects() -> None:
+    """Let Dynamo trace a ``torch.utils.checkpoint`` region whose Python code has side effects
+    (HF's attention forward sets and resets a context variable of the ``kernels`` package),
+    applying them once, in the forward, instead of replaying them in the recomputation.
+
+    Without it Dynamo gives up on such a region and runs ``torch.utils.checkpoint`` eagerly,
+    which disables Dynamo for everything inside (``@torch._disable_dynamo``): the region's
+    parameters are then used by no compiled frame and stay whole on every rank. Called once,
+    when the ``zero`` backend is loaded (``torch.compile(backend="zero")`` loads it before
+    tracing anything), so it holds for every frame zerocompile compiles.
+
+    Why private: ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` is the
+    switch Dynamo's own error message names; ``tests/test_torch_compat.py`` checks it still makes
+    such a region one graph.
+    """
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
