@@ -8,7 +8,7 @@ from zerocompile.backend import zero_backend
 from zerocompile.checkpoint import consolidated_state_dict, load_checkpoint, save_checkpoint
 from zerocompile.config import ZeroConfig, ZeroConfigError
 from zerocompile.generation import generate
-from zerocompile.optimizer import ZeroOptimizer
+from zerocompile.optimizer import UnshardedParametersError, ZeroOptimizer
 from zerocompile.pretrained import load_pretrained, materialize, save_pretrained
 from zerocompile.runtime.accounting import ZeroStats, frame_reports, reset_stats, stats
 from zerocompile.state_dict import full_state_dict, gathered_parameters
@@ -16,6 +16,6 @@ from zerocompile.state_dict import full_state_dict, gathered_parameters
 __all__ = [
     "ZeroConfig", "ZeroConfigError", "ZeroOptimizer", "ZeroStats", "consolidated_state_dict", "frame_reports",
     "full_state_dict", "gathered_parameters", "generate", "load_pretrained", "materialize", "save_pretrained", "load_checkpoint", "reset_stats", "save_checkpoint", "stats",
-    "zero_backend",
+    "UnshardedParametersError", "zero_backend",
 ]
 __version__ = "0.1.0"
