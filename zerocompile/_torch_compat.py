@@ -537,3 +537,32 @@ def trace_checkpointed_regions_with_side_effects() -> None:
     such a region one graph.
     """
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
+def is_higher_order_op(func) -> bool:
+    """Whether a ``__torch_dispatch__`` call is for a higher-order operator (activation
+    checkpointing's ``run_and_save_rng_state`` / ``run_with_rng_state``, ``wrap_with_*``, ...).
+
+    Why private: ``torch._ops.HigherOrderOperator`` is their class; a dispatch mode receives
+    them only when it sets ``supports_higher_order_operators = True`` (otherwise torch raises
+    "no rule registered for HigherOrderOperator ... and mode ..."), and then gets the operator
+    with itself popped: calling it runs it on the modes below.
+    """
+    return isinstance(func, torch._ops.HigherOrderOperator)
+
+
+def op_run_by(func, args, kwargs, out):
+    """``(op, op_args, op_kwargs, op_out)`` of the one op a higher-order operator runs under a
+    saved RNG state: ``run_and_save_rng_state(op, *args)`` returns ``(rng_state, op(*args))``,
+    ``run_with_rng_state(rng_state, op, *args)`` returns ``op(*args)`` (how AOTAutograd
+    functionalizes random ops in a recomputed region). None for other operators.
+
+    Why private: the operators are ``torch._prims.rng_prims``' and their argument order is
+    theirs; ``tests/test_torch_compat.py`` checks it.
+    """
+    name = getattr(func, "_name", None) or getattr(func, "name", lambda: "")()
+    if name == "run_and_save_rng_state":
+        return args[0], args[1:], kwargs, out[1]
+    if name == "run_with_rng_state":
+        return args[1], args[2:], kwargs, out
+    return None

@@ -107,6 +107,9 @@ class GraphReplay(TorchDispatchMode):
     ``tracker`` and ``timer``: ``plan``'s ``LiveStorageTracker`` and ``StepTimer``, whose
     figures a replay advances while ``measuring`` is True."""
 
+    # higher-order operators (activation checkpointing's RNG ones) pass through, as every op does
+    supports_higher_order_operators = True
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True

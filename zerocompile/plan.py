@@ -40,6 +40,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from zerocompile import _torch_compat
 from zerocompile.passes.collective_summary import COLLECTIVE_KINDS_BY_OP, collective_group_size
 from zerocompile.passes.cost_model import DEFAULT_RATES, CostModel
 from zerocompile.runtime import accounting
@@ -136,6 +137,8 @@ class ScalarReadsAreZero(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:      # compiled code stays compiled under it
         return True
 
+    supports_higher_order_operators = True     # they pass through (run on the modes below)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             dtype = args[0].dtype
@@ -172,9 +175,17 @@ class StepTimer(TorchDispatchMode):
         self.recording: list | None = None
         """While a list: every event is also appended to it (``zerocompile.graph_replay``)."""
 
+    # a higher-order operator runs on the modes below: the op it wraps is timed here
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if _torch_compat.is_higher_order_op(func):
+            inner = _torch_compat.op_run_by(func, args, kwargs, out)
+            if inner is not None:
+                self.apply(("compute", self.model.op_time(*inner)))
+            return out
         if func in COLLECTIVE_KINDS_BY_OP:
             kind, which = COLLECTIVE_KINDS_BY_OP[func]
             full = out if which == "out" else args[0]
