@@ -90,7 +90,7 @@ def _zero_run(rank: int, world: int, mode: str, stage: int) -> dict:
         total = loss.detach().clone()
         torch.distributed.all_reduce(total)
         losses.append(total.item() / world)
-    return {"losses": losses, "held": held, "state": zerocompile.full_state_dict(compiled),
+    return {"losses": losses, "held": held, "state": zerocompile.full_state_dict(compiled, rank0_only=False),
             "unsharded": [n for n, p in model.named_parameters() if get_state(p) is None]}
 
 
@@ -117,3 +117,52 @@ def test_checkpointed_hf_llama_matches_one_process_and_stays_sharded(runs, mode,
         for key, value in want["state"].items():
             torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
         assert got["held"] == r[("plain", stage)]["held"], (rank, got["held"], r[("plain", stage)]["held"])
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int):
+        self.ids = torch.randint(0, 128, (n, 8), generator=torch.Generator().manual_seed(3))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _trainer_args(out: str, per_device: int):
+    return transformers.TrainingArguments(
+        output_dir=out, per_device_train_batch_size=per_device, gradient_checkpointing=True, learning_rate=1e-2,
+        max_steps=2, logging_steps=1, save_strategy="no", use_cpu=True, report_to=[], seed=0, disable_tqdm=True)
+
+
+def _zero_trainer(rank: int, world: int, out: str) -> dict:
+    import os
+
+    from zerocompile.integrations.transformers import ZeroTrainer
+    from zerocompile.runtime.sharded_param import get_state
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch._dynamo.reset()
+    trainer = ZeroTrainer(model=_llama("plain"), args=_trainer_args(out, 2), train_dataset=_Tokens(8),
+                          zero_options={"stage": 3, "inner_compiler": "eager"})
+    trainer.train()
+    model = trainer.model
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "checkpointing": model.is_gradient_checkpointing,
+            "unsharded": [n for n, p in model.named_parameters() if get_state(p) is None]}
+
+
+def test_zero_trainer_with_gradient_checkpointing_matches_trainer_and_shards_every_layer(tmp_path):
+    """``ZeroTrainer`` with ``TrainingArguments(gradient_checkpointing=True)`` at stage 3 on 2
+    ranks: the layers are checkpointed and sharded, and the losses equal a plain ``Trainer``'s
+    in one process on the whole batch."""
+    reference = transformers.Trainer(model=_llama("plain"), args=_trainer_args(str(tmp_path / "ref"), 4),
+                                     train_dataset=_Tokens(8))
+    reference.train()
+    want = [h["loss"] for h in reference.state.log_history if "loss" in h]
+    assert len(want) == 2
+    for rank, r in enumerate(run_ranks(_zero_trainer, 2, str(tmp_path / "zero"))):
+        assert r["checkpointing"], rank
+        assert r["unsharded"] == [], (rank, r["unsharded"])
+        assert r["losses"] == pytest.approx(want, rel=1e-5), (rank, r["losses"], want)

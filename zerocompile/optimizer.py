@@ -623,6 +623,13 @@ class ZeroOptimizer(Optimizer):
                 all_gather_concat(shards, group, self._bucket_bytes([sp for sp, _ in items]),
                                   lambda i, rows: items[i][1](rows))
 
+    def unsharded_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """``(name, parameter)`` of each trainable parameter no compiled frame has used (kept
+        whole on every rank, with its gradient and optimizer state); ``zerocompile plan``
+        reports them."""
+        params = [p for p in self._params() if get_state(p) is None and p.requires_grad]
+        return list(zip(_parameter_names(params), params))
+
     def _warn_unsharded(self, full: dict) -> None:
         """Parameters that no compiled frame has used (no ``ShardedParam``) and that get
         gradients on several ranks are kept whole everywhere, as DDP keeps them (exact, but not
