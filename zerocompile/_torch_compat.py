@@ -551,18 +551,28 @@ def is_higher_order_op(func) -> bool:
     return isinstance(func, torch._ops.HigherOrderOperator)
 
 
-def op_run_by(func, args, kwargs, out):
-    """``(op, op_args, op_kwargs, op_out)`` of the one op a higher-order operator runs under a
-    saved RNG state: ``run_and_save_rng_state(op, *args)`` returns ``(rng_state, op(*args))``,
+def rng_wrapped_op(func, args):
+    """``(op, op_args)`` of the one op a higher-order operator runs under a saved RNG state:
+    ``run_and_save_rng_state(op, *args)`` returns ``(rng_state, op(*args))``,
     ``run_with_rng_state(rng_state, op, *args)`` returns ``op(*args)`` (how AOTAutograd
     functionalizes random ops in a recomputed region). None for other operators.
 
     Why private: the operators are ``torch._prims.rng_prims``' and their argument order is
     theirs; ``tests/test_torch_compat.py`` checks it.
     """
-    name = getattr(func, "_name", None) or getattr(func, "name", lambda: "")()
+    name = getattr(func, "_name", None)
     if name == "run_and_save_rng_state":
-        return args[0], args[1:], kwargs, out[1]
+        return args[0], tuple(args[1:])
     if name == "run_with_rng_state":
-        return args[1], args[2:], kwargs, out
+        return args[1], tuple(args[2:])
     return None
+
+
+def op_run_by(func, args, kwargs, out):
+    """``(op, op_args, op_kwargs, op_out)`` of the op ``rng_wrapped_op`` finds, for a call that
+    returned ``out``; None for other operators."""
+    wrapped = rng_wrapped_op(func, args)
+    if wrapped is None:
+        return None
+    op, op_args = wrapped
+    return op, op_args, kwargs, out[1] if func._name == "run_and_save_rng_state" else out

@@ -63,7 +63,8 @@ def active() -> "GraphReplay | None":
 
 def replayable_graph(graph: torch.fx.GraphModule) -> bool:
     """Whether every op of ``graph`` is one a replay may skip: an ATen, prims, functional
-    collective or zerocompile op that writes none of its arguments, or ``getitem``."""
+    collective or zerocompile op that writes none of its arguments (also when activation
+    checkpointing runs it under a saved RNG state), or ``getitem``."""
     for node in graph.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
@@ -72,6 +73,9 @@ def replayable_graph(graph: torch.fx.GraphModule) -> bool:
         target = node.target
         if target is operator.getitem:
             continue
+        wrapped = _torch_compat.rng_wrapped_op(target, node.args)
+        if wrapped is not None:     # a random op of a recomputed region, under a saved RNG state
+            target = wrapped[0]
         if not isinstance(target, torch._ops.OpOverload) or target.namespace not in _PURE_NAMESPACES:
             return False
         if any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments):
