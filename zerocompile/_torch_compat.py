@@ -576,3 +576,14 @@ def op_run_by(func, args, kwargs, out):
         return None
     op, op_args = wrapped
     return op, op_args, kwargs, out[1] if func._name == "run_and_save_rng_state" else out
+
+
+def no_dispatch():
+    """A context in which ops skip every ``TorchDispatchMode`` (plan's fake mode included): graph
+    replay makes a real RNG state as ``torch.get_rng_state()`` would.
+
+    Why private: ``torch.utils._mode_utils.no_dispatch`` is torch's own way to do this.
+    """
+    from torch.utils._mode_utils import no_dispatch as torch_no_dispatch
+
+    return torch_no_dispatch()
