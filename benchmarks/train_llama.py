@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--checkpointing", choices=("none", "reentrant", "non_reentrant"), default="none",
+                        help="HF gradient checkpointing of every decoder layer (gradient_checkpointing_enable)")
     parser.add_argument("--options", default="{}", help="backend options as JSON, over stage 3 + recompute full")
     args = parser.parse_args()
 
@@ -105,6 +107,9 @@ def main() -> None:
     with torch.device(device or "cpu"):
         model = transformers.LlamaForCausalLM(config)
     torch.set_default_dtype(default_dtype)
+    if args.checkpointing != "none":
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": args.checkpointing == "reentrant"})
     options = {"stage": 3, "recompute": "full", **json.loads(args.options)}
     compiled = compile_by_blocks(model, options)
     opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-5)

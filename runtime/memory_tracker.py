@@ -116,6 +116,10 @@ class LiveStorageTracker(TorchDispatchMode):
             docstring for how it can lag behind storage resizes).
     """
 
+    # higher-order operators (activation checkpointing's RNG ones) run on the modes below;
+    # their outputs are recorded here like any op's
+    supports_higher_order_operators = True
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True

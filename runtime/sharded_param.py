@@ -65,7 +65,8 @@ class ShardedParam:
                  bucket_mb: float = 25.0, keep_full: bool = False,
                  offload_optimizer: OffloadSettings = OffloadSettings(),
                  offload_param: OffloadSettings = OffloadSettings(), chunk: torch.Tensor | None = None,
-                 provisional: bool = False, gradient_clipping: float = 0.0):
+                 provisional: bool = False, gradient_clipping: float = 0.0,
+                 allow_unsharded: bool = False):
         if not param.is_contiguous():
             raise ValueError(
                 f"zerocompile: parameter '{name}' is not contiguous (stride {param.stride()}); "
@@ -101,6 +102,9 @@ class ShardedParam:
         self.shard: torch.Tensor | None = None      # master shard, leaf (stages 1, 2, 3)
         self.keep_full = keep_full
         """Keep the parameter's own full storage (owned by a module Dynamo never compiles)."""
+        self.allow_unsharded = allow_unsharded
+        """The frame's ``allow_unsharded`` option: at stage 3, ``ZeroOptimizer`` accepts
+        parameters no frame sharded next to this one."""
         self.storage_freed = False
         self.materialized = False
         self.grad_synced = False

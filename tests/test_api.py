@@ -347,7 +347,8 @@ def test_parameters_no_compiled_frame_used_get_one_warning(fake_world, caplog):
             return torch.relu(self.inner(x))
 
     body, head = Body(), torch.nn.Linear(6, 3)
-    compiled = torch.compile(body, backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    compiled = torch.compile(body, backend="zero", options={"stage": 3, "inner_compiler": "eager",
+                                                            "allow_unsharded": True})
     opt = zerocompile.ZeroOptimizer([*body.parameters(), *head.parameters()], torch.optim.AdamW, lr=1e-2)
     with caplog.at_level("WARNING", logger="zerocompile"):
         for _ in range(2):
@@ -356,5 +357,44 @@ def test_parameters_no_compiled_frame_used_get_one_warning(fake_world, caplog):
             opt.zero_grad()
     warnings = [r.getMessage() for r in caplog.records if "used by no frame compiled" in r.getMessage()]
     assert len(warnings) == 1, warnings
-    assert "2 parameter(s) (21 elements; shapes [3, 6], [3])" in warnings[0]
+    assert "2 parameter(s) (21 elements; shapes [3, 6], [3];" in warnings[0]
     assert "every rank keeps them whole" in warnings[0]
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_parameters_no_compiled_frame_used_are_an_error_at_stage_3(fake_world, caplog, allow):
+    """A submodule run inside a ``torch.compiler.disable``d function (eager code between two
+    frames) is used by no compiled frame: at stage 3 the first ``opt.step()`` refuses, naming it
+    and the fix, before anything is updated; ``allow_unsharded`` keeps it whole with a warning."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(6, 6)
+            self.head = torch.nn.Linear(6, 3)
+
+        @torch.compiler.disable
+        def _head(self, x):
+            return self.head(x)
+
+        def forward(self, x):
+            return self._head(torch.relu(self.inner(x))).sum()
+
+    model = Model()
+    before = model.head.weight.detach().clone()
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager",
+                                                             "allow_unsharded": allow})
+    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    compiled(torch.randn(4, 6)).backward()
+    if not allow:
+        with pytest.raises(zerocompile.UnshardedParametersError) as err:
+            opt.step()
+        msg = str(err.value)
+        assert "2 parameter(s) (21 elements: head.weight, head.bias)" in msg, msg
+        assert "options={'allow_unsharded': True}" in msg and "TORCH_LOGS=graph_breaks" in msg, msg
+        assert torch.equal(model.head.weight.detach(), before)
+        return
+    with caplog.at_level("WARNING", logger="zerocompile"):
+        opt.step()
+    assert any("head.weight, head.bias" in r.getMessage() for r in caplog.records)
+    assert not torch.equal(model.head.weight.detach(), before)

@@ -147,7 +147,9 @@ def test_plan_with_replay_equals_plan_without_on_a_zoo(tmp_path):
     tiny = ["--size", "tiny", "--layers", "4", "--seq", "16", "--steps", "2"]
     cases = [
         (llama, [*tiny, "--options", '{"stage": 3, "inner_compiler": "eager"}'], 8),
-        (str(stack), ['{"stage": 3, "inner_compiler": "eager"}'], 4),
+        # the stack's scale (used only by the eager loop) and its head (an nn.Linear compiled on
+        # its own) are kept whole (allowed), and reported
+        (str(stack), ['{"stage": 3, "inner_compiler": "eager", "allow_unsharded": true}'], 4),
         (str(stack), ['{"stage": 2, "inner_compiler": "eager"}'], 2),
         (str(tied), ['{"stage": 3, "inner_compiler": "eager"}'], 4),
         (str(tied), ['{"stage": 3, "inner_compiler": "eager", "recompute": "full"}'], 2),
@@ -167,6 +169,10 @@ def test_plan_with_replay_equals_plan_without_on_a_zoo(tmp_path):
         assert {k: v for k, v in replayed.items() if k not in VOLATILE} == \
             {k: v for k, v in executed.items() if k not in VOLATILE}, case
         assert replayed["peak_bytes_per_rank"] > replayed["model_state_bytes_per_rank"] > 0, case
+        if script == str(stack) and "stage\": 3" in args[-1]:
+            # scale: used by the eager loop; out: an nn.Linear compiled on its own, which Dynamo runs eagerly
+            assert replayed["unsharded_params"] == {"count": 3, "elements": 48 + 7 * 48 + 7,
+                                                    "names": ["scale", "out.weight", "out.bias"]}, case
 
 
 def test_a_plan_whose_replay_cannot_vouch_for_its_figures_fails_and_names_the_fix(tmp_path):

@@ -56,7 +56,9 @@ def _zoo_worker(rank, world, names, path):
         for offload in (False, True):
             torch._dynamo.reset()
             model = zoo.make(name)
-            options = {"stage": 3, "inner_compiler": "eager"}
+            # the loop's graph breaks leave the head eager and the eager block is never compiled
+            # (by design of the zoo): their parameters stay whole
+            options = {"stage": 3, "inner_compiler": "eager", "allow_unsharded": True}
             if offload:
                 options["offload_param"] = _nvme(path)
             compiled = torch.compile(model, backend="zero", options=options)

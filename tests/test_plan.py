@@ -171,6 +171,34 @@ def test_plan_at_a_large_world_size_follows_the_formulas(tmp_path):
     assert got["hardware"]["name"] == "h100" and got["options"]["cost_model"] == HARDWARE["h100"].cost_model()
 
 
+def test_plan_of_hf_gradient_checkpointing_at_1024_ranks_follows_the_formulas():
+    """benchmarks/train_llama.py (tiny, two layers) with HF ``gradient_checkpointing_enable()`` on
+    1024 fake ranks at stage 3: graph replay runs activation checkpointing's RNG higher-order ops
+    (and replays the second layer's runs), no parameter stays whole, and each rank holds its padded share of every parameter (bfloat16
+    parameters, gradients and two AdamW moments) and reduce-scatters every gradient in fp32."""
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from train_llama import SIZES
+
+    world = 1024
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SIZES["tiny"], "num_hidden_layers": 2}))
+    chunks = sum(-(-p.numel() // world) for p in model.parameters())
+    done = subprocess.run([sys.executable, "-m", "zerocompile", "plan", "--world-size", str(world), "--json", "--",
+                           str(REPO / "benchmarks" / "train_llama.py"), "--size", "tiny", "--layers", "2", "--seq",
+                           "16", "--steps", "2", "--checkpointing", "non_reentrant"],
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = json.loads(done.stdout.splitlines()[0])
+    assert got["unsharded_params"] == {"count": 0, "elements": 0, "names": []}
+    assert got["graph_runs"]["replayed"] > 0, got["graph_runs"]
+    assert got["num_params"] == sum(p.numel() for p in model.parameters())
+    assert got["model_state_bytes_by_kind"] == {"params": 2 * chunks, "grads": 2 * chunks,
+                                                "optimizer_state": 4 * chunks,
+                                                "offloaded_optimizer_state": 0, "offloaded_params": 0}
+    assert got["comm_by_kind"]["reduce_scatter"]["bytes"] == 4 * world * chunks
+
+
 def test_stats_of_a_model_on_the_meta_device():
     """A model built on the meta device trains through every sharded stage on 4 fake ranks
     (the cost model falls back to its default rates: nothing can be timed on meta), and

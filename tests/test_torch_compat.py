@@ -368,3 +368,72 @@ def test_storage_owners_and_active_dispatch_modes():
         assert any(m is marker for m in _torch_compat.active_dispatch_modes()), \
             "_get_current_dispatch_mode_stack no longer lists the active modes"
     assert marker not in _torch_compat.active_dispatch_modes()
+
+
+def test_checkpointed_region_with_a_side_effect_compiles_as_one_graph():
+    """With zerocompile loaded, a ``torch.utils.checkpoint`` region whose Python code sets and
+    resets an outside object's attribute (what HF's ``kernels`` wrapper does in attention) is one
+    graph with the checkpoint higher-order op, not a graph break that runs it eagerly."""
+    import zerocompile.backend  # noqa: F401 - loading the backend sets Dynamo's switch
+
+    assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint is True
+
+    class Holder:
+        value = None
+
+    holder = Holder()
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def _body(self, x):
+            old, holder.value = holder.value, "inside"
+            try:
+                return torch.relu(self.lin(x))
+            finally:
+                holder.value = old
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self._body, x, use_reentrant=False).sum()
+
+    graphs = []
+
+    def backend(gm, example_inputs, **_):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(Block(), backend=backend)(torch.randn(2, 3, requires_grad=True)).backward()
+    assert len(graphs) == 1, f"{len(graphs)} graphs: the checkpointed region did not trace"
+    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert any("tag_activation_checkpoint" in t for t in targets), targets
+    assert holder.value is None
+
+
+def test_rng_higher_order_ops_reach_a_mode_that_supports_them():
+    """A dispatch mode with ``supports_higher_order_operators`` receives activation
+    checkpointing's ``run_and_save_rng_state`` (torch's name and argument order), which
+    ``op_run_by`` unwraps; other calls are not higher-order ops."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Mode(TorchDispatchMode):
+        supports_higher_order_operators = True
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if _torch_compat.is_higher_order_op(func):
+                seen.append(_torch_compat.op_run_by(func, args, kwargs or {}, out))
+            return out
+
+    x = torch.randn(4)
+    with Mode():
+        state, y = torch.ops.higher_order.run_and_save_rng_state(torch.ops.aten.rand_like.default, x)
+        torch.ops.higher_order.run_with_rng_state(state, torch.ops.aten.rand_like.default, x)
+    assert [s[0] for s in seen] == [torch.ops.aten.rand_like.default] * 2, seen
+    assert seen[0][1][0] is x and seen[0][3] is y and seen[1][1][0] is x
+    assert not _torch_compat.is_higher_order_op(torch.ops.aten.add.Tensor)
+    assert _torch_compat.op_run_by(torch.ops.higher_order.tag_activation_checkpoint, (), {}, None) is None

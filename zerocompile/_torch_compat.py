@@ -539,3 +539,71 @@ def unscale_and_check_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Te
     Why private: ``torch._amp_foreach_non_finite_check_and_unscale_`` is GradScaler's own fused
     kernel (one launch per device and dtype on GPUs)."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def trace_checkpointed_regions_with_side_effects() -> None:
+    """Let Dynamo trace a ``torch.utils.checkpoint`` region whose Python code has side effects
+    (HF's attention forward sets and resets a context variable of the ``kernels`` package),
+    applying them once, in the forward, instead of replaying them in the recomputation.
+
+    Without it Dynamo gives up on such a region and runs ``torch.utils.checkpoint`` eagerly,
+    which disables Dynamo for everything inside (``@torch._disable_dynamo``): the region's
+    parameters are then used by no compiled frame and stay whole on every rank. Called once,
+    when the ``zero`` backend is loaded (``torch.compile(backend="zero")`` loads it before
+    tracing anything), so it holds for every frame zerocompile compiles.
+
+    Why private: ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` is the
+    switch Dynamo's own error message names; ``tests/test_torch_compat.py`` checks it still makes
+    such a region one graph.
+    """
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
+def is_higher_order_op(func) -> bool:
+    """Whether a ``__torch_dispatch__`` call is for a higher-order operator (activation
+    checkpointing's ``run_and_save_rng_state`` / ``run_with_rng_state``, ``wrap_with_*``, ...).
+
+    Why private: ``torch._ops.HigherOrderOperator`` is their class; a dispatch mode receives
+    them only when it sets ``supports_higher_order_operators = True`` (otherwise torch raises
+    "no rule registered for HigherOrderOperator ... and mode ..."), and then gets the operator
+    with itself popped: calling it runs it on the modes below.
+    """
+    return isinstance(func, torch._ops.HigherOrderOperator)
+
+
+def rng_wrapped_op(func, args):
+    """``(op, op_args)`` of the one op a higher-order operator runs under a saved RNG state:
+    ``run_and_save_rng_state(op, *args)`` returns ``(rng_state, op(*args))``,
+    ``run_with_rng_state(rng_state, op, *args)`` returns ``op(*args)`` (how AOTAutograd
+    functionalizes random ops in a recomputed region). None for other operators.
+
+    Why private: the operators are ``torch._prims.rng_prims``' and their argument order is
+    theirs; ``tests/test_torch_compat.py`` checks it.
+    """
+    name = getattr(func, "_name", None)
+    if name == "run_and_save_rng_state":
+        return args[0], tuple(args[1:])
+    if name == "run_with_rng_state":
+        return args[1], tuple(args[2:])
+    return None
+
+
+def op_run_by(func, args, kwargs, out):
+    """``(op, op_args, op_kwargs, op_out)`` of the op ``rng_wrapped_op`` finds, for a call that
+    returned ``out``; None for other operators."""
+    wrapped = rng_wrapped_op(func, args)
+    if wrapped is None:
+        return None
+    op, op_args = wrapped
+    return op, op_args, kwargs, out[1] if func._name == "run_and_save_rng_state" else out
+
+
+def no_dispatch():
+    """A context in which ops skip every ``TorchDispatchMode`` (plan's fake mode included): graph
+    replay makes a real RNG state as ``torch.get_rng_state()`` would.
+
+    Why private: ``torch.utils._mode_utils.no_dispatch`` is torch's own way to do this.
+    """
+    from torch.utils._mode_utils import no_dispatch as torch_no_dispatch
+
+    return torch_no_dispatch()

@@ -7,10 +7,14 @@ import json
 import logging
 import os
 
+from zerocompile import _torch_compat
 from zerocompile.capture import compile_frame
 from zerocompile.config import ZeroConfig, ZeroConfigError
 
 log = logging.getLogger("zerocompile")
+
+# checkpointed regions (HF's gradient_checkpointing_enable()) compile, so their parameters shard
+_torch_compat.trace_checkpointed_regions_with_side_effects()
 
 
 def zero_backend(gm, example_inputs, options=None, mode=None, **kwargs):

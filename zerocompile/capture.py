@@ -141,6 +141,11 @@ class FrameRunner:
         self.order = time.monotonic_ns()  # compile order, for frame_reports()
         ACCOUNTING.frames.add(self)
 
+    @property
+    def roots(self) -> list:
+        """The modules this frame's parameters were reached from (and those that called it)."""
+        return self._hook_roots
+
     def _forward_summary(self) -> CollectiveSummary:
         """The collectives one run issues before backward: the partitioned forward's, or the
         inference graph's when AOTAutograd compiled the frame without autograd."""
@@ -291,7 +296,8 @@ def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_f
     compute = cfg.param_dtype if cfg.param_dtype is not None and param.is_floating_point() else param.dtype
     state = ShardedParam(param, name, cfg.stage, group, compute, cfg.reduce_dtype, cfg.bucket_mb,
                          keep_full=keep_full, offload_optimizer=cfg.offload_optimizer,
-                         offload_param=cfg.offload_param, gradient_clipping=cfg.gradient_clipping)
+                         offload_param=cfg.offload_param, gradient_clipping=cfg.gradient_clipping,
+                         allow_unsharded=cfg.allow_unsharded)
     attach_state(param, state)
     ACCOUNTING.states.add(state)
     ACCOUNTING.world_size = group.world
@@ -315,6 +321,7 @@ def _adopt_provisional(param, state: ShardedParam, cfg: ZeroConfig, group: CommG
         state.offload_optimizer = cfg.offload_optimizer
         state.offload_param = cfg.offload_param
         state.gradient_clipping = cfg.gradient_clipping
+        state.allow_unsharded = cfg.allow_unsharded
         state.provisional = False
         return state
     full = state.full_from_shards()

@@ -676,6 +676,11 @@ def _print_plan(report, script: Path, console: Console) -> None:
                   human_bytes(r["model_state_bytes_per_rank"]))
     table.add_row("peak live bytes in a step", f"{r['peak_bytes_per_rank']:,}", human_bytes(r["peak_bytes_per_rank"]))
     console.print(table)
+    unsharded = r.get("unsharded_params") or {}
+    if unsharded.get("count"):
+        names = ", ".join(unsharded["names"][:6]) + (", ..." if unsharded["count"] > 6 else "")
+        console.print(f"kept whole on every rank (used by no compiled frame; allow_unsharded): "
+                      f"{unsharded['count']} parameter(s), {unsharded['elements']:,} elements: {names}")
     comm = Table(title="collectives per step (full buffers; wire: what each rank sends in a ring over each "
                        "collective's group)", title_justify="left")
     for column in ("kind", "count", "bytes", "size", "wire"):

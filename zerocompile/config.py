@@ -134,6 +134,12 @@ class ZeroConfig:
     is waited for in it. A failed check raises an error naming the graph node, where the run
     would otherwise crash in native code or read freed memory. Only ``inner_compiler="eager"``."""
 
+    allow_unsharded: bool = False
+    """At stage 3, let parameters that no frame compiled with this backend uses (code Dynamo
+    skipped or ran eagerly) stay whole on every rank, with whole gradients (all-reduced) and
+    optimizer state, as DDP keeps them. False: ``ZeroOptimizer`` refuses them at its first step
+    with an error naming them, since at scale they are an out-of-memory the plan did not show."""
+
     offload_optimizer: object = None
     """Where optimizer state (the moments; the master values are the shards) lives between
     steps, as DeepSpeed's ``zero_optimization.offload_optimizer``: None (on the model's device)
@@ -293,6 +299,9 @@ class ZeroConfig:
         if hpz > 1 and not self.reshard_after_forward:
             raise ZeroConfigError("option 'zero_hpz_partition_size' needs reshard_after_forward=True: with it False "
                                   "the backward re-gathers nothing to partition")
+        if not isinstance(self.allow_unsharded, bool):
+            raise ZeroConfigError(
+                f"option 'allow_unsharded' = {self.allow_unsharded!r} is invalid; allowed: True, False")
         if not isinstance(self.debug_checks, bool):
             raise ZeroConfigError(f"option 'debug_checks' = {self.debug_checks!r} is invalid; allowed: True, False")
         clip = self.gradient_clipping

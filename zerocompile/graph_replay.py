@@ -63,7 +63,8 @@ def active() -> "GraphReplay | None":
 
 def replayable_graph(graph: torch.fx.GraphModule) -> bool:
     """Whether every op of ``graph`` is one a replay may skip: an ATen, prims, functional
-    collective or zerocompile op that writes none of its arguments, or ``getitem``."""
+    collective or zerocompile op that writes none of its arguments (also when activation
+    checkpointing runs it under a saved RNG state), or ``getitem``."""
     for node in graph.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
@@ -72,6 +73,9 @@ def replayable_graph(graph: torch.fx.GraphModule) -> bool:
         target = node.target
         if target is operator.getitem:
             continue
+        wrapped = _torch_compat.rng_wrapped_op(target, node.args)
+        if wrapped is not None:     # a random op of a recomputed region, under a saved RNG state
+            target = wrapped[0]
         if not isinstance(target, torch._ops.OpOverload) or target.namespace not in _PURE_NAMESPACES:
             return False
         if any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments):
@@ -106,6 +110,9 @@ class GraphReplay(TorchDispatchMode):
 
     ``tracker`` and ``timer``: ``plan``'s ``LiveStorageTracker`` and ``StepTimer``, whose
     figures a replay advances while ``measuring`` is True."""
+
+    # higher-order operators (activation checkpointing's RNG ones) pass through, as every op does
+    supports_higher_order_operators = True
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -153,13 +160,15 @@ class GraphReplay(TorchDispatchMode):
             if isinstance(a, _SCALARS):
                 parts.append((type(a), a))
                 continue
-            if not _torch_compat.is_fake_tensor(a) or not _static(a):
+            rng = _rng_state(a)
+            if not rng and (not _torch_compat.is_fake_tensor(a) or not _static(a)):
                 return None
             storage = a.untyped_storage()
             j = first.setdefault(storage._cdata, len(first))
             # ``fake_device``, not ``device``: reading that dispatches ``prim.device``, which
             # plan's modes would see
-            parts.append((tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.fake_device, a.requires_grad,
+            parts.append((tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device if rng else a.fake_device,
+                          a.requires_grad,
                           storage.nbytes(), j, _torch_compat.storage_owners(storage), sys.getrefcount(a),
                           self.tracker.recorded_size(storage) if measuring else None))
         return tuple(parts)
@@ -204,7 +213,7 @@ class GraphReplay(TorchDispatchMode):
             for event in record.events:
                 timer.apply(event if event[0] == "compute" else (*event[:-1], keys[event[-1]]))
         _, storages, _ = _weak_inputs(args)
-        outputs = _make_outputs(record, args)
+        outputs = _make_outputs(record, args, tracker)
         args.clear()
         dead = frozenset(j for j, ref in enumerate(storages) if ref() is None)
         if dead != record.dead and self.mismatch is None:
@@ -217,6 +226,15 @@ class GraphReplay(TorchDispatchMode):
 
 
 # ------------------------------------------------------------------------------- helpers
+def _rng_state(t) -> bool:
+    """Whether ``t`` is an RNG state activation checkpointing saved (``run_and_save_rng_state``
+    returns ``torch.get_rng_state()``, a real tensor even under plan's fake mode, since it is not
+    dispatched): a real 1-D ``uint8`` tensor on the CPU. No shape depends on its values: a
+    replayed run makes a fresh one of its size, and runs that receive one match on its metadata."""
+    return (isinstance(t, torch.Tensor) and not _torch_compat.is_fake_tensor(t) and t.dtype == torch.uint8
+            and t.dim() == 1 and t.device.type == "cpu" and not t.requires_grad)
+
+
 def _static(t: torch.Tensor) -> bool:
     return all(type(v) is int for v in (*t.shape, *t.stride(), t.storage_offset()))
 
@@ -228,7 +246,7 @@ def _span(size, stride) -> int:
     return 1 + sum((s - 1) * st for s, st in zip(size, stride))
 
 
-def _make_outputs(record: _Record, inputs: list) -> list:
+def _make_outputs(record: _Record, inputs: list, tracker=None) -> list:
     """Fresh outputs as ``record`` describes them, on ``inputs`` where they alias one."""
     bases: list = [None] * len(record.groups)
     outputs = []
@@ -240,6 +258,11 @@ def _make_outputs(record: _Record, inputs: list) -> list:
             outputs.append(inputs[spec[1]])
         elif kind == "view":
             outputs.append(inputs[spec[1]].as_strided(*spec[2]))
+        elif kind == "rng_state":
+            with _torch_compat.no_dispatch():     # real, as torch.get_rng_state() gives it
+                outputs.append(torch.empty(spec[1], dtype=torch.uint8))
+            if tracker is not None:
+                tracker.track(outputs[-1])
         else:
             _, g, (size, stride, offset), is_view = spec
             numel, dtype, device = record.groups[g]
@@ -289,6 +312,9 @@ def _describe(out, tensors, storages, first_input, tracker):
         same = next((i for i, ref in enumerate(tensors) if ref is not None and ref() is o), None)
         if same is not None:
             specs.append(("same", same))
+            continue
+        if _rng_state(o) and o.storage_offset() == 0 and o.is_contiguous():
+            specs.append(("rng_state", o.numel()))      # a fresh one per run, as execution makes
             continue
         if not _torch_compat.is_fake_tensor(o) or not _static(o) or o.requires_grad:
             return None

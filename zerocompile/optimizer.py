@@ -765,23 +765,47 @@ class ZeroOptimizer(Optimizer):
                 all_gather_concat(shards, group, self._bucket_bytes([sp for sp, _ in items]),
                                   lambda i, rows: items[i][1](rows))
 
+    def unsharded_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """``(name, parameter)`` of each trainable parameter no compiled frame has used (kept
+        whole on every rank, with its gradient and optimizer state); ``zerocompile plan``
+        reports them."""
+        params = [p for p in self._params() if get_state(p) is None and p.requires_grad]
+        return list(zip(_parameter_names(params), params))
+
     def _warn_unsharded(self, full: dict) -> None:
-        """Warn once when parameters that no compiled frame has used (no ``ShardedParam``) get
-        gradients on several ranks: they are kept whole everywhere, as DDP keeps them (exact,
-        but not sharded). ``full``: the gradients to all-reduce whole, by (group, reduce dtype)."""
+        """Parameters that no compiled frame has used (no ``ShardedParam``) and that get
+        gradients on several ranks are kept whole everywhere, as DDP keeps them (exact, but not
+        sharded). At stage 3 that is refused (``UnshardedParametersError``) unless the frames
+        were compiled with ``allow_unsharded``; otherwise a warning, once. ``full``: the
+        gradients to all-reduce whole, by (group, reduce dtype)."""
         if self._warned_unsharded or all(group.world <= 1 for group, _ in full):
             return
         grads = [g for items in full.values() for sp, g in items if sp is None]
         if not grads or not any(bool(g.any()) for g in grads):
             return      # none, or all zero: torch's _init_optim_state stepping before the first forward
+        unsharded = [p for p in self._params() if get_state(p) is None and raw_grad(p) is not None]
+        names = _parameter_names(unsharded)
+        listed = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+        elements = f"{sum(g.numel() for g in grads):,}"
+        stage3 = [sp for p in self._params() if (sp := get_state(p)) is not None and sp.stage == 3]
+        if stage3 and not all(sp.allow_unsharded for sp in stage3):
+            raise UnshardedParametersError(
+                f"ZeroOptimizer: {len(grads)} parameter(s) ({elements} elements: {listed}) were used by no frame "
+                "compiled with backend='zero', so at stage 3 every rank would keep them whole, with whole "
+                "gradients and optimizer state. Dynamo ran the code that uses them eagerly: a graph break it "
+                "could not resume from (e.g. inside a torch.utils.checkpoint region, or in a loop), a "
+                "torch.compiler.disable'd function, or a torch.nn module compiled on its own (Dynamo does not "
+                "compile the forward of nn.Linear, nn.Embedding... as a frame: compile the module that calls it). "
+                "See why with TORCH_LOGS=graph_breaks and run that code inside a compiled frame, or keep them "
+                "whole on purpose with options={'allow_unsharded': True}")
         self._warned_unsharded = True
         shapes = ", ".join(str(list(g.shape)) for g in grads[:4]) + (", ..." if len(grads) > 4 else "")
         log.warning(
-            "ZeroOptimizer: %d parameter(s) (%s elements; shapes %s) were used by no frame compiled with "
+            "ZeroOptimizer: %d parameter(s) (%s elements; shapes %s; %s) were used by no frame compiled with "
             "backend='zero', so every rank keeps them whole, with whole gradients (all-reduced) and optimizer "
             "state. Run the code that uses them inside a compiled frame; note that Dynamo does not compile the "
             "forward of a torch.nn module (nn.Linear, nn.Embedding...) as a frame of its own: compile the module "
-            "that calls it", len(grads), f"{sum(g.numel() for g in grads):,}", shapes)
+            "that calls it", len(grads), elements, shapes, listed)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients wherever zerocompile keeps them (parameters, replicas, shards)."""
@@ -1264,3 +1288,19 @@ class ParamState:
     """Element-wise tensors are this rank's flat shard (``chunk`` elements, zero-padded), as the
     inner optimizer holds them for a sharded parameter; otherwise every tensor is whole (the
     element-wise ones in the parameter's shape)."""
+
+
+class UnshardedParametersError(RuntimeError):
+    """Stage 3: parameters no compiled frame uses would stay whole on every rank
+    (``allow_unsharded`` accepts them)."""
+
+
+def _parameter_names(params: list) -> list:
+    """Each parameter's name in the modules the compiled frames were reached from (its shape
+    where no such module holds it)."""
+    names = {}
+    for runner in list(ACCOUNTING.frames):
+        for root in runner.roots:
+            for name, p in root.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), name)
+    return [names.get(id(p), f"a parameter of shape {list(p.shape)}") for p in params]

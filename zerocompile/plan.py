@@ -40,6 +40,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from zerocompile import _torch_compat
 from zerocompile.passes.collective_summary import COLLECTIVE_KINDS_BY_OP, collective_group_size
 from zerocompile.passes.cost_model import DEFAULT_RATES, CostModel
 from zerocompile.runtime import accounting
@@ -136,6 +137,8 @@ class ScalarReadsAreZero(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:      # compiled code stays compiled under it
         return True
 
+    supports_higher_order_operators = True     # they pass through (run on the modes below)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             dtype = args[0].dtype
@@ -172,9 +175,17 @@ class StepTimer(TorchDispatchMode):
         self.recording: list | None = None
         """While a list: every event is also appended to it (``zerocompile.graph_replay``)."""
 
+    # a higher-order operator runs on the modes below: the op it wraps is timed here
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if _torch_compat.is_higher_order_op(func):
+            inner = _torch_compat.op_run_by(func, args, kwargs, out)
+            if inner is not None:
+                self.apply(("compute", self.model.op_time(*inner)))
+            return out
         if func in COLLECTIVE_KINDS_BY_OP:
             kind, which = COLLECTIVE_KINDS_BY_OP[func]
             full = out if which == "out" else args[0]
@@ -288,6 +299,10 @@ class PlanReport:
     graph_runs: dict = field(default_factory=dict)
     """Compiled-graph runs over the whole script: ``{"executed", "replayed"}`` (empty without
     replay; see ``zerocompile.graph_replay``)."""
+    unsharded_params: dict = field(default_factory=dict)
+    """Trainable parameters no compiled frame used, kept whole on every rank (stage 3 refuses
+    them unless ``allow_unsharded``): ``{"count", "elements", "names"}``; their bytes and their
+    gradients' are in ``model_state_bytes``."""
     replay_mismatch: str | None = None
     """Why a replay could not vouch for its figures (``plan_script`` then raises)."""
 
@@ -328,6 +343,7 @@ class PlanReport:
             "wall_s": self.wall_s,
             "exit_code": self.exit_code,
             "graph_runs": dict(self.graph_runs),
+            "unsharded_params": dict(self.unsharded_params),
         }
 
 
@@ -455,6 +471,7 @@ def _record(report: PlanReport, tracker: LiveStorageTracker, timer: StepTimer, s
     report.model_state_bytes = {
         "params": stats.param_bytes, "grads": stats.grad_bytes, "optimizer_state": stats.optimizer_state_bytes,
         "offloaded_optimizer_state": stats.offloaded_bytes, "offloaded_params": stats.offloaded_param_bytes}
+    _record_unsharded(report)
     report.comm = {k: {"count": getattr(stats, k).count, "bytes": getattr(stats, k).bytes,
                        "wire_bytes": getattr(stats, k).wire_bytes} for k in accounting.COLLECTIVE_KINDS}
     report.compute_s, report.comm_s, report.step_s = timer.compute_s, timer.comm_s, timer.step_s
@@ -464,3 +481,17 @@ def _record(report: PlanReport, tracker: LiveStorageTracker, timer: StepTimer, s
     report.frames = len(frames)
     report.stages = sorted({f["stage"] for f in frames})
     report.simulated_peak_bytes = max((f["results"].get("simulated_peak_bytes", 0) for f in frames), default=0)
+
+
+def _record_unsharded(report: PlanReport) -> None:
+    """The parameters every rank keeps whole (no compiled frame used them), and their bytes
+    and their gradients' added to the model state."""
+    whole = {}
+    for opt in list(accounting.ACCOUNTING.optimizers):
+        for name, p in opt.unsharded_parameters():
+            whole.setdefault(id(p), (name, p))
+    params = [p for _, p in whole.values()]
+    report.unsharded_params = {"count": len(params), "elements": sum(p.numel() for p in params),
+                               "names": [name for name, _ in whole.values()]}
+    report.model_state_bytes["params"] += sum(p.untyped_storage().nbytes() for p in params)
+    report.model_state_bytes["grads"] += sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
