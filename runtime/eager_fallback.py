@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import torch
 
+from zerocompile import _torch_compat
 from zerocompile.runtime.sharded_param import get_state
 
 
+@_torch_compat.never_a_frame
 def _gather_on_demand(module: torch.nn.Module, args) -> None:
     if torch.compiler.is_compiling():
         return
