@@ -10,7 +10,13 @@ stay gathered until the next optimizer step, which reduces any gradient they
 collected into the shards and frees them again.
 
 Under Dynamo tracing the hook does nothing (``torch.compiler.is_compiling()``), so
-compiled frames are unaffected.
+compiled frames are unaffected. It is never a Dynamo frame of its own
+(``_torch_compat.never_a_frame``): eager code inside a compiled model's call (a frame Dynamo
+skipped) runs under Dynamo's frame callback, and compiled as a frame the hook would see
+``is_compiling()`` True and gather nothing.
+
+A parameter that eager code used in the step before a frame sharded it stays gathered the same
+way until the next optimizer step, when an autograd graph holds it (``ShardedParam``).
 
 A module whose ``forward`` is ``torch.compiler.disable``d runs eagerly inside a
 compiled frame's graph break, where Dynamo has already inlined ``Module.__call__``
@@ -24,10 +30,12 @@ from __future__ import annotations
 
 import torch
 
+from zerocompile import _torch_compat
 from zerocompile.runtime.leaf_modules import is_leaf
 from zerocompile.runtime.sharded_param import get_state
 
 
+@_torch_compat.never_a_frame
 def _gather_on_demand(module: torch.nn.Module, args) -> None:
     if torch.compiler.is_compiling():
         return

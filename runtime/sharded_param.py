@@ -153,8 +153,15 @@ class ShardedParam:
     def _free_param_storage(self) -> None:
         if self.keep_full:
             return
-        self.param.untyped_storage().resize_(0)
         self.storage_freed = True
+        if _torch_compat.held_by_autograd(self.param):
+            # eager code of this step used the parameter before this frame sharded it (a frame
+            # Dynamo skipped, a graph break's eager region): its autograd graph may read the
+            # values in backward. They stay, as if gathered on demand, until the next optimizer
+            # step releases them (runtime/eager_fallback.py)
+            self.materialized = True
+            return
+        self.param.untyped_storage().resize_(0)
 
     @property
     def param_is_master(self) -> bool:

@@ -289,6 +289,32 @@ def test_never_a_frame_skips_the_frame_and_keeps_the_inlining():
     assert torch.sin in targets and torch.allclose(out, torch.sin(x) * 2 + 1)
 
 
+def test_held_by_autograd_sees_every_holder_a_graph_keeps():
+    """``held_by_autograd`` reads ``Tensor._use_count()``: a parameter alone, detached or used
+    without grad is held by nothing; the ``AccumulateGrad`` node of a graph that used it, a saved
+    frozen weight and the base of a saved view each hold it until the graph is gone."""
+    param = torch.nn.Parameter(torch.randn(4, 3))
+    frozen = torch.nn.Parameter(torch.randn(4, 3), requires_grad=False)
+    x = torch.randn(2, 3, requires_grad=True)
+    assert not _torch_compat.held_by_autograd(param)
+    with torch.no_grad():
+        torch.nn.functional.linear(x, param)
+    detached, storage = param.detach(), param.untyped_storage()
+    assert not _torch_compat.held_by_autograd(param)
+    rows = torch.nn.functional.embedding(torch.tensor([0, 2]), param)   # saves no weight: AccumulateGrad
+    assert _torch_compat.held_by_autograd(param)
+    rows.sum().backward()
+    del rows
+    assert not _torch_compat.held_by_autograd(param)
+    out = torch.nn.functional.linear(x, frozen)                         # a saved frozen weight
+    assert _torch_compat.held_by_autograd(frozen)
+    del out
+    view_out = x @ frozen.t()                                           # a saved view of it
+    assert _torch_compat.held_by_autograd(frozen)
+    del view_out
+    assert not _torch_compat.held_by_autograd(frozen) and detached is not None and storage is not None
+
+
 def test_grad_scaler_hands_unscaling_to_an_optimizer_that_takes_grad_scaler():
     """ZeroOptimizer relies on GradScaler's contract with ``_step_supports_amp_scaling``
     optimizers: step(grad_scaler=scaler) is called, the optimizer records what it found in the

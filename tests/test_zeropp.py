@@ -492,8 +492,7 @@ def _hpz_llama_runs(rank, world):
     """An HF Llama whose every decoder layer ends in a graph break (a forward hook: one frame
     per layer, compiled once and run for each) and a frozen layer, at stage 3 with and without
     hpZ (k = 2); each run's losses and, on rank 0, final weights. (Tied embeddings are the test
-    GPT's; with these graph breaks stage 3 refuses a tied Llama with ParameterNotGatheredError,
-    hpZ or not.)"""
+    GPT's; a tied Llama with these graph breaks is tests/test_tied_weights_across_frames.py's.)"""
     import transformers
 
     def graph_break(module, args, output):

@@ -443,6 +443,20 @@ def inside_dynamo_trace() -> bool:
     return torch._guards.TracingContext.try_get() is not None
 
 
+def held_by_autograd(param: torch.Tensor) -> bool:
+    """Whether a C++ owner besides the Python object holds ``param``'s tensor: an autograd graph
+    that eager code built from it (the ``AccumulateGrad`` node of a parameter that requires grad,
+    a saved tensor, the base of a saved view). Freeing the parameter's storage then would leave
+    that graph's backward reading an empty storage.
+
+    Why private: ``Tensor._use_count()`` is the reference count of the ``TensorImpl``; the Python
+    object holds one reference, and every autograd holder of the tensor one more. No public API
+    asks whether a live graph uses a leaf tensor. ``tests/test_torch_compat.py`` checks the count
+    for each holder.
+    """
+    return param._use_count() > 1
+
+
 def storageless_tensor(cls, shape, dtype, device):
     """A tensor of subclass ``cls`` with ``shape``, ``dtype`` and ``device`` but no storage
     (``zerocompile.dcp_shards.ShardView``: a shard as torch.distributed.checkpoint sees it).
