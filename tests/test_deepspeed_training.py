@@ -233,36 +233,6 @@ def test_each_schedule_gives_deepspeeds_formula_values(case):
         assert optimizer.param_groups[0]["betas"][1] == lr_schedules.ONE_CYCLE_BETA2   # DeepSpeed's 0.99
 
 
-def test_schedules_equal_deepspeeds_own_bit_for_bit():
-    """Where DeepSpeed is installed (the bench extra): its classes give the very same LRs and
-    betas, for two parameter groups, per-group values and every warm-up type."""
-    ds = pytest.importorskip("deepspeed.runtime.lr_schedules")
-    cases = [("WarmupLR", dict(warmup_min_lr=[0.0, 1e-4], warmup_max_lr=3e-3, warmup_num_steps=7)),
-             ("WarmupLR", dict(warmup_num_steps=1)),
-             ("WarmupDecayLR", dict(total_num_steps=20, warmup_min_lr=1e-5, warmup_max_lr=3e-3, warmup_num_steps=6)),
-             ("WarmupCosineLR", dict(total_num_steps=20, warmup_min_ratio=0.1, warmup_num_steps=5,
-                                     warmup_type="linear")),
-             ("OneCycle", dict(cycle_min_lr=1e-4, cycle_max_lr=[1e-2, 2e-2], cycle_first_step_size=5,
-                               cycle_second_step_size=3, decay_step_size=2, decay_lr_rate=0.1, decay_mom_rate=0.05)),
-             ("OneCycle", dict(cycle_min_lr=1e-4, cycle_max_lr=1e-2, cycle_first_step_size=6,
-                               cycle_first_stair_count=3, cycle_second_stair_count=2, cycle_second_step_size=4)),
-             ("LRRangeTest", dict(lr_range_test_min_lr=[1e-4, 1e-3], lr_range_test_step_size=3,
-                                  lr_range_test_staircase=True))]
-    for name, params in cases:
-        seqs = []
-        for module in (ds, lr_schedules):
-            a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
-            opt = torch.optim.AdamW([{"params": [a]}, {"params": [b], "lr": 0.02}], lr=0.01)
-            sched = getattr(module, name)(opt, **params)
-            seq = []
-            for _ in range(25):
-                seq.append([(g["lr"], g["betas"]) for g in opt.param_groups])
-                opt.step()
-                sched.step()
-            seqs.append(seq)
-        assert seqs[0] == seqs[1], name
-
-
 def test_one_cycle_through_initialize_moves_the_inner_optimizers_betas():
     """One process: ``initialize`` with DeepSpeed's ``Adam`` (decoupled weight decay, DeepSpeed's
     defaults) and OneCycle trains as torch's AdamW under the same schedule."""
