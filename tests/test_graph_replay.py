@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import operator
 import os
-import subprocess
 import sys
 import textwrap
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -202,26 +202,29 @@ def test_plan_with_replay_equals_plan_without_on_a_zoo(tmp_path):
         assert replayed["peak_bytes_per_rank"] > replayed["model_state_bytes_per_rank"] > 0, case
 
 
+def _spoiled_plan_child(argv: list, out_path: str, err_path: str, environ: dict) -> None:
+    """``_plan_child`` with every replay's check forced to fail (in this child process only)."""
+    replay = GraphReplay._replay
+
+    def spoiled(self, record, args):
+        out = replay(self, record, args)
+        self.mismatch = "forced by the test"
+        return out
+
+    GraphReplay._replay = spoiled
+    _plan_child(argv, out_path, err_path, environ)
+
+
 def test_a_plan_whose_replay_cannot_vouch_for_its_figures_fails_and_names_the_fix(tmp_path):
     """When a replay's inputs die differently from the recorded run's (forced here), plan
     fails with one line saying so and naming --no-replay, instead of printing figures."""
-    driver = tmp_path / "driver.py"
-    driver.write_text(textwrap.dedent("""
-        import sys
-        from zerocompile import graph_replay
-        from zerocompile.cli import main
-        replay = graph_replay.GraphReplay._replay
-        def spoiled(self, record, args):
-            out = replay(self, record, args)
-            self.mismatch = "forced by the test"
-            return out
-        graph_replay.GraphReplay._replay = spoiled
-        sys.exit(main(sys.argv[1:]))
-    """))
     args = ["--size", "tiny", "--layers", "3", "--seq", "16", "--steps", "2"]
-    done = subprocess.run([sys.executable, str(driver), "plan", "--world-size", "4", "--json", "--",
-                           str(REPO / "benchmarks" / "train_llama.py"), *args],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    out, err = tmp_path / "plan.out", tmp_path / "plan.err"
+    run = start_fresh(_spoiled_plan_child, ["plan", "--world-size", "4", "--json", "--",
+                                            str(REPO / "benchmarks" / "train_llama.py"), *args],
+                      str(out), str(err), dict(os.environ))
+    run.join(timeout=600)
+    done = SimpleNamespace(returncode=run.exitcode, stdout=out.read_text(), stderr=err.read_text())
     assert done.returncode != 0 and done.stdout == ""
     assert done.stderr.strip().splitlines()[-1] == (
         "zerocompile plan: error: forced by the test, so its figures may be wrong; plan again without "
