@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+
 import pytest
 import torch
 
@@ -28,3 +31,32 @@ def built_cpp_kernels():
     from zerocompile.runtime import cpu_extension
 
     cpu_extension.load("fused_adam")
+
+
+@pytest.fixture(scope="session")
+def once_per_run(tmp_path_factory):
+    """``once_per_run(key, compute)``: ``compute()``, computed once per pytest run and shared by
+    the pytest-xdist workers. A module-scoped fixture runs once per worker that runs one of its
+    tests, and ``--dist worksteal`` often splits a module's tests across the two workers: an
+    expensive multi-rank run then ran twice, the two copies competing for the same cores. The
+    first worker to ask computes under a file lock and saves the result (``torch.save``, as
+    ``run_ranks`` results are) in the run's shared temporary folder; the others wait for it and
+    load it. A ``compute`` that raises saves nothing: the next worker to ask tries again. Without
+    xdist this is ``compute()``."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return lambda key, compute: compute()
+    folder = tmp_path_factory.getbasetemp().parent / "once_per_run"   # the run's, not the worker's
+    folder.mkdir(exist_ok=True)
+
+    def shared(key: str, compute):
+        path = folder / f"{key}.pt"
+        with open(folder / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.exists():
+                return torch.load(path, weights_only=False)
+            result = compute()
+            torch.save(result, path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+            return result
+
+    return shared

@@ -1,5 +1,5 @@
 """The ``zerocompile`` command line (zerocompile/cli.py): ``show`` on dumps recorded from
-hand-built graphs, every error path, and ``dump`` end to end (as a subprocess)."""
+hand-built graphs, every error path, and ``dump`` end to end (as a subprocess, and on fake groups through ``main()``)."""
 
 from __future__ import annotations
 
@@ -397,12 +397,26 @@ def test_dump_end_to_end_as_a_subprocess_with_options(tmp_path, capsys):
     assert code == 0 and "rank 0 | frame 0/0 | backward graph" in out, err
 
 
-def test_dump_end_to_end_with_a_graph_break_on_64_fake_ranks(tmp_path, capsys):
+def _dump_in_process(capsys, monkeypatch, tmp_path, *argv):
+    """``zerocompile dump --world-size N`` through ``main()`` in this process, as the CLI runs it
+    (the script on a fake group in the CLI's own process): a subprocess would import torch and
+    zerocompile again (~5-8 s). ``python -m zerocompile`` itself is run as a subprocess above."""
+    for name in ("ZEROCOMPILE_DUMP", "ZEROCOMPILE_OPTIONS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    torch.compiler.reset()
+    try:
+        return _run(capsys, "dump", *argv)
+    finally:
+        torch.compiler.reset()
+
+
+def test_dump_end_to_end_with_a_graph_break_on_64_fake_ranks(tmp_path, capsys, monkeypatch):
     script = tmp_path / "train_break.py"
     script.write_text(TRAIN_SCRIPT.format(graph_break="torch._dynamo.graph_break()"))
-    done = _cli("dump", "--out", "d", "--world-size", "64", "--", script, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "TRAINED" in done.stdout
+    code, out, err = _dump_in_process(capsys, monkeypatch, tmp_path, "--out", "d", "--world-size", "64", "--", script)
+    assert code == 0, out + err
+    assert "TRAINED" in out
     index = _index(tmp_path / "d")
     assert index["world"] == 64 and list(index["frames"]) == ["frame 0/0", "frame 1/0"]
     _check_steps(index)
@@ -415,12 +429,13 @@ def test_dump_end_to_end_with_a_graph_break_on_64_fake_ranks(tmp_path, capsys):
     assert code == 0 and "reduce_scatter_tensor" in out, err
 
 
-def test_dump_train_gpt_example_on_64_fake_ranks(tmp_path):
-    done = _cli("dump", "--out", "d", "--world-size", "64", "--", REPO / "examples" / "train_gpt.py",
-                "--steps", "1", "--inner-compiler", "eager", "--n-layers", "1", "--d-model", "32",
-                "--n-heads", "2", "--vocab", "64", "--seq-len", "16", cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "64 rank(s)" in done.stdout and "step   0 |" in done.stdout
+def test_dump_train_gpt_example_on_64_fake_ranks(tmp_path, capsys, monkeypatch):
+    code, out, err = _dump_in_process(capsys, monkeypatch, tmp_path, "--out", "d", "--world-size", "64", "--",
+                                      REPO / "examples" / "train_gpt.py", "--steps", "1", "--inner-compiler", "eager",
+                                      "--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--vocab", "64",
+                                      "--seq-len", "16")
+    assert code == 0, out + err
+    assert "64 rank(s)" in out and "step   0 |" in out
     index = _index(tmp_path / "d")
     assert index["world"] == 64 and len(index["frames"]) == 1
     _check_steps(index)

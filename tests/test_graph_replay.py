@@ -1,20 +1,24 @@
 """``zerocompile.graph_replay``: ``zerocompile plan`` replays graph runs identical to an earlier
 one instead of executing them. Its figures must be exactly those of executing every run: the
-zoo below is planned both ways in one subprocess and every figure compared; the replay's own
+zoo below is planned both ways, each in a fresh process, and every figure compared; the replay's own
 checks (which graphs it may skip, a replay whose inputs die differently) are tested directly."""
 
 from __future__ import annotations
 
 import json
 import operator
-import subprocess
+import os
 import sys
 import textwrap
+import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from dist_utils import start_fresh
+from zerocompile.cli import main
 from zerocompile.graph_replay import GraphReplay, replayable_graph
 from zerocompile.plan import StepTimer
 from zerocompile.passes.cost_model import CostModel
@@ -125,12 +129,39 @@ TIED = textwrap.dedent("""
 VOLATILE = {"wall_s", "graph_runs"}
 
 
-def _plan(script: str, args: list, world: int, replay: bool) -> subprocess.Popen:
+def _plan_child(argv: list, out_path: str, err_path: str, environ: dict) -> None:
+    """``zerocompile plan`` run by ``main()`` in a child of the fork server, stdout and stderr
+    into files, the exit code as the process's."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(REPO)
+    sys.argv = ["zerocompile", *argv]
+    code = 1
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # noqa: BLE001 - the traceback is the parent's error message
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+
+def _plan(script: str, args: list, world: int, replay: bool, folder: Path) -> tuple:
     """``zerocompile plan --json`` in a process of its own (as the CLI is used: nothing of an
-    earlier plan's models is left to count)."""
-    cmd = [sys.executable, "-m", "zerocompile", "plan", "--world-size", str(world), "--hardware", "cpu", "--json",
-           *([] if replay else ["--no-replay"]), "--", script, *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    earlier plan's models is left to count), forked from the fork server, which has imported
+    torch, transformers and zerocompile (a new interpreter per plan spent ~5 s of CPU on
+    that, 10 plans here); the process and the paths of its stdout and stderr."""
+    argv = ["plan", "--world-size", str(world), "--hardware", "cpu", "--json",
+            *([] if replay else ["--no-replay"]), "--", script, *args]
+    name = f"{Path(script).stem}-{world}-{replay}-{len(list(folder.iterdir()))}"
+    out, err = folder / f"{name}.out", folder / f"{name}.err"
+    return start_fresh(_plan_child, argv, str(out), str(err), dict(os.environ)), out, err
 
 
 def test_plan_with_replay_equals_plan_without_on_a_zoo(tmp_path):
@@ -154,14 +185,16 @@ def test_plan_with_replay_equals_plan_without_on_a_zoo(tmp_path):
         (str(tied), ['{"stage": 3, "inner_compiler": "eager"}'], 4),
         (str(tied), ['{"stage": 3, "inner_compiler": "eager", "recompute": "full"}'], 2),
     ]
+    folder = tmp_path / "plans"
+    folder.mkdir()
     for script, args, world in cases:
         case = f"{Path(script).name} {args[-1]} on {world} ranks"
-        runs = [_plan(script, args, world, replay) for replay in (True, False)]
+        runs = [_plan(script, args, world, replay, folder) for replay in (True, False)]
         reports = []
-        for run in runs:
-            out, err = run.communicate(timeout=600)
-            assert run.returncode == 0, (case, err[-4000:])
-            reports.append(json.loads(out.splitlines()[0]))
+        for run, out, err in runs:
+            run.join(timeout=600)
+            assert run.exitcode == 0, (case, run.exitcode, err.read_text()[-4000:])
+            reports.append(json.loads(out.read_text().splitlines()[0]))
         replayed, executed = reports
         assert replayed["measured_step"] == 2, case
         assert replayed["graph_runs"]["replayed"] > 0, case
@@ -175,26 +208,29 @@ def test_plan_with_replay_equals_plan_without_on_a_zoo(tmp_path):
                                                     "names": ["scale", "out.weight", "out.bias"]}, case
 
 
+def _spoiled_plan_child(argv: list, out_path: str, err_path: str, environ: dict) -> None:
+    """``_plan_child`` with every replay's check forced to fail (in this child process only)."""
+    replay = GraphReplay._replay
+
+    def spoiled(self, record, args):
+        out = replay(self, record, args)
+        self.mismatch = "forced by the test"
+        return out
+
+    GraphReplay._replay = spoiled
+    _plan_child(argv, out_path, err_path, environ)
+
+
 def test_a_plan_whose_replay_cannot_vouch_for_its_figures_fails_and_names_the_fix(tmp_path):
     """When a replay's inputs die differently from the recorded run's (forced here), plan
     fails with one line saying so and naming --no-replay, instead of printing figures."""
-    driver = tmp_path / "driver.py"
-    driver.write_text(textwrap.dedent("""
-        import sys
-        from zerocompile import graph_replay
-        from zerocompile.cli import main
-        replay = graph_replay.GraphReplay._replay
-        def spoiled(self, record, args):
-            out = replay(self, record, args)
-            self.mismatch = "forced by the test"
-            return out
-        graph_replay.GraphReplay._replay = spoiled
-        sys.exit(main(sys.argv[1:]))
-    """))
     args = ["--size", "tiny", "--layers", "3", "--seq", "16", "--steps", "2"]
-    done = subprocess.run([sys.executable, str(driver), "plan", "--world-size", "4", "--json", "--",
-                           str(REPO / "benchmarks" / "train_llama.py"), *args],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    out, err = tmp_path / "plan.out", tmp_path / "plan.err"
+    run = start_fresh(_spoiled_plan_child, ["plan", "--world-size", "4", "--json", "--",
+                                            str(REPO / "benchmarks" / "train_llama.py"), *args],
+                      str(out), str(err), dict(os.environ))
+    run.join(timeout=600)
+    done = SimpleNamespace(returncode=run.exitcode, stdout=out.read_text(), stderr=err.read_text())
     assert done.returncode != 0 and done.stdout == ""
     assert done.stderr.strip().splitlines()[-1] == (
         "zerocompile plan: error: forced by the test, so its figures may be wrong; plan again without "
