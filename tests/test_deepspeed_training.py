@@ -105,8 +105,8 @@ def _ranks(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return run_ranks(_ranks, 2)[0]
+def two_ranks(once_per_run):
+    return once_per_run("test_deepspeed_training.two_ranks", lambda: run_ranks(_ranks, 2)[0])
 
 
 def _single_process_with_schedule() -> dict:

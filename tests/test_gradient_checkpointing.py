@@ -99,8 +99,8 @@ def _all_runs(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_ranks(_all_runs, 2)
+def runs(once_per_run):
+    return once_per_run("test_gradient_checkpointing.runs", lambda: run_ranks(_all_runs, 2))
 
 
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])

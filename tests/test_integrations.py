@@ -201,10 +201,11 @@ def _accelerate_reference():
 
 
 @pytest.fixture(scope="module")
-def accelerate_runs(tmp_path_factory):
+def accelerate_runs(tmp_path_factory, once_per_run):
     """One 2-rank run for the Accelerate tests: the refusals without a CPU flag, then the loop at
     stages 0, 2 and 3, each saved after step 2 and resumed from there."""
-    return run_ranks(_accelerate_runs, 2, str(tmp_path_factory.mktemp("accelerate")))
+    return once_per_run("test_integrations.accelerate_runs",
+                        lambda: run_ranks(_accelerate_runs, 2, str(tmp_path_factory.mktemp("accelerate"))))
 
 
 def test_an_accelerate_loop_with_zero_accelerator_matches_one_process(accelerate_runs):

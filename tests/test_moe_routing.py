@@ -149,8 +149,9 @@ def _all_configs(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_ranks(_all_configs, 2), {own: _reference(own) for own in (False, True)}
+def runs(once_per_run):
+    return once_per_run("test_moe_routing.runs", lambda: (run_ranks(_all_configs, 2),
+                                                          {own: _reference(own) for own in (False, True)}))
 
 
 def _assert_routing(result: dict, rank: int) -> None:

@@ -146,8 +146,8 @@ def _runs(rank, world):
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_ranks(_runs, 2)[0]
+def runs(once_per_run):
+    return once_per_run("test_tied_weights_across_frames.runs", lambda: run_ranks(_runs, 2)[0])
 
 
 @pytest.mark.parametrize("name", CASES)

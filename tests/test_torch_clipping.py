@@ -103,8 +103,8 @@ def _ranks(rank, world):
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_ranks(_ranks, 2)[0]
+def runs(once_per_run):
+    return once_per_run("test_torch_clipping.runs", lambda: run_ranks(_ranks, 2)[0])
 
 
 @pytest.mark.parametrize("index", range(len(LOOPS)), ids=[f"stage{s}-accum{a}-{h}{'-read_each' if r else ''}"

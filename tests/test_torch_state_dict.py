@@ -109,11 +109,14 @@ def _reference():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("torch_state_dict"))
-    results = run_ranks(_worker, 2, root)
-    one_rank = run_ranks(_one_rank_worker, 1, os.path.join(root, "stage2"), 3)[0]
-    return root, results, one_rank, _reference()
+def runs(tmp_path_factory, once_per_run):
+    def compute():
+        root = str(tmp_path_factory.mktemp("torch_state_dict"))      # kept until the run ends
+        results = run_ranks(_worker, 2, root)
+        one_rank = run_ranks(_one_rank_worker, 1, os.path.join(root, "stage2"), 3)[0]
+        return root, results, one_rank, _reference()
+
+    return once_per_run("test_torch_state_dict.runs", compute)
 
 
 def _close(a, b):
