@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime.comm import CommGroup, all_gather_flat
+from zerocompile.runtime.comm import CommGroup, all_gather_flat, is_fake_group
 
 _c10d = torch.ops._c10d_functional
 
@@ -69,8 +69,8 @@ def compare_holders(holders: list[Holder], group: CommGroup, device) -> list[lis
     The common case, every rank the same: one all-reduce (MAX) of two int64, a hash of the
     codes and its negation, which gives the largest and the smallest hash at once. Only where
     they differ, an all-gather of one int32 per holder and rank. No communication on one rank;
-    on a fake group (``zerocompile plan``) the all-reduce is issued (and counted) like on a
-    real one and reads as agreed."""
+    on a fake group (``zerocompile plan``) and for a model on the meta device the all-reduce
+    is issued (and counted) like on a real one and reads as agreed."""
     if group.world == 1:
         return None
     codes = [h.code() for h in holders]
@@ -78,7 +78,10 @@ def compare_holders(holders: list[Holder], group: CommGroup, device) -> list[lis
     value = int.from_bytes(digest[:8], "little") >> 2       # fits an int64, and so does -value
     pair = torch.tensor([value, -value], dtype=torch.int64, device=device)
     ACCOUNTING.record("all_reduce", pair.numel() * pair.element_size())
-    top, neg_bottom = _c10d.wait_tensor(_c10d.all_reduce(pair, "max", group.name)).tolist()
+    reduced = _c10d.wait_tensor(_c10d.all_reduce(pair, "max", group.name))
+    if is_fake_group(group) or reduced.is_meta:
+        return None         # one process stands for every rank, and a meta tensor holds no value
+    top, neg_bottom = reduced.tolist()
     if top == -neg_bottom:
         return None
     # the hashes differ: so may the number of holders, if the ranks' models differ
