@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import socket
 import sys
@@ -24,8 +25,26 @@ import torch.multiprocessing as mp
 
 
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "transformers", "zerocompile", "dist_utils",
-            "harness", "models", "zoo"]   # modules missing here are skipped by the fork server
+            "harness", "models", "zoo", "warm_imports"]   # modules missing here are skipped by the fork server
 multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _ensure_fork_server() -> None:
+    """Start the fork server if it is not running, with this folder on its ``PYTHONPATH``:
+    Python 3.11's fork server does not apply the parent's ``sys.path`` before importing the
+    preload list, and skips a module it cannot import without a word, so without this the test
+    helpers and ``warm_imports`` were imported again in every rank. The parent's environment is
+    restored at once (each rank gets the test's own environment from ``_entry``)."""
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, old) if p)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def free_port() -> int:
@@ -65,6 +84,7 @@ def start_fresh(fn, *args) -> multiprocessing.Process:
     zerocompile imported, nothing run, so as fresh as a new interpreter without the ~4-5 s of
     CPU that importing them again costs. The parent's environment and working directory are
     not applied (``fn`` sets what it needs); ``join()`` the process and read its ``exitcode``."""
+    _ensure_fork_server()
     proc = multiprocessing.get_context("forkserver").Process(target=fn, args=args)
     proc.start()
     return proc
@@ -86,6 +106,7 @@ def run_ranks(fn, world: int, *args) -> list:
 
 
 def _run_ranks_once(fn, world: int, args: tuple) -> list:
+    _ensure_fork_server()
     with tempfile.TemporaryDirectory() as outdir:
         try:
             mp.start_processes(_entry, args=(world, free_port(), fn, args, outdir, dict(os.environ), os.getcwd()),
