@@ -12,12 +12,16 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -122,3 +126,103 @@ def _run_ranks_once(fn, world: int, args: tuple) -> list:
             finished = [r for r in range(world) if os.path.exists(os.path.join(outdir, f"{r}.pt"))]
             raise AssertionError("\n".join(errors) or f"{err} (ranks that had finished: {finished})") from None
         return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False)["result"] for r in range(world)]
+
+
+def _in_child(run, out_path: str, err_path: str, environ: dict, cwd: str) -> None:
+    """In a child of the fork server: the given environment and working directory, stdout and
+    stderr into files, ``run()``'s return value (an int, or None for 0) or its ``SystemExit``
+    code as the process's exit code; any other exception's traceback on stderr and exit code 1."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    code = 1
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            code = run() or 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:  # noqa: BLE001 - the traceback is the parent's error message
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+
+def cli_child(argv: list, out_path: str, err_path: str, environ: dict, cwd: str) -> None:
+    """In a child of the fork server: ``zerocompile ARGV`` by ``main(argv)`` (``_in_child``)."""
+    from zerocompile.cli import main
+
+    def run():
+        sys.argv = ["zerocompile", *argv]
+        return main(argv)
+
+    _in_child(run, out_path, err_path, environ, cwd)
+
+
+def start_cli(argv: list, out_path, err_path, cwd, environ: dict | None = None) -> multiprocessing.Process:
+    """``python -m zerocompile ARGV`` as a child of the fork server (``main(argv)``, stdout and
+    stderr into the given files): what the CLI does in a new interpreter without the ~4-5 s of
+    CPU of importing torch, transformers and zerocompile again. ``join()`` it, read ``exitcode``."""
+    return start_fresh(cli_child, [str(a) for a in argv], str(out_path), str(err_path),
+                       dict(os.environ if environ is None else environ), str(cwd))
+
+
+def _finish(procs: list, outputs: list, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for the processes; once one fails (as torchrun does) or ``timeout`` passes, kill
+    those still running 10 s later instead of waiting for their collectives to time out."""
+    deadline = time.monotonic() + timeout
+    running = list(procs)
+    while running and time.monotonic() < deadline:
+        multiprocessing.connection.wait([p.sentinel for p in running], timeout=deadline - time.monotonic())
+        running = [p for p in running if p.exitcode is None]
+        if any(p.exitcode for p in procs):
+            deadline = min(deadline, time.monotonic() + 10)
+    for proc in running:
+        proc.kill()
+        proc.join()
+    codes = [proc.exitcode for proc in procs]
+    read = [(Path(out).read_text(), Path(err).read_text()) for out, err in outputs]
+    return subprocess.CompletedProcess(args=None, returncode=next((c for c in codes if c), 0),
+                                       stdout="".join(o for o, _ in read), stderr="".join(e for _, e in read))
+
+
+def run_cli(argv: list, cwd, environ: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``start_cli`` and wait: a ``CompletedProcess`` with the exit code, stdout and stderr."""
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder) / "out", Path(folder) / "err"
+        return _finish([start_cli(argv, out, err, cwd, environ)], [(out, err)], timeout)
+
+
+def _script_rank(script: str, args: list, out_path: str, err_path: str, environ: dict, cwd: str) -> None:
+    import runpy
+
+    def run():
+        sys.argv = [script, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+    _in_child(run, out_path, err_path, environ, cwd)
+
+
+def run_script_ranks(script, args: list, world: int, cwd, environ: dict | None = None,
+                     timeout: float = 600) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node WORLD SCRIPT ARGS``, each rank a child of the fork server
+    running the script as ``__main__`` with the environment torchrun gives it (``RANK``,
+    ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): the
+    script creates its own process group from them. The exit code is the first failing rank's
+    (0 when all succeed); stdout and stderr are the ranks' in rank order."""
+    base = dict(os.environ if environ is None else environ)
+    port = free_port()
+    with tempfile.TemporaryDirectory() as folder:
+        procs, outputs = [], []
+        for rank in range(world):
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                   "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            out, err = Path(folder) / f"{rank}.out", Path(folder) / f"{rank}.err"
+            procs.append(start_fresh(_script_rank, str(script), [str(a) for a in args], str(out), str(err), env,
+                                     str(cwd)))
+            outputs.append((out, err))
+        return _finish(procs, outputs, timeout)

@@ -8,17 +8,14 @@ from __future__ import annotations
 import json
 import operator
 import os
-import sys
 import textwrap
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dist_utils import start_fresh
-from zerocompile.cli import main
+from dist_utils import cli_child, start_cli, start_fresh
 from zerocompile.graph_replay import GraphReplay, replayable_graph
 from zerocompile.plan import StepTimer
 from zerocompile.passes.cost_model import CostModel
@@ -129,29 +126,6 @@ TIED = textwrap.dedent("""
 VOLATILE = {"wall_s", "graph_runs"}
 
 
-def _plan_child(argv: list, out_path: str, err_path: str, environ: dict) -> None:
-    """``zerocompile plan`` run by ``main()`` in a child of the fork server, stdout and stderr
-    into files, the exit code as the process's."""
-    os.environ.clear()
-    os.environ.update(environ)
-    os.chdir(REPO)
-    sys.argv = ["zerocompile", *argv]
-    code = 1
-    with open(out_path, "w") as out, open(err_path, "w") as err:
-        os.dup2(out.fileno(), 1)
-        os.dup2(err.fileno(), 2)
-        try:
-            code = main(argv)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:  # noqa: BLE001 - the traceback is the parent's error message
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-
-
 def _plan(script: str, args: list, world: int, replay: bool, folder: Path) -> tuple:
     """``zerocompile plan --json`` in a process of its own (as the CLI is used: nothing of an
     earlier plan's models is left to count), forked from the fork server, which has imported
@@ -161,7 +135,7 @@ def _plan(script: str, args: list, world: int, replay: bool, folder: Path) -> tu
             *([] if replay else ["--no-replay"]), "--", script, *args]
     name = f"{Path(script).stem}-{world}-{replay}-{len(list(folder.iterdir()))}"
     out, err = folder / f"{name}.out", folder / f"{name}.err"
-    return start_fresh(_plan_child, argv, str(out), str(err), dict(os.environ)), out, err
+    return start_cli(argv, out, err, REPO), out, err
 
 
 def test_plan_with_replay_equals_plan_without_on_a_zoo(tmp_path):
@@ -209,7 +183,7 @@ def test_plan_with_replay_equals_plan_without_on_a_zoo(tmp_path):
 
 
 def _spoiled_plan_child(argv: list, out_path: str, err_path: str, environ: dict) -> None:
-    """``_plan_child`` with every replay's check forced to fail (in this child process only)."""
+    """``dist_utils.cli_child`` with every replay's check forced to fail (in this child process only)."""
     replay = GraphReplay._replay
 
     def spoiled(self, record, args):
@@ -218,7 +192,7 @@ def _spoiled_plan_child(argv: list, out_path: str, err_path: str, environ: dict)
         return out
 
     GraphReplay._replay = spoiled
-    _plan_child(argv, out_path, err_path, environ)
+    cli_child(argv, out_path, err_path, environ, str(REPO))
 
 
 def test_a_plan_whose_replay_cannot_vouch_for_its_figures_fails_and_names_the_fix(tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import free_port
+from dist_utils import run_cli, run_script_ranks
 from zerocompile.cli import main
 from zerocompile.passes.cost_model import CostModel
 from zerocompile.plan import HARDWARE, ScalarReadsAreZero, StepTimer, hardware_from, node_local_groups
@@ -109,9 +109,7 @@ def _script(tmp_path) -> Path:
 
 def _real_run(script: Path, kind: str, options: dict, out: Path) -> dict:
     env = {**os.environ, "PLAN_TEST_MEASURE": str(out), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), str(script), kind, json.dumps(options)],
-                          capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=REPO)
+    done = run_script_ranks(script, [kind, json.dumps(options)], 2, REPO, env, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -127,9 +125,8 @@ def test_plan_equals_a_real_two_rank_run(tmp_path, kind, options):
     count and bytes of every collective kind in a step."""
     script = _script(tmp_path)
     real = _real_run(script, kind, options, tmp_path / "real.json")
-    done = subprocess.run([sys.executable, "-m", "zerocompile", "plan", "--world-size", "2", "--hardware", "cpu",
-                           "--json", "--", str(script), kind, json.dumps(options)],
-                          capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+    done = run_cli(["plan", "--world-size", "2", "--hardware", "cpu",
+                           "--json", "--", str(script), kind, json.dumps(options)], REPO, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     got = json.loads(done.stdout.splitlines()[0])        # the first line: the script printed to stderr
     assert "step 0 loss 0.0000" in done.stderr           # .item() on fake tensors reads 0
@@ -154,9 +151,8 @@ def test_plan_at_a_large_world_size_follows_the_formulas(tmp_path):
     backward those whose values the backward reads (the weights, but not the first layer's,
     whose input needs no gradient, and no bias), and reduce-scatters every gradient."""
     script = _script(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "zerocompile", "plan", "--world-size", "64", "--hardware", "h100",
-                           "--json", "--", str(script), "mlp", json.dumps({"stage": 3})],
-                          capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+    done = run_cli(["plan", "--world-size", "64", "--hardware", "h100",
+                           "--json", "--", str(script), "mlp", json.dumps({"stage": 3})], REPO, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     got = json.loads(done.stdout.splitlines()[0])
     sizes = [12 * 32, 32] + [32 * 96, 96, 96 * 32, 32] * 3 + [32 * 5, 5]
@@ -184,10 +180,9 @@ def test_plan_of_hf_gradient_checkpointing_at_1024_ranks_follows_the_formulas():
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SIZES["tiny"], "num_hidden_layers": 2}))
     chunks = sum(-(-p.numel() // world) for p in model.parameters())
-    done = subprocess.run([sys.executable, "-m", "zerocompile", "plan", "--world-size", str(world), "--json", "--",
+    done = run_cli(["plan", "--world-size", str(world), "--json", "--",
                            str(REPO / "benchmarks" / "train_llama.py"), "--size", "tiny", "--layers", "2", "--seq",
-                           "16", "--steps", "2", "--checkpointing", "non_reentrant"],
-                          capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+                           "16", "--steps", "2", "--checkpointing", "non_reentrant"], REPO, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     got = json.loads(done.stdout.splitlines()[0])
     assert got["unsharded_params"] == {"count": 0, "elements": 0, "names": []}
@@ -244,8 +239,8 @@ def test_stats_of_a_model_on_the_meta_device():
 
 def test_plan_prints_tables(tmp_path):
     script = _script(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "zerocompile", "plan", "--world-size", "8", "--", str(script),
-                           "mlp", json.dumps({"stage": 2})], capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+    done = run_cli(["plan", "--world-size", "8", "--", str(script),
+                           "mlp", json.dumps({"stage": 2})], REPO, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     out = done.stdout
     assert "on 8 ranks, stage 2" in out and "hardware h100" in out
@@ -257,8 +252,8 @@ def test_plan_compare_runs_every_stage(tmp_path):
     """``--compare`` plans stages 0-3 in subprocesses: the model state per rank falls from
     stage 0 (everything whole) to stage 3 (everything sharded) as the formulas say."""
     script = _script(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "zerocompile", "plan", "--world-size", "4", "--json", "--compare",
-                           "--", str(script), "mlp", "{}"], capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+    done = run_cli(["plan", "--world-size", "4", "--json", "--compare",
+                           "--", str(script), "mlp", "{}"], REPO, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(done.stdout.splitlines()[0])["compare"]
     assert [r["stages"] for r in rows] == [[0], [1], [2], [3]], rows

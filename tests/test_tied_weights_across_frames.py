@@ -4,8 +4,9 @@ A tied-embedding HF Llama whose decoder-layer loop breaks in a forward hook: Dyn
 ``LlamaModel.forward`` (it runs eagerly, the embedding with it), compiles each decoder layer, the
 final norm and the LM head as frames of their own, and the head's frame shards the tied weight
 that the eager embedding reads. A small tied model puts the head in eager code before or after the
-frame that shards the weight, or in a frame before the embedding's. Every stage on 2 gloo ranks
-against one process on the whole batch; at stage 3 the tied weight ends each step sharded.
+frame that shards the weight, or in a frame before the embedding's. On 2 gloo ranks against one
+process on the whole batch (the small models at every stage, the Llamas at stages 2-3, ``CASES``);
+at stage 3 the tied weight ends each step sharded.
 """
 
 from __future__ import annotations
@@ -80,10 +81,11 @@ def build(name: str) -> torch.nn.Module:
     return model
 
 
-# the stages each model runs at: a break hook after every layer (one HF Llama compile costs ~8 s
-# of CPU per rank) at the stage that failed and at stage 2 (eager gradients beside gradients
-# reduce-scattered in the backward)
-CASES = {"llama_pre_hook": (0, 1, 2, 3), "llama_post_hooks": (2, 3), "eager_head_first": (0, 1, 2, 3),
+# the stages each model runs at. An HF Llama compile costs ~8 s of CPU per rank: the Llamas run at
+# stage 3 (the stage that failed) and the pre-hook one at stage 2 too (eager gradients beside
+# gradients reduce-scattered in the backward); at stages 0-1 every gradient is reduced whole in
+# the step, which the small tied models check at every stage
+CASES = {"llama_pre_hook": (2, 3), "llama_post_hooks": (3,), "eager_head_first": (0, 1, 2, 3),
          "eager_head_last": (0, 1, 2, 3), "head_frame_first": (0, 1, 2, 3)}
 
 
