@@ -5,7 +5,9 @@ helpers once (``forkserver`` start method with a preload list). With ``spawn`` e
 every test imported them afresh: about 2 s of wall time per multi-rank test on 2 cores, with
 test modules that import transformers more. Each rank gets the parent's environment and
 working directory as they are when the test starts it (the fork server's are those of its
-own start), so the ranks see what spawned ranks saw."""
+own start), so the ranks see what spawned ranks saw. ``run_cli`` and ``run_script_ranks`` run
+``python -m zerocompile ...`` and a torchrun-style script the same way, in children of the fork
+server instead of new interpreters."""
 
 from __future__ import annotations
 
