@@ -1,5 +1,6 @@
 """The multi-rank test helper retries a launch whose port was taken before rank 0 listened on
-it (what tests running in parallel can do to each other), and only that failure."""
+it (what tests running in parallel can do to each other), and only that failure; its ranks start
+from the fork server with the preload list imported."""
 
 from __future__ import annotations
 
@@ -43,3 +44,23 @@ def _fails(rank, world):
 def test_other_failures_are_not_retried():
     with pytest.raises(AssertionError, match="not a port problem"):
         dist_utils.run_ranks(_fails, 2)
+
+
+def _what_the_rank_started_with(rank, world):
+    import gc
+    import sys
+
+    import torch._dynamo.funcname_cache
+
+    return {"modules": sorted(m for m in dist_utils._PRELOAD if m in sys.modules), "frozen": gc.get_freeze_count(),
+            "traced_files": len(torch._dynamo.funcname_cache.cache)}
+
+
+def test_ranks_start_from_the_preloaded_fork_server():
+    """Every module of the preload list (the test helpers and warm_imports included: Python
+    3.11's fork server skips one it cannot import without a word) is in a rank before its
+    function runs, with the warm-up's objects frozen and Dynamo's source-line table filled."""
+    for got in dist_utils.run_ranks(_what_the_rank_started_with, 2):
+        assert got["modules"] == sorted(dist_utils._PRELOAD), got["modules"]
+        assert got["frozen"] > 100_000, got["frozen"]
+        assert got["traced_files"] >= 16, got["traced_files"]        # warm_imports.TRACED
