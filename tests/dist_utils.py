@@ -53,6 +53,14 @@ def _ensure_fork_server() -> None:
             os.environ["PYTHONPATH"] = old
 
 
+def _adopt(environ: dict, cwd: str) -> None:
+    """In a child of the fork server: the environment and working directory of the test that
+    started it (the fork server's are those of its own start)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,9 +69,7 @@ def free_port() -> int:
 
 def _entry(rank, world, port, fn, args, outdir, environ, cwd):
     faulthandler.enable()  # a rank that dies on a signal prints its Python stack
-    os.environ.clear()
-    os.environ.update(environ)
-    os.chdir(cwd)
+    _adopt(environ, cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
@@ -134,9 +140,7 @@ def _in_child(run, out_path: str, err_path: str, environ: dict, cwd: str) -> Non
     """In a child of the fork server: the given environment and working directory, stdout and
     stderr into files, ``run()``'s return value (an int, or None for 0) or its ``SystemExit``
     code as the process's exit code; any other exception's traceback on stderr and exit code 1."""
-    os.environ.clear()
-    os.environ.update(environ)
-    os.chdir(cwd)
+    _adopt(environ, cwd)
     code = 1
     with open(out_path, "w") as out, open(err_path, "w") as err:
         os.dup2(out.fileno(), 1)

@@ -126,7 +126,7 @@ def test_plan_equals_a_real_two_rank_run(tmp_path, kind, options):
     script = _script(tmp_path)
     real = _real_run(script, kind, options, tmp_path / "real.json")
     done = run_cli(["plan", "--world-size", "2", "--hardware", "cpu",
-                           "--json", "--", str(script), kind, json.dumps(options)], REPO, timeout=TIMEOUT)
+                    "--json", "--", str(script), kind, json.dumps(options)], REPO, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     got = json.loads(done.stdout.splitlines()[0])        # the first line: the script printed to stderr
     assert "step 0 loss 0.0000" in done.stderr           # .item() on fake tensors reads 0
@@ -152,7 +152,7 @@ def test_plan_at_a_large_world_size_follows_the_formulas(tmp_path):
     whose input needs no gradient, and no bias), and reduce-scatters every gradient."""
     script = _script(tmp_path)
     done = run_cli(["plan", "--world-size", "64", "--hardware", "h100",
-                           "--json", "--", str(script), "mlp", json.dumps({"stage": 3})], REPO, timeout=TIMEOUT)
+                    "--json", "--", str(script), "mlp", json.dumps({"stage": 3})], REPO, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     got = json.loads(done.stdout.splitlines()[0])
     sizes = [12 * 32, 32] + [32 * 96, 96, 96 * 32, 32] * 3 + [32 * 5, 5]
@@ -181,8 +181,8 @@ def test_plan_of_hf_gradient_checkpointing_at_1024_ranks_follows_the_formulas():
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SIZES["tiny"], "num_hidden_layers": 2}))
     chunks = sum(-(-p.numel() // world) for p in model.parameters())
     done = run_cli(["plan", "--world-size", str(world), "--json", "--",
-                           str(REPO / "benchmarks" / "train_llama.py"), "--size", "tiny", "--layers", "2", "--seq",
-                           "16", "--steps", "2", "--checkpointing", "non_reentrant"], REPO, timeout=TIMEOUT)
+                    str(REPO / "benchmarks" / "train_llama.py"), "--size", "tiny", "--layers", "2", "--seq",
+                    "16", "--steps", "2", "--checkpointing", "non_reentrant"], REPO, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     got = json.loads(done.stdout.splitlines()[0])
     assert got["unsharded_params"] == {"count": 0, "elements": 0, "names": []}
@@ -240,7 +240,7 @@ def test_stats_of_a_model_on_the_meta_device():
 def test_plan_prints_tables(tmp_path):
     script = _script(tmp_path)
     done = run_cli(["plan", "--world-size", "8", "--", str(script),
-                           "mlp", json.dumps({"stage": 2})], REPO, timeout=TIMEOUT)
+                    "mlp", json.dumps({"stage": 2})], REPO, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     out = done.stdout
     assert "on 8 ranks, stage 2" in out and "hardware h100" in out
@@ -253,7 +253,7 @@ def test_plan_compare_runs_every_stage(tmp_path):
     stage 0 (everything whole) to stage 3 (everything sharded) as the formulas say."""
     script = _script(tmp_path)
     done = run_cli(["plan", "--world-size", "4", "--json", "--compare",
-                           "--", str(script), "mlp", "{}"], REPO, timeout=TIMEOUT)
+                    "--", str(script), "mlp", "{}"], REPO, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(done.stdout.splitlines()[0])["compare"]
     assert [r["stages"] for r in rows] == [[0], [1], [2], [3]], rows
