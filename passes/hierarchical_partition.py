@@ -40,6 +40,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from zerocompile.errors import ZeroConfigError
 from zerocompile.passes import param_identity
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.graph_utils import (backward_nodes, call, is_backward_node, set_tag, stable_topological_sort,
@@ -191,7 +192,6 @@ def hierarchical_partition(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> t
     k = ctx.config.zero_hpz_partition_size
     group = ctx.group
     if group.world % k:
-        from zerocompile.config import ZeroConfigError
         raise ZeroConfigError(f"option 'zero_hpz_partition_size' = {k} does not divide the world size "
                               f"{group.world}; use a divisor of it (the ranks per node)")
     if k >= group.world:

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch.fx
 
+from zerocompile.errors import ZeroConfigError, unknown_key_message
 from zerocompile.passes.context import PassContext
 
 GRAPH_KINDS = ("dynamo", "joint", "forward", "backward", "inference")
@@ -132,12 +133,10 @@ def registered_passes() -> list[GraphPass]:
 
 def check_disabled_passes(names: tuple) -> None:
     """Raise ``ZeroConfigError`` for an unknown or non-optional pass name."""
-    from zerocompile.config import ZeroConfigError, _unknown_key_message
-
     known = {p.name: p for p in _registry()}
     for name in names:
         if name not in known:
-            raise ZeroConfigError(_unknown_key_message(name, list(known)).replace(
+            raise ZeroConfigError(unknown_key_message(name, list(known)).replace(
                 "unknown option", "unknown pass in the disabled passes:"))
         if not known[name].optional:
             raise ZeroConfigError(f"pass '{name}' cannot be disabled: {known[name].required_because}")
@@ -156,8 +155,6 @@ def _selected(config, graph_kind: str | None = None, passes: list | None = None)
 def check_pipeline(config, passes: list | None = None) -> None:
     """Raise ``ZeroConfigError`` if an enabled pass requires what no earlier enabled pass
     provides. ``passes`` defaults to the registry (tests pass their own)."""
-    from zerocompile.config import ZeroConfigError
-
     every = _registry() if passes is None else passes
     provided: dict = {}
     for p in _selected(config, passes=every):

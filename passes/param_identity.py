@@ -21,13 +21,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from zerocompile.errors import ParamIdentityError
+
 KEY = "zerocompile_param"
 
 _c10d = torch.ops._c10d_functional
-
-
-class ParamIdentityError(RuntimeError):
-    """A graph breaks an invariant about its parameter collectives."""
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.fx
 
 from zerocompile import _torch_compat
+from zerocompile.errors import ZeroConfigError
 
 _c10d = torch.ops._c10d_functional
 
@@ -75,7 +76,6 @@ def _subgroups(process_group, k: int, strided: bool):
 
 def _hpz_group(group: CommGroup, k: int, strided: bool) -> CommGroup:
     if group.group is not dist.group.WORLD:
-        from zerocompile.config import ZeroConfigError
         raise ZeroConfigError("option 'zero_hpz_partition_size' needs the default (world) process group: its "
                               "groups of k ranks are made with torch.distributed.new_subgroups, which every rank "
                               "of the world calls; leave process_group unset")

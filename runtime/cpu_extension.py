@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from zerocompile import env
+
 log = logging.getLogger("zerocompile")
 
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp")
@@ -35,11 +37,7 @@ CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fope
 ``sqrt`` vectorize (it no longer sets ``errno``; its results are the same).
 ``-ffp-contract=off``: every multiply and add rounds on its own, as in torch's kernels."""
 LDFLAGS = ("-fopenmp",)
-DISABLE_ENV = "ZEROCOMPILE_CPP_KERNELS"
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zerocompile"
+DISABLE_ENV = env.CPP_KERNELS_ENV
 
 
 def _cpu_identity() -> str:
@@ -69,7 +67,7 @@ def stable_source(name: str) -> Path:
     """A copy of ``csrc/<name>.cpp`` at a path that depends only on its content:
     ``$XDG_CACHE_HOME/zerocompile/csrc/<sha256>/<name>.cpp`` (``~/.cache`` by default)."""
     text = (importlib.resources.files("zerocompile.csrc") / f"{name}.cpp").read_bytes()
-    path = _cache_root() / "csrc" / hashlib.sha256(text).hexdigest()[:16] / f"{name}.cpp"
+    path = env.cache_root() / "csrc" / hashlib.sha256(text).hexdigest()[:16] / f"{name}.cpp"
     if not path.is_file() or path.read_bytes() != text:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -89,7 +87,7 @@ def _import_built(module_name: str, library: Path):
 @functools.cache
 def load(name: str):
     """The built extension ``csrc/<name>.cpp``, or None (logged once) where it cannot be built."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if env.cpp_kernels_disabled():
         log.info("zerocompile: C++ kernels disabled by %s=0; using torch's kernels", DISABLE_ENV)
         return None
     started = time.monotonic()
@@ -98,7 +96,7 @@ def load(name: str):
         import torch  # noqa: F401 - the extension links against the torch already loaded
         from torch.utils import cpp_extension
 
-        folder = _cache_root() / "build" / build_key(name)
+        folder = env.cache_root() / "build" / build_key(name)
         marker = folder / "complete"       # holds the library's file name, written after a good load
         library = folder / marker.read_text().strip() if marker.is_file() else None
         if library is not None and library.is_file():

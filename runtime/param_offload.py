@@ -45,7 +45,8 @@ import weakref
 import torch
 
 from zerocompile.runtime.offload_settings import OffloadSettings
-from zerocompile.runtime.swap_file import SwapFileError, _host_bytes, move_all
+from zerocompile.errors import SwapFileError
+from zerocompile.runtime.swap_file import _host_bytes, move_all
 
 log = logging.getLogger("zerocompile")
 

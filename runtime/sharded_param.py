@@ -36,7 +36,7 @@ import functools
 import torch
 
 from zerocompile import _torch_compat
-from zerocompile.dcp_shards import sharded_tensor
+from zerocompile.runtime.dcp_shards import sharded_tensor
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, chunk_size
 from zerocompile.runtime.grad_view import sharded_gradient
 from zerocompile.runtime.offload_settings import OffloadSettings
@@ -252,7 +252,7 @@ class ShardedParam:
         """A tensor of the parameter's shape whose shard on this rank is ``flat`` (``chunk``
         elements, zero-padded: the master shard or element-wise optimizer state), as state
         dicts give it: a ``DTensor`` over the shards on several ranks
-        (``zerocompile.dcp_shards.sharded_tensor``), the whole tensor (a view) on one."""
+        (``zerocompile.runtime.dcp_shards.sharded_tensor``), the whole tensor (a view) on one."""
         start, stop = self.own_range()
         if self.group.world == 1:
             return flat[: self.numel].view(self.shape)

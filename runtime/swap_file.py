@@ -28,14 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
+from zerocompile.errors import SwapFileError
+
 log = logging.getLogger("zerocompile")
 
 PAGE = 4096
 """Alignment of buffers, offsets and lengths (what ``O_DIRECT`` asks of all three)."""
-
-
-class SwapFileError(OSError):
-    """The swap file cannot be created, grown or written: a path, permission or space problem."""
 
 
 def round_up(nbytes: int, to: int = PAGE) -> int:

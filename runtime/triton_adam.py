@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
+
+from zerocompile import env
 
 BLOCK = 1024
 
@@ -27,7 +28,7 @@ def available() -> bool:
         import triton  # noqa: F401
     except ImportError:
         return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    return torch.cuda.is_available() or env.triton_interpret()
 
 
 @functools.cache

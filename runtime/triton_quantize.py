@@ -27,10 +27,10 @@ Triton is imported only when a kernel is first used; it comes with torch's CUDA 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from zerocompile import env
 from zerocompile.runtime.quantization import bucket_layout
 
 __all__ = ["available", "quantize_rows_into", "dequantize_rows"]
@@ -45,7 +45,7 @@ def available(device: torch.device) -> bool:
         return False
     if device.type == "cuda":
         return True
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cpu" and env.triton_interpret()
 
 
 @functools.cache

@@ -43,7 +43,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from zerocompile import _torch_compat
-from zerocompile.dcp_shards import local_part
+from zerocompile.errors import GradientNotGatheredError, ParameterNotGatheredError  # noqa: F401  (re-exported)
+from zerocompile.runtime.dcp_shards import local_part
 
 _METADATA_METHODS = frozenset({
     "size", "stride", "dim", "numel", "nelement", "element_size", "is_contiguous", "storage_offset",
@@ -61,14 +62,6 @@ _HOW_TO_READ = (
     "Read parameters inside `with zerocompile.gathered_parameters(model): ...` (a collective: every "
     "rank must enter it), take `zerocompile.full_state_dict(model)` for a copy, or save with "
     "`zerocompile.save_checkpoint(...)`.")
-
-
-class ParameterNotGatheredError(RuntimeError):
-    """Eager code used the values of a parameter whose storage zerocompile freed."""
-
-
-class GradientNotGatheredError(RuntimeError):
-    """Eager code read ``p.grad`` of a parameter whose gradient no ``ZeroOptimizer`` averages."""
 
 
 def _func_name(func) -> tuple[str, str]:

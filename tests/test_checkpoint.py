@@ -22,7 +22,7 @@ import zerocompile
 from dist_utils import free_port, run_ranks
 from harness import rank_slice, train_on_rank_slices
 from models import TiedLM, make_batch, make_model
-from zerocompile.dcp_shards import flat_range_boxes
+from zerocompile.runtime.dcp_shards import flat_range_boxes
 
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from zerocompile.dump import DUMP_ENV, DumpRecorder, recorder_for, safe_name
+from zerocompile.dump import DumpRecorder, recorder_for, safe_name
+from zerocompile.env import DUMP_ENV
 from zerocompile.passes.collective_summary import summarize_collectives
 from zerocompile.passes.graph_utils import set_tag
 from zerocompile.passes.liveness import simulate

@@ -119,7 +119,7 @@ def test_dcp_saves_and_loads_through_the_checkpointable_protocol(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from zerocompile.dcp_shards import ShardView
+    from zerocompile.runtime.dcp_shards import ShardView
 
     full = torch.arange(35.0).view(5, 7)
     view = _torch_compat.storageless_tensor(ShardView, (5, 7), torch.float32, torch.device("cpu"))

@@ -6,18 +6,24 @@
 
 from zerocompile.backend import zero_backend
 from zerocompile.checkpoint import consolidated_state_dict, load_checkpoint, save_checkpoint
-from zerocompile.config import ZeroConfig, ZeroConfigError
+from zerocompile.config import ZeroConfig
 from zerocompile.deepspeed_training import initialize, training_settings
+from zerocompile.errors import (GradientNotGatheredError, LossScaleError, ParameterNotGatheredError, ParamIdentityError,
+                                SwapFileError, UnshardedParametersError, ZeroConfigError)
 from zerocompile.generation import generate
-from zerocompile.optimizer import UnshardedParametersError, ZeroOptimizer
+from zerocompile.optimizer import ZeroOptimizer
 from zerocompile.pretrained import load_pretrained, materialize, save_pretrained
 from zerocompile.runtime.leaf_modules import set_leaf_modules
 from zerocompile.runtime.accounting import ZeroStats, frame_reports, reset_stats, stats
 from zerocompile.state_dict import full_state_dict, gathered_parameters
 
 __all__ = [
-    "ZeroConfig", "ZeroConfigError", "ZeroOptimizer", "ZeroStats", "consolidated_state_dict", "frame_reports",
-    "full_state_dict", "gathered_parameters", "generate", "initialize", "load_pretrained", "materialize", "save_pretrained", "load_checkpoint", "reset_stats", "save_checkpoint", "set_leaf_modules", "stats",
-    "training_settings", "UnshardedParametersError", "zero_backend",
+    "ZeroConfig", "ZeroOptimizer", "ZeroStats", "consolidated_state_dict", "frame_reports", "full_state_dict",
+    "gathered_parameters", "generate", "initialize", "load_checkpoint", "load_pretrained", "materialize",
+    "reset_stats", "save_checkpoint", "save_pretrained", "set_leaf_modules", "stats", "training_settings",
+    "zero_backend",
+    # errors (zerocompile/errors.py)
+    "GradientNotGatheredError", "LossScaleError", "ParamIdentityError", "ParameterNotGatheredError",
+    "SwapFileError", "UnshardedParametersError", "ZeroConfigError",
 ]
 __version__ = "0.1.0"

@@ -459,7 +459,7 @@ def held_by_autograd(param: torch.Tensor) -> bool:
 
 def storageless_tensor(cls, shape, dtype, device):
     """A tensor of subclass ``cls`` with ``shape``, ``dtype`` and ``device`` but no storage
-    (``zerocompile.dcp_shards.ShardView``: a shard as torch.distributed.checkpoint sees it).
+    (``zerocompile.runtime.dcp_shards.ShardView``: a shard as torch.distributed.checkpoint sees it).
 
     Why private: ``torch.Tensor._make_wrapper_subclass`` is how tensor subclasses without their
     own data are built (DTensor, LocalShardsWrapper). DCP asks such an object for its chunks

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 
-from zerocompile import _torch_compat
+from zerocompile import _torch_compat, env
 from zerocompile.capture import compile_frame
-from zerocompile.config import ZeroConfig, ZeroConfigError
+from zerocompile.config import ZeroConfig
+from zerocompile.errors import ZeroConfigError
 
 log = logging.getLogger("zerocompile")
 
@@ -32,15 +32,12 @@ def zero_backend(gm, example_inputs, options=None, mode=None, **kwargs):
 def _with_environment_options(options):
     """``options`` updated with the JSON object in ``ZEROCOMPILE_OPTIONS`` (set by
     ``zerocompile dump --options``): the environment's keys win."""
-    text = os.environ.get("ZEROCOMPILE_OPTIONS")
-    if not text:
-        return options
     try:
-        extra = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ZeroConfigError(f"environment variable ZEROCOMPILE_OPTIONS is not valid JSON: {err}") from None
-    if not isinstance(extra, dict):
-        raise ZeroConfigError("environment variable ZEROCOMPILE_OPTIONS must hold a JSON object, e.g. '{\"stage\": 3}'")
+        extra = env.options_override()
+    except ValueError as err:
+        raise ZeroConfigError(str(err)) from None
+    if extra is None:
+        return options
     if isinstance(options, (str, os.PathLike)):          # a DeepSpeed JSON file
         options = ZeroConfig.from_options(options)
     if isinstance(options, ZeroConfig):

@@ -17,7 +17,7 @@ at any world size and any stage. Entries (flat keys):
 
 A sharded tensor (a parameter at stages 1-3 and its element-wise optimizer state) is written
 by every rank as its flat slice ``[rank * chunk, (rank + 1) * chunk)`` of the unpadded tensor,
-described to DCP in the tensor's own shape (``zerocompile.dcp_shards.ShardView``); everything
+described to DCP in the tensor's own shape (``zerocompile.runtime.dcp_shards.ShardView``); everything
 else (buffers, stage-0 parameters, step counts, hyperparameters, metadata) by rank 0.
 
 Saves are atomic: the ranks write ``<path>.tmp-<id>``; when DCP has written its ``.metadata``
@@ -43,7 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from zerocompile.dcp_shards import ShardView
+from zerocompile.runtime.dcp_shards import ShardView
 from zerocompile.optimizer import ParamState, ZeroOptimizer
 from zerocompile.progress import track
 from zerocompile.runtime.comm import CommGroup, resolve_group

@@ -44,7 +44,7 @@ from zerocompile.script_runner import ScriptRunError, run_script
 
 logger = logging.getLogger("zerocompile")
 
-OPTIONS_ENV = "ZEROCOMPILE_OPTIONS"
+from zerocompile.env import OPTIONS_ENV  # noqa: E402
 """Environment variable with JSON options the backend merges over the script's own options."""
 
 DEFAULT_OUT = "./zerocompile_dump"

@@ -8,7 +8,6 @@ own keys or a DeepSpeed-style config dict. Every unknown key or bad value raises
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 import math
 import os
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from zerocompile.errors import ZeroConfigError, unknown_key_message
 from zerocompile.loss_scale import parse_loss_scale
 from zerocompile.runtime.offload_settings import parse_offload
 
@@ -26,10 +26,6 @@ _DTYPES = {
 }
 _ALLOWED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INNER_COMPILERS = ("inductor", "eager")
-
-
-class ZeroConfigError(ValueError):
-    """A bad ``options`` dict: unknown key, bad value, or an untranslatable DeepSpeed key."""
 
 
 @dataclass(frozen=True)
@@ -240,7 +236,7 @@ class ZeroConfig:
             options.update(_parse_passes_option(options.pop("passes"), options.get("disabled_passes")))
         for key in options:
             if key not in names:
-                raise ZeroConfigError(_unknown_key_message(key, names + ["passes"]))
+                raise ZeroConfigError(unknown_key_message(key, names + ["passes"]))
         cfg = cls(**options)
         return cfg
 
@@ -403,7 +399,7 @@ def _parse_cost_model(value):
     if isinstance(value, dict):
         for key, v in value.items():
             if key not in _COST_MODEL_KEYS:
-                raise ZeroConfigError(_unknown_key_message(key, list(_COST_MODEL_KEYS)).replace(
+                raise ZeroConfigError(unknown_key_message(key, list(_COST_MODEL_KEYS)).replace(
                     "unknown option", "unknown key in option 'cost_model':"))
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isinf(v):
                 raise ZeroConfigError(f"option 'cost_model.{key}' = {v!r} is invalid; allowed: a finite number > 0")
@@ -411,12 +407,6 @@ def _parse_cost_model(value):
     raise ZeroConfigError(
         f"option 'cost_model' = {value!r} is invalid; allowed: 'probe' or a dict with keys "
         f"{', '.join(_COST_MODEL_KEYS)}")
-
-
-def _unknown_key_message(key, names) -> str:
-    close = difflib.get_close_matches(str(key), names, n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else f"; valid options: {', '.join(names)}"
-    return f"unknown option '{key}'{hint}"
 
 
 def _parse_dtype(name: str, value, allow_none: bool):

@@ -33,7 +33,7 @@ import logging
 import os
 from pathlib import Path
 
-from zerocompile.config import ZeroConfigError
+from zerocompile.errors import ZeroConfigError
 
 log = logging.getLogger("zerocompile")
 

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from zerocompile import lr_schedules
-from zerocompile.config import ZeroConfig, ZeroConfigError
+from zerocompile.config import ZeroConfig
+from zerocompile.errors import ZeroConfigError
 from zerocompile.deepspeed_config import gradient_clipping, warn_once
 from zerocompile.optimizer import ZeroOptimizer
 from zerocompile.runtime.comm import resolve_group

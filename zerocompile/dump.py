@@ -42,6 +42,8 @@ from pathlib import Path
 import torch
 import torch.fx
 
+from zerocompile import env
+from zerocompile.env import DUMP_ENV  # noqa: F401  (re-exported)
 from zerocompile.passes.collective_summary import summarize_collectives
 from zerocompile.passes.graph_utils import tensor_nbytes
 from zerocompile.passes.liveness import simulate
@@ -49,7 +51,6 @@ from zerocompile.runtime.accounting import COLLECTIVE_KINDS
 
 logger = logging.getLogger("zerocompile")
 
-DUMP_ENV = "ZEROCOMPILE_DUMP"
 """Environment variable naming the dump directory when the ``dump`` option is not given."""
 
 GRAPH_KINDS = ("dynamo", "joint", "forward", "backward", "inference")
@@ -288,7 +289,7 @@ def _write_text_atomic(path: Path, text: str) -> None:
 def recorder_for(config, group) -> DumpRecorder | None:
     """The recorder for a compile under ``config`` on ``group`` (a ``CommGroup``): dumps go
     to ``config.dump``, else to ``$ZEROCOMPILE_DUMP``; None when neither is set."""
-    root = getattr(config, "dump", None) or os.environ.get(DUMP_ENV) or None
+    root = getattr(config, "dump", None) or env.dump_dir()
     if root is None:
         return None
     return DumpRecorder(root, group.rank, group.world, options=json_safe(config))

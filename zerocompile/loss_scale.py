@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from zerocompile import _torch_compat
+from zerocompile.errors import LossScaleError
 
 log = logging.getLogger("zerocompile")
 
@@ -107,10 +108,6 @@ def _check_settings(s: LossScaleSettings) -> None:
                          "is invalid; allowed: True, False")
     if s.min_scale > s.initial_scale:
         raise ValueError(f"option 'loss_scale': min_scale {s.min_scale} is above initial_scale {s.initial_scale}")
-
-
-class LossScaleError(FloatingPointError):
-    """Gradients are not finite even at the minimum loss scale."""
 
 
 class LossScaler:

@@ -51,6 +51,7 @@ from torch.optim import Optimizer
 
 from zerocompile import _torch_compat, loss_scale, optimizer_state_dict
 from zerocompile.deepspeed_config import warn_once
+from zerocompile.errors import UnshardedParametersError
 from zerocompile.optimizer_rules import check_elementwise
 from zerocompile.runtime import cpu_extension, fused_adam
 from zerocompile.runtime.offload_settings import OffloadSettings
@@ -1288,11 +1289,6 @@ class ParamState:
     """Element-wise tensors are this rank's flat shard (``chunk`` elements, zero-padded), as the
     inner optimizer holds them for a sharded parameter; otherwise every tensor is whole (the
     element-wise ones in the parameter's shape)."""
-
-
-class UnshardedParametersError(RuntimeError):
-    """Stage 3: parameters no compiled frame uses would stay whole on every rank
-    (``allow_unsharded`` accepts them)."""
 
 
 def _parameter_names(params: list) -> list:

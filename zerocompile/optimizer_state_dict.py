@@ -4,7 +4,7 @@
 A parameter zerocompile has sharded (stages 1-3) has its element-wise state (Adam's moments,
 SGD's momentum) as this rank's flat shard of ``chunk`` elements, zero-padded. In a state dict
 such a tensor is ``ShardedParam.sharded_value``: a ``DTensor`` of the parameter's shape whose
-local tensor holds this rank's elements (``zerocompile.dcp_shards``), as FSDP2 gives DTensors,
+local tensor holds this rank's elements (``zerocompile.runtime.dcp_shards``), as FSDP2 gives DTensors,
 so ``torch.distributed.checkpoint`` saves every rank's part and reshards on load. Scalars (the
 step count) and the state of parameters that are not sharded stay plain tensors.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from zerocompile.dcp_shards import local_part
+from zerocompile.runtime.dcp_shards import local_part
 from zerocompile.runtime.sharded_param import get_state
 
 

@@ -9,18 +9,18 @@ A bar is drawn only where someone watches: stderr is a terminal and this is glob
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterable, Iterator
 
-ENV = "ZEROCOMPILE_PROGRESS"
+from zerocompile import env
+
 
 
 def progress_enabled() -> bool:
     """Whether bars are drawn in this process (see the module docstring)."""
-    setting = os.environ.get(ENV, "").strip()
-    if setting in ("0", "1"):
-        return setting == "1"
+    setting = env.progress_setting()
+    if setting is not None:
+        return setting
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
