@@ -1,0 +1,135 @@
+"""The layering of docs/architecture.md, checked on the source: no import cycle and no import
+upward, counting imports inside functions (a function-local import is still a dependency) and
+leaving out imports under ``if TYPE_CHECKING:`` (they never run).
+
+Layers, top to bottom; a module imports its own layer and the layers below it only:
+
+    tools      the CLI, plan, script runner, integrations, DeepSpeed training, the package root
+    front      compile (backend, capture, config), optim (the optimizer and its collaborators), io
+    passes     zerocompile.passes
+    runtime    zerocompile.runtime
+    leaves     zerocompile.errors, zerocompile.env, zerocompile._torch_compat
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"zerocompile": ROOT / "zerocompile", "zerocompile.passes": ROOT / "passes",
+            "zerocompile.runtime": ROOT / "runtime"}
+LAYERS = ("leaves", "runtime", "passes", "front", "tools")
+LEAVES = {"zerocompile.errors", "zerocompile.env", "zerocompile._torch_compat"}
+TOOLS = {"zerocompile", "zerocompile.__main__", "zerocompile.cli", "zerocompile.plan", "zerocompile.script_runner",
+         "zerocompile.integrations", "zerocompile.deepspeed_training"}
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the installed package, by dotted name."""
+    out = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def layer_of(name: str) -> str:
+    if name in LEAVES:
+        return "leaves"
+    if any(name == t or name.startswith(t + ".") for t in TOOLS if t != "zerocompile") or name == "zerocompile":
+        return "tools"
+    for package in ("zerocompile.runtime", "zerocompile.passes"):
+        if name == package or name.startswith(package + "."):
+            return package.rpartition(".")[2]
+    return "front"
+
+
+def _type_checking_only(node: ast.AST, parents: dict) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def _targets(name: str, path: Path, node: ast.AST, known: dict) -> list[str]:
+    """The package's modules an import statement in module ``name`` loads."""
+    if isinstance(node, ast.Import):
+        wanted = [alias.name for alias in node.names]
+    else:
+        if node.level:
+            base = name.split(".")
+            if path.name != "__init__.py":
+                base = base[:-1]
+            base = base[:len(base) - (node.level - 1)]
+            stem = ".".join(base + ([node.module] if node.module else []))
+        else:
+            stem = node.module or ""
+        wanted = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in known else stem for a in node.names]
+    out = []
+    for target in wanted:
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            out.append(target)
+    return out
+
+
+def import_graph() -> nx.DiGraph:
+    known = modules()
+    graph = nx.DiGraph()
+    for name, path in known.items():
+        graph.add_node(name)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and not _type_checking_only(node, parents):
+                for target in _targets(name, path, node, known):
+                    # a package's own __init__ is loaded by importing any of its modules: not an edge
+                    if not name.startswith(target + "."):
+                        graph.add_edge(name, target, line=node.lineno)
+    return graph
+
+
+def test_the_graph_sees_every_package_and_function_local_imports():
+    graph = import_graph()
+    assert {"zerocompile.optimizer", "zerocompile.passes.manager", "zerocompile.runtime.comm",
+            "zerocompile.errors"} <= set(graph)
+    # capture imports the pass manager at module level; the check must also see imports inside functions
+    assert graph.has_edge("zerocompile.capture", "zerocompile.passes.manager")
+    local = [(a, b) for a, b, d in graph.edges(data=True)
+             if any(isinstance(n, (ast.Import, ast.ImportFrom)) and n.lineno == d["line"]
+                    for f in [ast.parse(modules()[a].read_text())]
+                    for fn in ast.walk(f) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    for n in ast.walk(fn))]
+    assert local, "no function-local import found: the scanner misses them"
+
+
+def test_no_import_cycles():
+    cycles = sorted(sorted(c) for c in nx.strongly_connected_components(import_graph()) if len(c) > 1)
+    assert not cycles, "import cycles (break them by moving the shared piece down a layer):\n" + \
+        "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_upward_imports():
+    graph = import_graph()
+    upward = [f"{a} ({layer_of(a)}) imports {b} ({layer_of(b)}) at line {d['line']}"
+              for a, b, d in graph.edges(data=True) if LAYERS.index(layer_of(b)) > LAYERS.index(layer_of(a))]
+    assert not upward, "imports against the layering of docs/architecture.md:\n" + "\n".join(sorted(upward))
+
+
+@pytest.mark.parametrize("leaf", sorted(LEAVES))
+def test_leaves_import_nothing_of_the_package(leaf):
+    assert not list(import_graph().successors(leaf))
+
+
+def test_no_module_near_a_thousand_lines():
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 700}
+    assert not long, f"modules over 700 lines (split them by job): {long}"
