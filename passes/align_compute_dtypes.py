@@ -77,8 +77,8 @@ class _Aligner(torch.fx.Interpreter):
         return value
 
 
-def align_compute_dtypes(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx.GraphModule:
-    dtype = ctx.config.param_dtype
+def align_compute_dtypes(gm: torch.fx.GraphModule, ctx: PassContext, *, param_dtype, **_) -> torch.fx.GraphModule:
+    dtype = param_dtype
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     fakes = [n.meta.get("example_value") for n in placeholders]
     mode = next((v.fake_mode for v in fakes if isinstance(v, FakeTensor)), None)

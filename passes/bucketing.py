@@ -200,9 +200,9 @@ def bucket_collectives(graph: torch.fx.Graph, cap_bytes: int, prefix: str) -> di
     return report
 
 
-def bucketing(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx.GraphModule:
+def bucketing(gm: torch.fx.GraphModule, ctx: PassContext, *, bucket_mb: float, **_) -> torch.fx.GraphModule:
     prefix = {"forward": "fw.", "backward": "bw.", "inference": "inf."}.get(ctx.graph_kind, "")
-    report = bucket_collectives(gm.graph, int(ctx.config.bucket_mb * _MB), prefix)
+    report = bucket_collectives(gm.graph, int(bucket_mb * _MB), prefix)
     ctx.results.setdefault("bucketing", {})[ctx.graph_kind] = report
     ctx.logger.debug("[%s] bucketing (%s): %s", ctx.frame, ctx.graph_kind, report)
     return gm

@@ -16,11 +16,12 @@ import torch.fx
 from zerocompile.passes.context import PassContext
 
 
-def cast_forward_inputs(gm: torch.fx.GraphModule, ctx: PassContext, input_kinds=None, **_) -> torch.fx.GraphModule:
+def cast_forward_inputs(gm: torch.fx.GraphModule, ctx: PassContext, *, param_dtype, input_kinds=None,
+                        **_) -> torch.fx.GraphModule:
     """``input_kinds[i]`` is "param", "buffer", "input" or "other" for the i-th placeholder
     of the *original* Dynamo graph; "input" placeholders holding floating-point tensors of
-    another dtype than ``ctx.config.param_dtype`` get a cast."""
-    dtype = ctx.config.param_dtype
+    another dtype than ``param_dtype`` get a cast."""
+    dtype = param_dtype
     if dtype is None or input_kinds is None:
         return gm
     graph = gm.graph

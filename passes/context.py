@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from zerocompile.config import ZeroConfig
 from zerocompile.runtime.comm import CommGroup
+
+if TYPE_CHECKING:                       # passes take their options as arguments (passes/manager.py)
+    from zerocompile.config import ZeroConfig
 
 
 @dataclass
@@ -14,7 +17,8 @@ class PassContext:
     """What a pass may know about the frame it rewrites."""
 
     config: ZeroConfig
-    """The backend's configuration."""
+    """The backend's configuration. Only the pass manager reads it (to choose the passes and
+    bind each one's options as arguments); a pass never does."""
     group: CommGroup
     """The data-parallel group (rank, world size, c10d name)."""
     frame: str

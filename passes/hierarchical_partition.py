@@ -178,7 +178,8 @@ def _is_view_or_cast(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and is_op(node, PASS_THROUGH_OPS)
 
 
-def hierarchical_partition(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx.GraphModule:
+def hierarchical_partition(gm: torch.fx.GraphModule, ctx: PassContext, *, zero_hpz_partition_size: int,
+                           **_) -> torch.fx.GraphModule:
     if ctx.graph_kind == "forward":
         erased = drop_forward_regathers(gm.graph)
         ctx.results.setdefault("hierarchical_partition", {})["dropped_from_forward"] = erased
@@ -189,7 +190,7 @@ def hierarchical_partition(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> t
         ctx.results.setdefault("hierarchical_partition", {})["recomputed_gathers_redirected"] = redirected
         gm.recompile()
         return gm
-    k = ctx.config.zero_hpz_partition_size
+    k = zero_hpz_partition_size
     group = ctx.group
     if group.world % k:
         raise ZeroConfigError(f"option 'zero_hpz_partition_size' = {k} does not divide the world size "

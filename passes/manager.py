@@ -1,6 +1,6 @@
 """The pass manager: the ordered list of graph passes for a config, and how they run.
 
-A pass is a function ``(gm, ctx, **inputs) -> gm`` registered here with the graphs it
+A pass is a function ``(gm, ctx, **knobs, **inputs) -> gm`` registered here with the graphs it
 runs on (``dynamo``: Dynamo's torch-IR graph; ``joint``: AOTAutograd's joint graph,
 before partitioning; ``forward`` / ``backward``: the partitioned graphs; ``inference``:
 the one graph of a frame run without autograd), the stages it
@@ -8,6 +8,12 @@ applies to, what it requires and what it provides. The pipeline for a config is 
 list in order, minus passes that do not apply and optional passes the user disabled
 by name (``options={"passes": {"disable": [...]}}``). ``check_pipeline`` refuses a
 config whose enabled passes require something no earlier enabled pass provides.
+
+This registry is the one place that reads the backend's configuration for the passes: each
+entry's ``bind`` picks the options its pass takes as keyword arguments (as torchtitan's
+graph_trainer binds them with ``functools.partial``), so a pass sees its knobs as arguments
+and never the whole config; the ``PassContext`` carries only what the frame shares (the group,
+the graph kind, the parameters, the cost model, the results).
 
 After each pass the graph is linted and recompiled, the pass is timed, and, when
 dumping, the graph and a summary are recorded (``ctx.recorder``).
@@ -47,8 +53,10 @@ class GraphPass:
     required_because: str = ""
     """For a pass that is not optional: why it cannot be disabled (for the error)."""
     ensures: Callable | None = None
-    """``ensures(gm, ctx)``: a check of the graph after the pass ran, which raises when the
-    graph breaks what the pass promises (``torch.fx.passes.infra``'s ``ensures``)."""
+    """``ensures(gm, ctx, **knobs)``: a check of the graph after the pass ran, which raises when
+    the graph breaks what the pass promises (``torch.fx.passes.infra``'s ``ensures``)."""
+    bind: Callable = lambda config: {}
+    """The pass's knobs: the keyword arguments it takes from the config (``config -> dict``)."""
 
 
 def _registry() -> list[GraphPass]:
@@ -73,21 +81,26 @@ def _registry() -> list[GraphPass]:
                   required_because="it implements the ZeRO stage itself (use stage=0 for plain data parallelism)"),
         GraphPass("cast_forward_inputs", cast_forward_inputs, ("dynamo",),
                   enabled=lambda config: config.param_dtype is not None,
+                  bind=lambda config: {"param_dtype": config.param_dtype},
                   summary="cast floating-point inputs to param_dtype"),
         GraphPass("cast_before_gather", cast_before_gather, ("dynamo",), stages=(3,),
                   requires=("param_collectives",),
                   summary="cast shards to param_dtype before the all-gather, not after"),
         GraphPass("align_compute_dtypes", align_compute_dtypes, ("dynamo",), requires=("param_collectives",),
                   enabled=lambda config: config.param_dtype is not None,
+                  bind=lambda config: {"param_dtype": config.param_dtype},
                   summary="cast float32 operands of mixed-dtype matrix products to param_dtype"),
         GraphPass("tag_collectives", tag_collectives, ("joint", "inference"), requires=("param_collectives",),
                   provides=("tags",), optional=False, ensures=ensure_tagged,
+                  bind=lambda config: {"stage": config.stage},
                   summary="tag each parameter all-gather / gradient reduce-scatter with its role and parameter",
                   required_because="it only labels nodes, and the other passes find their collectives by its "
                                    "labels (disable those passes instead)"),
         GraphPass("selective_unshard", selective_unshard, ("joint",), stages=(3,), requires=("tags",),
                   provides=("unshard_plan",),
                   enabled=lambda config: config.reshard_after_forward and config.unshard_budget_mb != 0,
+                  bind=lambda config: {"unshard_budget_mb": config.unshard_budget_mb,
+                                       "memory_limit_mb": config.memory_limit_mb},
                   summary="keep the parameters worth keeping gathered from forward to backward"),
         GraphPass("reshard_after_forward", reshard_after_forward, ("joint",), stages=(3,), requires=("tags",),
                   provides=("resharded",), enabled=lambda config: config.reshard_after_forward,
@@ -95,14 +108,17 @@ def _registry() -> list[GraphPass]:
         GraphPass("hierarchical_partition", hierarchical_partition, ("joint", "forward", "backward"), stages=(3,),
                   requires=("tags", "resharded"), optional=False,
                   enabled=lambda config: config.zero_hpz_partition_size > 1,
+                  bind=lambda config: {"zero_hpz_partition_size": config.zero_hpz_partition_size},
                   summary="ZeRO++ hpZ: backward re-gathers from secondary shards within groups of k ranks",
                   required_because="it is what zero_hpz_partition_size asks for (set zero_hpz_partition_size=1 "
                                    "instead)"),
         GraphPass("recompute", recompute, ("joint",), requires=("tags",), provides=("recompute_plan",),
                   enabled=lambda config: config.recompute != "none",
+                  bind=lambda config: {"recompute": config.recompute},
                   summary="recompute activations in backward instead of saving them"),
         GraphPass("bucketing", bucketing, ("forward", "backward", "inference"), stages=(2, 3), requires=("tags",),
                   provides=("buckets",), enabled=lambda config: config.bucket_mb > 0,
+                  bind=lambda config: {"bucket_mb": config.bucket_mb},
                   summary="coalesce consecutive all-gathers / reduce-scatters into flat buckets"),
         GraphPass("quantize_weight_gathers", quantize_weight_gathers, ("forward", "backward", "inference"),
                   stages=(3,), requires=("tags",), optional=False,
@@ -113,11 +129,13 @@ def _registry() -> list[GraphPass]:
         GraphPass("quantize_gradient_reductions", quantize_gradient_reductions, ("backward",),
                   stages=(2, 3), requires=("tags",), optional=False,
                   enabled=lambda config: config.zero_quantized_gradients,
+                  bind=lambda config: {"zero_hpz_partition_size": config.zero_hpz_partition_size},
                   summary="ZeRO++ qgZ: gradient reduce-scatters become int8 all-to-alls and a local sum",
                   required_because="it is what zero_quantized_gradients asks for (set "
                                    "zero_quantized_gradients=False instead)"),
         GraphPass("prefetch", prefetch, ("forward", "backward", "inference"), stages=(2, 3), requires=("tags",),
                   enabled=lambda config: config.prefetch,
+                  bind=lambda config: {"prefetch_mb": config.prefetch_mb, "memory_limit_mb": config.memory_limit_mb},
                   summary="issue all-gathers early and wait late, within the memory budget"),
     ]
 
@@ -185,10 +203,11 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, graph_kind: str, **in
         if missing:
             raise RuntimeError(f"zerocompile: pass '{p.name}' requires {missing}, which no earlier pass provided")
         start = time.perf_counter()
-        gm = p.fn(gm, ctx, **inputs) or gm
+        knobs = p.bind(ctx.config)
+        gm = p.fn(gm, ctx, **knobs, **inputs) or gm
         gm.graph.lint()
         if p.ensures is not None:
-            p.ensures(gm, ctx)
+            p.ensures(gm, ctx, **knobs)
         gm.recompile()
         elapsed = time.perf_counter() - start
         ctx.provided.update(p.provides)

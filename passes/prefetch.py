@@ -154,11 +154,11 @@ def delay_reduce_waits(graph: torch.fx.Graph) -> int:
     return moved
 
 
-def prefetch(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx.GraphModule:
-    cfg = ctx.config
+def prefetch(gm: torch.fx.GraphModule, ctx: PassContext, *, prefetch_mb: float, memory_limit_mb: float | None,
+             **_) -> torch.fx.GraphModule:
     cost = ctx.cost_model or CostModel()
-    memory_cap = int(cfg.memory_limit_mb * _MB) if cfg.memory_limit_mb is not None else None
-    records = prefetch_gathers(gm.graph, cost, ctx.group.world, int(cfg.prefetch_mb * _MB), memory_cap,
+    memory_cap = int(memory_limit_mb * _MB) if memory_limit_mb is not None else None
+    records = prefetch_gathers(gm.graph, cost, ctx.group.world, int(prefetch_mb * _MB), memory_cap,
                                count_inputs=ctx.graph_kind == "backward")
     delayed = delay_reduce_waits(gm.graph) if ctx.graph_kind == "backward" else 0
     ctx.results.setdefault("prefetch", {})[ctx.graph_kind] = {

@@ -131,8 +131,9 @@ def quantize_reductions(graph: torch.fx.Graph, hops: tuple | None = None) -> dic
     return report
 
 
-def quantize_gradient_reductions(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx.GraphModule:
-    k, group = ctx.config.zero_hpz_partition_size, ctx.group
+def quantize_gradient_reductions(gm: torch.fx.GraphModule, ctx: PassContext, *, zero_hpz_partition_size: int,
+                                 **_) -> torch.fx.GraphModule:
+    k, group = zero_hpz_partition_size, ctx.group
     hops = None
     if 1 < k < group.world and group.world % k == 0:   # (a k that does not divide: hierarchical_partition refused it)
         hops = (group.name, k, comm.hpz_subgroup(group, k).name, comm.hpz_cross_subgroup(group, k).name)

@@ -294,9 +294,10 @@ def _rate(figure: dict) -> float:
 
 
 # -------------------------------------------------------------------------- the pass
-def recompute(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx.GraphModule:
-    """Tag the blocks to recompute in backward (see the module docstring)."""
-    mode = ctx.config.recompute
+def recompute(gm: torch.fx.GraphModule, ctx: PassContext, *, recompute: str, **_) -> torch.fx.GraphModule:
+    """Tag the blocks to recompute in backward (see the module docstring); ``recompute`` is the
+    option's value ("full", "auto", or a memory budget)."""
+    mode = recompute
     graph = gm.graph
     blocks = find_blocks(graph)
     first_id = first_block_id(graph)

@@ -78,14 +78,14 @@ def auto_budget(graph: torch.fx.Graph, memory_limit_mb: float) -> tuple[float, i
     return max(0.0, memory_limit_mb * _MB - peak), peak
 
 
-def selective_unshard(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx.GraphModule:
-    cfg = ctx.config
+def selective_unshard(gm: torch.fx.GraphModule, ctx: PassContext, *, unshard_budget_mb, memory_limit_mb: float | None,
+                      **_) -> torch.fx.GraphModule:
     candidates = unshard_candidates(gm.graph)
     base_peak = None
-    if cfg.unshard_budget_mb == "auto":
-        budget, base_peak = auto_budget(gm.graph, cfg.memory_limit_mb)
+    if unshard_budget_mb == "auto":
+        budget, base_peak = auto_budget(gm.graph, memory_limit_mb)
     else:
-        budget = math.inf if math.isinf(cfg.unshard_budget_mb) else cfg.unshard_budget_mb * _MB
+        budget = math.inf if math.isinf(unshard_budget_mb) else unshard_budget_mb * _MB
     cost = ctx.cost_model or CostModel()
     kept = choose_kept(candidates, budget, cost, ctx.group.world)
     for ag in kept:

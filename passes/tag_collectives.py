@@ -57,11 +57,11 @@ def tag_collectives(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx
     return gm
 
 
-def ensure_tagged(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+def ensure_tagged(gm: torch.fx.GraphModule, ctx: PassContext, *, stage: int, **_) -> None:
     """At most one gather and one reduction per parameter; at stage 3, a gather for every
     parameter input the graph reads."""
     where = f"{ctx.graph_kind} ({ctx.frame})"
-    if ctx.config.stage != 3 or ctx.group.world == 1:
+    if stage != 3 or ctx.group.world == 1:
         param_identity.check_at_most_one_each(gm.graph, where)
         return
     placeholders = list(gm.graph.find_nodes(op="placeholder"))

@@ -118,7 +118,7 @@ class RecordingPartitioner:
                                group=CommGroup(rank=0, world=1, name=""), frame="t",
                                num_fwd_outputs=kwargs["num_fwd_outputs"])
         if self.option != "none":
-            joint = recompute(joint, self.ctx)
+            joint = recompute(joint, self.ctx, recompute=self.ctx.config.recompute)
         self.tags = {n: (n.meta.get("recompute"), n.meta.get("ac_graph_id")) for n in joint.graph.nodes}
         fw, bw = _torch_compat.min_cut_partition(joint, joint_inputs, **kwargs)
         self.saved_bytes = saved_activation_bytes(fw.graph, kwargs["num_fwd_outputs"])
@@ -269,7 +269,7 @@ def _joint_graph(stacks, preset=None):
 def _run(gm, option="full", cost_model=None):
     ctx = PassContext(config=ZeroConfig(recompute=option, inner_compiler="eager"),
                       group=CommGroup(rank=0, world=1, name=""), frame="t", cost_model=cost_model)
-    recompute(gm, ctx)
+    recompute(gm, ctx, recompute=ctx.config.recompute)
     return ctx.results["recompute"]
 
 

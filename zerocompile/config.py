@@ -15,8 +15,10 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from zerocompile import deepspeed_config
 from zerocompile.errors import ZeroConfigError, unknown_key_message
 from zerocompile.loss_scale import parse_loss_scale
+from zerocompile.passes.manager import check_disabled_passes, check_pipeline
 from zerocompile.runtime.offload_settings import parse_offload
 
 _DTYPES = {
@@ -207,14 +209,12 @@ class ZeroConfig:
     def from_options(cls, options: "dict | str | os.PathLike | ZeroConfig | None") -> "ZeroConfig":
         """Build and validate a config from a ``torch.compile`` ``options`` dict, a
         DeepSpeed-style dict, or the path of a DeepSpeed JSON config file."""
-        from zerocompile import deepspeed_config
-
         if options is None:
             return cls()
         if isinstance(options, ZeroConfig):
             return options
         if isinstance(options, (str, os.PathLike)):
-            return cls.from_options(deepspeed_config.load_deepspeed_file(options))
+            return cls.from_options(deepspeed_config.load_deepspeed_file(options, [f.name for f in fields(cls)]))
         if not isinstance(options, dict):
             raise ZeroConfigError(
                 f"options must be a dict or the path of a DeepSpeed JSON file, got {type(options).__name__}; "
@@ -226,7 +226,7 @@ class ZeroConfig:
             # ("auto" is DeepSpeed's)
             own = {k: v for k, v in options.items() if k in names and k not in deepspeed_config.TOP_LEVEL_TRANSLATED}
             ds = {k: v for k, v in options.items() if k not in own}
-            translated = deepspeed_config.translate_deepspeed(ds)
+            translated = deepspeed_config.translate_deepspeed(ds, names)
             for key in set(own) & set(translated):
                 raise ZeroConfigError(
                     f"option '{key}' is given both directly and through a DeepSpeed key; give it once")
@@ -344,7 +344,6 @@ class ZeroConfig:
         if isinstance(passes, str) or not all(isinstance(p, str) for p in passes):
             raise ZeroConfigError(
                 f"option 'disabled_passes' = {passes!r} is invalid; allowed: a list of pass names")
-        from zerocompile.passes.manager import check_disabled_passes, check_pipeline  # avoid an import cycle
         check_disabled_passes(tuple(passes))
         object.__setattr__(self, "disabled_passes", tuple(passes))
         check_pipeline(self)

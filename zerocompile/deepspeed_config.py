@@ -25,7 +25,6 @@ does). ``load_deepspeed_file(path)`` reads a JSON file for ``options=path``.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
 import json
@@ -150,8 +149,9 @@ def gradient_clipping(value) -> float:
     return float(value)
 
 
-def load_deepspeed_file(path: str | os.PathLike) -> dict:
-    """The DeepSpeed config in the JSON file ``path`` (``options=path``), translated."""
+def load_deepspeed_file(path: str | os.PathLike, option_names=()) -> dict:
+    """The DeepSpeed config in the JSON file ``path`` (``options=path``), translated
+    (``option_names``: as for ``translate_deepspeed``)."""
     p = Path(path)
     if not p.is_file():
         raise ZeroConfigError(f"options = {str(path)!r}: no such file; give a DeepSpeed JSON config file or an "
@@ -163,7 +163,7 @@ def load_deepspeed_file(path: str | os.PathLike) -> dict:
     if not isinstance(ds, dict):
         raise ZeroConfigError(f"options file {str(path)!r} must hold a JSON object (a DeepSpeed config), got "
                               f"{type(ds).__name__}")
-    return translate_deepspeed(ds)
+    return translate_deepspeed(ds, option_names)
 
 
 def _is_auto(where: str, value) -> bool:
@@ -291,11 +291,10 @@ def _translate_precision(key: str, value, out: dict) -> None:
         raise ZeroConfigError(f"DeepSpeed key '{key}.enabled' = {enabled!r} is invalid; allowed: true, false, 'auto'")
 
 
-def translate_deepspeed(ds: dict) -> dict:
+def translate_deepspeed(ds: dict, option_names=()) -> dict:
     """Translate a DeepSpeed config dict into zerocompile options (see the module docstring
-    and docs/config.md, 'DeepSpeed configs', for every key)."""
-    from zerocompile.config import ZeroConfig   # (config imports this module when it meets a DeepSpeed key)
-
+    and docs/config.md, 'DeepSpeed configs', for every key). ``option_names``: the backend's own
+    option names (``ZeroConfig``'s fields), for the did-you-mean of a key that is neither."""
     out: dict = {}
     aio: dict = {}
     autos: list[str] = []
@@ -330,8 +329,7 @@ def translate_deepspeed(ds: dict) -> dict:
         elif key in ACCEPTED_KEYS:
             _advise(key, ACCEPTED_KEYS[key])
         else:
-            own = [f.name for f in dataclasses.fields(ZeroConfig)]
-            close = difflib.get_close_matches(str(key), own + list(TOP_LEVEL_TRANSLATED), n=1)
+            close = difflib.get_close_matches(str(key), list(option_names) + list(TOP_LEVEL_TRANSLATED), n=1)
             if close:
                 raise ZeroConfigError(f"unknown option '{key}'; did you mean '{close[0]}'?")
             raise ZeroConfigError(
