@@ -31,7 +31,7 @@ import functools
 import torch
 
 from zerocompile import env
-from zerocompile.runtime.quantization import bucket_layout
+from zerocompile.runtime.quantized_layout import bucket_layout
 
 __all__ = ["available", "quantize_rows_into", "dequantize_rows"]
 
