@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import socket
-import sys
 import tempfile
 from pathlib import Path
 
@@ -27,6 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from zerocompile.runtime.rank_exit import rank_teardown
 
 MiB = 2**20
 REPO = Path(__file__).resolve().parent.parent
@@ -195,19 +196,10 @@ def rank_entry(rank: int, world: int, port: int, backend: str, timeout_s: float,
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-    try:
+    with rank_teardown():   # a barrier, the group destroyed; after success os._exit(0)
         result = fn(rank, world, *fn_args)
         with open(os.path.join(outdir, f"{rank}.json"), "w") as f:
             json.dump(result, f)
-    finally:
-        try:
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-    # leave without interpreter teardown: gloo's threads sometimes abort the process there
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def spawn_ranks(world: int, fn, fn_args: tuple, backend: str = "gloo", timeout_s: float = 300.0,

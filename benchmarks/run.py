@@ -52,13 +52,9 @@ Results: ``<out>/latest.json``, ``<out>/latest.md`` (one table per workload, als
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
-import platform
-import shlex
-import statistics
 import shutil
 import sys
 import tempfile
@@ -68,13 +64,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (MiB, RESULTS, CollectiveBytes, all_ranks_ok, error_line,  # noqa: E402
-                    load_example, optional_pass_names, quantile, spawn_ranks)
+import harness  # noqa: E402
+from common import MiB, RESULTS, all_ranks_ok, error_line, load_example, spawn_ranks  # noqa: E402
 
 SYSTEMS = ("ddp", "fsdp2", "fsdp2-compile", "ds-zero1", "ds-zero2", "ds-zero3", "ds-zero3-offload",
            "ds-zero3-infinity", "zero1", "zero2", "zero3", "zero3-profile", "zero3-qwz", "zero3-nopass",
@@ -104,7 +99,6 @@ model-state formula is parameters and gradients only, 8 Psi / N."""
 REFERENCE = "fsdp2"
 WORKLOADS = ("gpt-4m", "gpt-40m", "llama", "gpt-tiny")
 DEFAULT_WORKLOADS = ("gpt-4m", "gpt-40m", "llama")
-MEASURE_ROUNDS = 2
 DS_BUCKET = 25 * 2**20 // 4   # elements: 25 MiB of fp32
 log = logging.getLogger("bench")
 
@@ -182,24 +176,30 @@ def deepspeed_missing() -> str | None:
 
 # --------------------------------------------------------------------------- systems
 @dataclass
-class System:
-    """One system under test inside one rank: its model, optimizer, meters and results."""
+class System(harness.System):
+    """A system of this benchmark: a DeepSpeed engine steps itself, and a measured step records
+    the model-state bytes held after the optimizer step."""
 
-    name: str
-    model: object = None
-    opt: object = None
-    tracker: object = None
-    counter: CollectiveBytes = field(default_factory=CollectiveBytes)
-    error: str | None = None
-    skipped: str | None = None
-    first_s: float | None = None
-    step_ms: list = field(default_factory=list)
-    losses: list = field(default_factory=list)
-    peak_bytes: list = field(default_factory=list)
     state_bytes: list = field(default_factory=list)
-    comm: dict | None = None
     swap_dir: str | None = None
     """The temporary nvme_path of an offloading system (removed after the run)."""
+
+    def train_step(self, x, y, measure: bool) -> torch.Tensor:
+        """One optimizer step: forward, backward, step, zero_grad. With ``measure``, records the
+        live bytes after the optimizer step (the model state) first. Returns the detached loss."""
+        if self.name.startswith("ds-"):
+            loss = self.model(x, y)
+            self.model.backward(loss)
+            self.model.step()   # zeroes the gradients itself
+        else:
+            loss = self.model(x, y)
+            loss.backward()
+            self.opt.step()
+        if measure:
+            self.state_bytes.append(self.tracker.settled_live_bytes())
+        if self.opt is not None:
+            self.opt.zero_grad()
+        return loss.detach()
 
 
 def build_system(name: str, args, spec: dict, example, device: torch.device, disabled: list[str]) -> System:
@@ -275,72 +275,11 @@ def build_system(name: str, args, spec: dict, example, device: torch.device, dis
     return system
 
 
-def train_step(system: System, x, y, measure: bool) -> torch.Tensor:
-    """One optimizer step: forward, backward, step, zero_grad. With ``measure``, records the
-    live bytes after the optimizer step (the model state) first. Returns the detached loss."""
-    if system.name.startswith("ds-"):
-        loss = system.model(x, y)
-        system.model.backward(loss)
-        system.model.step()   # zeroes the gradients itself
-    else:
-        loss = system.model(x, y)
-        loss.backward()
-        system.opt.step()
-    if measure:
-        system.state_bytes.append(system.tracker.settled_live_bytes())
-    if system.opt is not None:
-        system.opt.zero_grad()
-    return loss.detach()
-
-
-def run_round(systems: list[System], round_index: int, phase: str, batch, device: torch.device) -> None:
-    """One step of every live system, the starting system rotated by the round number.
-
-    ``phase``: ``first`` (timed as the first step), ``warmup`` (untimed), ``timed`` or
-    ``measure`` (under the system's tracker and the collective counter, untimed)."""
-    x, y = batch
-    live = [s for s in systems if s.error is None and s.skipped is None]
-    shift = round_index % len(live) if live else 0
-    for system in live[shift:] + live[:shift]:
-        error = None
-        dist.barrier()
-        start = time.perf_counter()
-        try:
-            if phase == "measure":
-                system.counter.reset()
-                with system.tracker, system.counter:
-                    system.tracker.reset_peak()
-                    loss = train_step(system, x, y, measure=True)
-                system.peak_bytes.append(system.tracker.peak)
-                system.comm = {"totals": system.counter.totals, "ops": dict(system.counter.ops),
-                               "unknown": dict(system.counter.unknown)}
-            else:
-                loss = train_step(system, x, y, measure=False)
-            value = float(loss)   # waits for the device
-            elapsed = time.perf_counter() - start
-            system.losses.append(value)
-            del loss
-        except Exception:  # noqa: BLE001 - a system that fails is reported, the others go on
-            error = traceback.format_exc()
-            log.error("rank %d: %s failed in its %s step:\n%s", dist.get_rank(), system.name, phase, error)
-        if not all_ranks_ok(error is None):
-            system.error = error or "failed on another rank"
-            continue
-        if phase == "first":
-            system.first_s = elapsed
-        elif phase == "timed":
-            system.step_ms.append(elapsed * 1e3)
-
-
 def rank_main(rank: int, world: int, args, spec: dict) -> dict:
     """Everything one rank does for one workload; returns its figures."""
     device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
     example = load_example()
-    try:
-        disabled, note = optional_pass_names()
-        pass_error = None
-    except Exception:  # noqa: BLE001 - the zerocompile systems will fail and say why
-        disabled, note, pass_error = [], None, traceback.format_exc()
+    disabled, note, pass_error = harness.listed_passes()
     torch.manual_seed(args.seed)
     psi = sum(p.numel() for p in make_model(spec, example).parameters())
     ds_reason = deepspeed_missing() if any(n.startswith("ds-") for n in args.systems) else None
@@ -367,31 +306,9 @@ def rank_main(rank: int, world: int, args, spec: dict) -> dict:
             if s.name.startswith("zero") and s.error is None:
                 s.error = "could not list the optional passes:\n" + pass_error
 
-    table = example.successor_table(spec["vocab"])
-    total_rounds = 1 + spec["warmup"] + spec["steps"] + MEASURE_ROUNDS
-    batches = []
-    for step in range(total_rounds):
-        x, y = example.global_batch(step, spec["batch"] * world, spec["seq_len"], table)
-        lo, hi = rank * spec["batch"], (rank + 1) * spec["batch"]
-        batches.append((x[lo:hi].clone().to(device), y[lo:hi].clone().to(device)))
-
-    # the first collectives of a process are slow: warm the process group up
-    for _ in range(5):
-        dist.all_reduce(torch.zeros(1024, device=device))
-        dist.barrier()
-
-    for r in range(total_rounds):
-        if r == 0:
-            phase = "first"
-        elif r <= spec["warmup"]:
-            phase = "warmup"
-        elif r <= spec["warmup"] + spec["steps"]:
-            phase = "timed"
-        else:
-            phase = "measure"
-        if rank == 0:
-            log.info("%s: round %d/%d (%s)", spec["name"], r + 1, total_rounds, phase)
-        run_round(systems, r, phase, batches[r], device)
+    harness.run_rounds(systems, example, rank, world, vocab=spec["vocab"], batch=spec["batch"],
+                       seq_len=spec["seq_len"], warmup=spec["warmup"], steps=spec["steps"], device=device,
+                       label=spec["name"])
     for s in systems:
         if s.swap_dir is not None:
             s.opt = s.model = None                 # the optimizer deletes its swap file when collected
@@ -452,19 +369,13 @@ def summarise(ranks: list[dict], args, world: int) -> dict:
             entry.update(status="failed", error=errors[0])
             out[name] = entry
             continue
-        steps = [max(p["step_ms"][i] for p in per_rank) for i in range(len(per_rank[0]["step_ms"]))]
         totals = [p["comm"]["totals"] for p in per_rank]
         entry.update(
-            step_ms=steps, median_ms=statistics.median(steps), min_ms=min(steps), max_ms=max(steps),
-            p25_ms=quantile(steps, 0.25), p75_ms=quantile(steps, 0.75),
-            first_step_s=max(p["first_s"] for p in per_rank),
-            peak_bytes_per_rank=[p["peak_bytes"][-1] for p in per_rank],
-            peak_bytes=max(p["peak_bytes"][-1] for p in per_rank),
+            **harness.step_figures(per_rank),
             state_bytes=max(p["state_bytes"][-1] for p in per_rank),
             state_formula_bytes=state_formula(STAGE[name], psi, world, offloaded=name in OFFLOADED,
                                               params_offloaded=name in PARAMS_OFFLOADED),
-            comm_by_kind=totals[0], comm_ops=per_rank[0]["comm"]["ops"],
-            comm_unknown_ops=per_rank[0]["comm"]["unknown"],
+            **harness.comm_figures(per_rank),
             comm_wire_bytes=max(wire_bytes(t, world) for t in totals),
             comm_formula_bytes=comm_formula(STAGE[name], psi, world),
             losses=[p["losses"] for p in per_rank],
@@ -479,15 +390,11 @@ def summarise(ranks: list[dict], args, world: int) -> dict:
     for name, entry in out.items():
         if entry["status"] != "ok":
             continue
-        worst = 0.0
-        for mine, theirs in zip(entry["losses"], ref["losses"]):
-            for a, b in zip(mine, theirs):
-                worst = max(worst, abs(a - b) / max(abs(b), 1e-12))
+        worst = harness.max_rel_loss_diff(entry["losses"], ref["losses"])
         entry["max_rel_loss_diff"] = worst
         if not worst <= APPROXIMATE.get(name, args.rtol):
             entry["status"] = "diverged"
-        entry["ms_ratio"] = entry["median_ms"] / ref["median_ms"]
-        entry["ms_ratio_paired"] = statistics.median(a / b for a, b in zip(entry["step_ms"], ref["step_ms"]))
+        entry.update(harness.speed_ratios(entry, ref))
     return {"psi": psi, "reference": reference, "systems": out}
 
 
@@ -571,13 +478,7 @@ def parse_args(argv=None):
                         "any workload to the tiny sizes)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="systems to run")
     p.add_argument("--quick", action="store_true", help="tiny model, 3 steps, every system: a smoke test")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
-    p.add_argument("--seed", type=int, default=0, help="seed every rank builds every model from")
-    p.add_argument("--rtol", type=float, default=1e-4,
-                   help="largest relative loss difference from the reference that is not a divergence")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--timeout", type=float, default=600.0, help="process-group timeout in seconds")
+    harness.add_training_options(p, reference="the reference", timeout_s=600.0)
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for latest.json, latest.md, latest.png")
     args = p.parse_args(argv)
     if args.workloads is None:
@@ -589,8 +490,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "zerocompile" / "inductor"))
+    harness.prepare_main()
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -654,12 +554,7 @@ def main(argv=None) -> int:
     if why:
         log.warning("no plot: %s", why)
     payload = {
-        "benchmark": "run",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv),
-        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-                    "platform": platform.platform()},
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        **harness.result_header("run", args, argv),
         "workloads": {w: {"spec": specs[w], **results[w]} for w in results},
         "disabled_passes": disabled,
         "wall_s": wall,

@@ -44,32 +44,26 @@ figures. Results go to a table on stdout and to ``--out`` (JSON).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
-import platform
-import shlex
-import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (MiB, RESULTS, CollectiveBytes, all_ranks_ok, error_line,  # noqa: E402
-                    load_example, optional_pass_names, quantile, spawn_ranks)
+import harness  # noqa: E402
+from common import MiB, RESULTS, error_line, load_example, spawn_ranks  # noqa: E402
 
 SYSTEMS = ("zero3", "zero3-profile", "zero3-nopass", "fsdp2")
 LABELS = {"zero3": "zerocompile stage 3", "zero3-profile": "zerocompile stage 3, profile=True",
           "zero3-nopass": "zerocompile stage 3, no optional passes",
           "fsdp2": "FSDP2 eager"}
 REFERENCE = "fsdp2"
-MEASURE_ROUNDS = 2
 log = logging.getLogger("stage3_vs_fsdp2")
 
 
@@ -83,22 +77,24 @@ def preset(quick: bool) -> dict:
 
 # --------------------------------------------------------------------------- systems
 @dataclass
-class System:
-    """One system under test inside one rank: its model, optimizer, meters and results."""
+class System(harness.System):
+    """A system of this benchmark; a zerocompile one also reports ``zerocompile.stats()`` of the
+    measured step, the cross-check of the collective counter."""
 
-    name: str
-    model: object = None
-    opt: object = None
-    tracker: object = None
-    counter: CollectiveBytes = field(default_factory=CollectiveBytes)
     uses_zero: bool = False
-    error: str | None = None
-    first_s: float | None = None
-    step_ms: list = field(default_factory=list)
-    losses: list = field(default_factory=list)
-    peak_bytes: list = field(default_factory=list)
-    comm: dict | None = None
     zero_stats: dict | None = None
+
+    def before_measure(self) -> None:
+        import zerocompile
+
+        if self.uses_zero:
+            zerocompile.reset_stats()
+
+    def after_measure(self) -> None:
+        import zerocompile
+
+        if self.uses_zero:
+            self.zero_stats = zerocompile.stats().as_dict()
 
 
 def build_system(name: str, args, example, disabled: list[str]) -> System:
@@ -132,67 +128,10 @@ def build_system(name: str, args, example, disabled: list[str]) -> System:
     return system
 
 
-def train_step(system: System, x, y) -> torch.Tensor:
-    """One optimizer step: forward, backward, step, zero_grad. Returns the (detached) loss."""
-    loss = system.model(x, y)
-    loss.backward()
-    system.opt.step()
-    system.opt.zero_grad()
-    return loss.detach()
-
-
-def run_round(systems: list[System], round_index: int, phase: str, batch) -> None:
-    """One step of every live system, starting system rotated by the round number.
-
-    ``phase``: ``first`` (time the step as the first-step time), ``warmup`` (untimed),
-    ``timed`` (time it) or ``measure`` (under the tracker and collective counter)."""
-    import zerocompile
-
-    x, y = batch
-    live = [s for s in systems if s.error is None]
-    shift = round_index % len(live) if live else 0
-    for system in live[shift:] + live[:shift]:
-        error = None
-        dist.barrier()
-        start = time.perf_counter()
-        try:
-            if phase == "measure":
-                system.counter.reset()
-                if system.uses_zero:
-                    zerocompile.reset_stats()
-                with system.tracker, system.counter:
-                    system.tracker.reset_peak()
-                    loss = train_step(system, x, y)
-                system.peak_bytes.append(system.tracker.peak)
-                system.comm = {"totals": system.counter.totals, "ops": dict(system.counter.ops),
-                               "unknown": dict(system.counter.unknown)}
-                if system.uses_zero:
-                    system.zero_stats = zerocompile.stats().as_dict()
-            else:
-                loss = train_step(system, x, y)
-            elapsed = time.perf_counter() - start
-            system.losses.append(float(loss))
-            del loss
-        except Exception:  # noqa: BLE001 - a system that fails is reported, the others go on
-            error = traceback.format_exc()
-            log.error("rank %d: %s failed in its %s step:\n%s", dist.get_rank(), system.name, phase, error)
-        if not all_ranks_ok(error is None):
-            system.error = error or "failed on another rank"
-            continue
-        if phase == "first":
-            system.first_s = elapsed
-        elif phase == "timed":
-            system.step_ms.append(elapsed * 1e3)
-
-
 def rank_main(rank: int, world: int, args) -> dict:
     """Everything one rank does; returns its figures."""
     example = load_example()
-    try:
-        disabled, note = optional_pass_names()
-        pass_error = None
-    except Exception:  # noqa: BLE001 - the zerocompile systems will fail and say why
-        disabled, note, pass_error = [], None, traceback.format_exc()
+    disabled, note, pass_error = harness.listed_passes()
     torch.manual_seed(args.seed)
     psi = sum(p.numel() for p in example.GPT(args.vocab, args.seq_len, args.d_model,
                                             args.n_layers, args.n_heads).parameters())
@@ -208,31 +147,8 @@ def rank_main(rank: int, world: int, args) -> dict:
             if s.uses_zero and s.error is None:
                 s.error = "could not list the optional passes:\n" + pass_error
 
-    table = example.successor_table(args.vocab)
-    total_rounds = 1 + args.warmup + args.steps + MEASURE_ROUNDS
-    batches = []
-    for step in range(total_rounds):
-        x, y = example.global_batch(step, args.batch * world, args.seq_len, table)
-        lo, hi = rank * args.batch, (rank + 1) * args.batch
-        batches.append((x[lo:hi].clone(), y[lo:hi].clone()))
-
-    # the first collectives of a process are slow: warm the process group up
-    for _ in range(5):
-        dist.all_reduce(torch.zeros(1024))
-        dist.barrier()
-
-    for r in range(total_rounds):
-        if r == 0:
-            phase = "first"
-        elif r <= args.warmup:
-            phase = "warmup"
-        elif r <= args.warmup + args.steps:
-            phase = "timed"
-        else:
-            phase = "measure"
-        if rank == 0:
-            log.info("round %d/%d (%s)", r + 1, total_rounds, phase)
-        run_round(systems, r, phase, batches[r])
+    harness.run_rounds(systems, example, rank, world, vocab=args.vocab, batch=args.batch, seq_len=args.seq_len,
+                       warmup=args.warmup, steps=args.steps, device=torch.device("cpu"))
 
     return {
         "psi": psi, "disabled_passes": disabled, "pass_note": note,
@@ -258,18 +174,8 @@ def summarise(ranks: list[dict], rtol: float) -> dict:
             entry["status"] = "failed"
             out[name] = entry
             continue
-        steps = [max(p["step_ms"][i] for p in per_rank) for i in range(len(per_rank[0]["step_ms"]))]
         entry.update(
-            step_ms=steps,
-            median_ms=statistics.median(steps),
-            min_ms=min(steps), max_ms=max(steps),
-            p25_ms=quantile(steps, 0.25), p75_ms=quantile(steps, 0.75),
-            first_step_s=max(p["first_s"] for p in per_rank),
-            peak_bytes_per_rank=[p["peak_bytes"][-1] for p in per_rank],
-            peak_bytes=max(p["peak_bytes"][-1] for p in per_rank),
-            comm_by_kind=per_rank[0]["comm"]["totals"],
-            comm_ops=per_rank[0]["comm"]["ops"],
-            comm_unknown_ops=per_rank[0]["comm"]["unknown"],
+            **harness.step_figures(per_rank), **harness.comm_figures(per_rank),
             comm_bytes=max(sum(v["bytes"] for v in p["comm"]["totals"].values()) for p in per_rank),
             losses=[p["losses"] for p in per_rank],
         )
@@ -281,10 +187,7 @@ def summarise(ranks: list[dict], rtol: float) -> dict:
                 == (p["comm"]["totals"][k]["count"], p["comm"]["totals"][k]["bytes"])
                 for p in per_rank for k in ("all_gather", "reduce_scatter", "all_reduce"))
         if ref_ok:
-            worst = 0.0
-            for mine, ref in zip((p["losses"] for p in per_rank), ref_losses):
-                for a, b in zip(mine, ref):
-                    worst = max(worst, abs(a - b) / max(abs(b), 1e-12))
+            worst = harness.max_rel_loss_diff(entry["losses"], ref_losses)
             entry["max_rel_loss_diff"] = worst
             if not worst <= rtol:
                 entry["status"] = "diverged"
@@ -293,9 +196,7 @@ def summarise(ranks: list[dict], rtol: float) -> dict:
     for entry in out.values():
         if entry["status"] == "failed" or ref is None:
             continue
-        entry["ms_ratio"] = entry["median_ms"] / ref["median_ms"]
-        entry["ms_ratio_paired"] = statistics.median(
-            mine / theirs for mine, theirs in zip(entry["step_ms"], ref["step_ms"]))
+        entry.update(harness.speed_ratios(entry, ref))
         entry["peak_ratio"] = entry["peak_bytes"] / ref["peak_bytes"]
         entry["comm_ratio"] = entry["comm_bytes"] / ref["comm_bytes"] if ref["comm_bytes"] else None
     return out
@@ -344,14 +245,8 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, default=None, help="embedding width (default 256, quick 64)")
     p.add_argument("--n-layers", type=int, default=None, help="transformer blocks (default 4, quick 2)")
     p.add_argument("--n-heads", type=int, default=None, help="attention heads (default 4, quick 2)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
-    p.add_argument("--seed", type=int, default=0, help="seed every rank builds every model from")
-    p.add_argument("--rtol", type=float, default=1e-4,
-                   help="largest relative loss difference from FSDP2 that is not a divergence")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="process-group timeout in seconds (covers one rank compiling while another waits)")
+    harness.add_training_options(p, reference="FSDP2", timeout_s=300.0,
+                                 timeout_note=" (covers one rank compiling while another waits)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
                    help="systems to run (ratios and the divergence check need fsdp2)")
     p.add_argument("--out", type=Path, default=None,
@@ -373,8 +268,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "zerocompile" / "inductor"))
+    harness.prepare_main()
     log.info("spawning %d gloo ranks (%s inner compiler)", args.world_size, args.inner_compiler)
     started = time.time()
     load_before = os.getloadavg()
@@ -411,12 +305,7 @@ def main(argv=None) -> int:
             print(f"{e['label']} failed: {error_line(e['error'])} (traceback in {args.out})")
 
     result = {
-        "benchmark": "stage3_vs_fsdp2",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv),
-        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-                    "platform": platform.platform()},
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        **harness.result_header("stage3_vs_fsdp2", args, argv),
         "psi": psi,
         "disabled_passes": ranks[0]["disabled_passes"],
         "pass_note": ranks[0]["pass_note"],

@@ -133,7 +133,7 @@ def rank_main(rank: int, world: int, args) -> dict:
         x, y = batch()
         for system in systems:
             dist.barrier()
-            bench.train_step(system, x, y, measure=False)
+            system.train_step(x, y, measure=False)
     def profiled(system, record_shapes):
         times = []
         with profile(activities=[ProfilerActivity.CPU], record_shapes=record_shapes) as prof:
@@ -141,7 +141,7 @@ def rank_main(rank: int, world: int, args) -> dict:
                 x, y = batch()
                 dist.barrier()
                 start = time.perf_counter()
-                float(bench.train_step(system, x, y, measure=False))
+                float(system.train_step(x, y, measure=False))
                 times.append(time.perf_counter() - start)
         return prof, 1e3 * sum(times) / len(times)
 

@@ -23,7 +23,6 @@ rewrites the final graphs right before an inner compiler gets them.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import operator
@@ -115,8 +114,11 @@ def is_fake_group(group: CommGroup) -> bool:
 
 
 def chunk_size(numel: int, world: int) -> int:
-    """Elements per rank of a flat tensor padded to a multiple of ``world``."""
-    return max(1, math.ceil(numel / world))
+    """Elements per rank of a flat tensor of ``numel`` elements padded to a multiple of
+    ``world``: ``ceil(numel / world)``, and 1 for an empty tensor (every rank's shard holds at
+    least one element, padding). The one formula of the shard layout: the shards, the
+    gradients the backward reduce-scatters into them and the state dicts all use it."""
+    return max(1, -(-numel // world))
 
 
 def all_gather_flat(x: torch.Tensor, world: int, group_name: str) -> torch.Tensor:

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from zerocompile.runtime.comm import all_gather_flat, pad_flat, reduce_scatter_flat
+from zerocompile.runtime.comm import all_gather_flat, chunk_size, pad_flat, reduce_scatter_flat
 
 
 def _reduce_scatter_grad(grad, numel, reduce_dtype, shard_dtype, world, group_name):
-    chunk = -(-numel // world)
+    chunk = chunk_size(numel, world)     # the shard's size, that of the gradient returned
     flat = pad_flat(grad.to(reduce_dtype), chunk * world)
     shard_grad = reduce_scatter_flat(flat, world, group_name)
     if world > 1:

@@ -18,10 +18,11 @@ and every rank dequantizes the gathered rows into the parameters' dtype.
 A NaN or infinite value makes its block's scale NaN or infinite, so the whole block
 dequantizes to NaN: a broken weight stays visible in the loss.
 
-**The quantized bucket of one rank** (``bucket_layout``): ``n`` int8 values, zero bytes up to
-a multiple of 4, then the ``ceil(n / BLOCK)`` float32 scales, all as ``uint8``. The all-gather
-returns ``world`` such rows. Values and scales travel in one collective, so the prefetch pass
-moves them as one, and every rank dequantizes the same bytes into the same parameters.
+**The quantized bucket of one rank** (``bucket_layout`` of ``runtime/quantized_layout.py``):
+``n`` int8 values, zero bytes up to a multiple of 4, then the ``ceil(n / BLOCK)`` float32
+scales, all as ``uint8``. The all-gather returns ``world`` such rows. Values and scales travel
+in one collective, so the prefetch pass moves them as one, and every rank dequantizes the same
+bytes into the same parameters.
 
 **Gradients (ZeRO++ qgZ, ``zero_quantized_gradients``).** A reduce-scatter bucket becomes
 ``quantize_rows`` (one quantized row per destination rank, same scheme and layout), an
@@ -41,25 +42,13 @@ from __future__ import annotations
 
 import torch
 
-from zerocompile.runtime import cpu_extension
+from zerocompile.runtime import cpu_extension, triton_quantize
+from zerocompile.runtime.quantized_layout import BLOCK, bucket_layout
 
 __all__ = ["BLOCK", "bucket_layout", "quantize_reference", "dequantize_reference", "quantize_pack",
            "dequantize_unpack", "quantize_rows", "dequantize_reduce"]
 
-BLOCK = 256
-"""Elements per float32 scale. The scales add ``4 / BLOCK`` bytes per element (1.6%) to the
-int8 values; DeepSpeed's qwZ uses groups of about 8,000 elements (its code says 4,000 is
-best), where one outlier coarsens more weights."""
-
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def bucket_layout(n: int, block: int = BLOCK) -> tuple[int, int, int]:
-    """``(scales_offset, num_blocks, row_bytes)`` of one rank's quantized bucket of ``n``
-    elements: the scales start at ``scales_offset`` (``n`` rounded up to a multiple of 4)."""
-    num_blocks = -(-n // block)
-    offset = -(-n // 4) * 4
-    return offset, num_blocks, offset + 4 * num_blocks
 
 
 def quantize_reference(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,14 +102,12 @@ def _unpack_torch(gathered: torch.Tensor, world: int, chunks: list[int], block: 
 # and out of a contiguous buffer are torch ops, the quantization the kernels of
 # runtime/triton_quantize.py
 def _pack_triton(shards: list[torch.Tensor], block: int) -> torch.Tensor:
-    from zerocompile.runtime import triton_quantize
     flat = torch.cat([s.reshape(-1) for s in shards])
     return triton_quantize.quantize_rows_into(flat.view(1, -1), block)
 
 
 def _unpack_triton(gathered: torch.Tensor, world: int, chunks: list[int], block: int,
                    dtype: torch.dtype) -> list[torch.Tensor]:
-    from zerocompile.runtime import triton_quantize
     values = triton_quantize.dequantize_rows(gathered, world, sum(chunks), block, dtype)
     outs = [torch.empty(world * c, dtype=dtype, device=gathered.device) for c in chunks]
     torch.split_with_sizes_copy(values, chunks, dim=1, out=[o.view(world, c) for o, c in zip(outs, chunks)])
@@ -128,19 +115,16 @@ def _unpack_triton(gathered: torch.Tensor, world: int, chunks: list[int], block:
 
 
 def _rows_triton(grads: list[torch.Tensor], world: int, block: int) -> torch.Tensor:
-    from zerocompile.runtime import triton_quantize
     rows = torch.cat([g.reshape(world, -1) for g in grads], dim=1)
     return triton_quantize.quantize_rows_into(rows, block)
 
 
 def _reduce_triton(received: torch.Tensor, world: int, n: int, block: int, dtype: torch.dtype,
                    divisor: float) -> torch.Tensor:
-    from zerocompile.runtime import triton_quantize
     return triton_quantize.dequantize_rows(received, world, n, block, dtype, reduce=True, divisor=divisor)
 
 
 def _use_triton(device: torch.device) -> bool:
-    from zerocompile.runtime import triton_quantize
     return device.type == "cuda" and triton_quantize.available(device)
 
 

@@ -42,7 +42,7 @@ from zerocompile.runtime.grad_view import sharded_gradient
 from zerocompile.runtime.offload_settings import OffloadSettings
 from zerocompile.runtime.param_offload import resident_shards
 from zerocompile.runtime.stages import Stage, stage_rules
-from zerocompile.runtime.zero_parameter import raw_grad, set_raw_grad
+from zerocompile.runtime.raw_grad import raw_grad, set_raw_grad
 
 _ATTR = "_zerocompile"
 

@@ -38,18 +38,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def store(ptr, offsets, x, mask):
-        """Store float32 ``x`` in ``ptr``'s dtype, rounding to nearest even. bfloat16 is rounded
-        with integer operations: the same bits on a GPU and in Triton's interpreter (whose
-        float32 -> bfloat16 cast truncates)."""
-        if ptr.dtype.element_ty == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            rounded = tl.where(x != x, 0x7FC0, rounded)          # NaN stays NaN
-            tl.store(ptr + offsets, rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
-        else:
-            tl.store(ptr + offsets, x.to(ptr.dtype.element_ty), mask=mask)
+    from zerocompile.runtime import triton_common
 
     @triton.jit
     def adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, n, grad_scale, lr_decay, l2,
@@ -74,12 +63,12 @@ def _kernel():
         if HAS_COPY:
             store(copy_ptr, offsets, p, mask)
 
-    return functools.partial(_launch, adam_kernel, store)
+    return functools.partial(_launch, adam_kernel, triton_common.rounding_store())
 
 
 def _launch(kernel, store, grid, *args, **meta):
-    # the store helper is passed as a constexpr argument: a kernel defined in a function cannot
-    # see the helper as a global, and Triton does not resolve closures
+    # the store helper (runtime/triton_common.py) is passed as a constexpr argument: a kernel
+    # defined in a function cannot see the helper as a global, and Triton does not resolve closures
     kernel[grid](*args, store=store, **meta)
 
 

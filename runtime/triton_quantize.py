@@ -13,10 +13,10 @@ axis is the row):
 The arithmetic is the torch reference's: ``amax`` per block, ``127 / amax`` and ``amax / 127``
 as IEEE-rounded divisions (``div_rn``), round half to even (written with ``floor``, exact for
 every finite value), bfloat16 rounded to nearest even with integer operations (the same bits on
-a GPU and in Triton's interpreter, whose float cast truncates). Under ``TRITON_INTERPRET=1``
-the kernels run on the CPU and the tests compare them bit for bit with the reference; on a GPU
-the reduction's multiply-add may be fused into an FMA (one rounding fewer), so the reduced
-gradients agree with the reference within float32 rounding.
+a GPU and in Triton's interpreter, whose float cast truncates; ``runtime/triton_common.py``).
+Under ``TRITON_INTERPRET=1`` the kernels run on the CPU and the tests compare them bit for bit
+with the reference; on a GPU the reduction's multiply-add may be fused into an FMA (one
+rounding fewer), so the reduced gradients agree with the reference within float32 rounding.
 
 The callers (``quantize_pack`` and friends in runtime/quantization.py) copy the shards into
 one contiguous float buffer first (``torch.cat``) and the gathered weights out of the dense
@@ -31,7 +31,7 @@ import functools
 import torch
 
 from zerocompile import env
-from zerocompile.runtime.quantization import bucket_layout
+from zerocompile.runtime.quantized_layout import bucket_layout
 
 __all__ = ["available", "quantize_rows_into", "dequantize_rows"]
 
@@ -53,6 +53,8 @@ def _kernels():
     """The jitted kernels, defined on first use and kept (Triton caches binaries on them)."""
     import triton
     import triton.language as tl
+
+    from zerocompile.runtime import triton_common
 
     @triton.jit
     def round_half_even(y):
@@ -83,16 +85,6 @@ def _kernels():
         tl.store(scale_ptr + block, tl.div_rn(amax, 127.0))
 
     @triton.jit
-    def store_float(ptr, offsets, x, mask):
-        if ptr.dtype.element_ty == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            rounded = tl.where(x != x, 0x7FC0, rounded)          # NaN stays NaN
-            tl.store(ptr + offsets, rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
-        else:
-            tl.store(ptr + offsets, x.to(ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
     def dequantize_kernel(in_ptr, out_ptr, n, rows, row_bytes, scales_offset, out_row_stride, divisor,
                           store_float: tl.constexpr, REDUCE: tl.constexpr, DIVIDE: tl.constexpr,
                           BLOCK: tl.constexpr):
@@ -117,9 +109,10 @@ def _kernels():
             store_float(out_ptr + r * out_row_stride, offsets, q * scale, mask)
 
     # the helpers go in as constexpr arguments: a kernel defined in a function cannot see them
-    # as globals, and Triton does not resolve closures (as in triton_adam.py)
+    # as globals, and Triton does not resolve closures (as in triton_adam.py); the rounding
+    # store is runtime/triton_common.py's
     return (functools.partial(_launch, quantize_kernel, {"round_half_even": round_half_even}),
-            functools.partial(_launch, dequantize_kernel, {"store_float": store_float}))
+            functools.partial(_launch, dequantize_kernel, {"store_float": triton_common.rounding_store()}))
 
 
 def _launch(kernel, helpers, grid, *args, **meta):

@@ -31,8 +31,8 @@ identity, shape, stride, ``isinstance(p, nn.Parameter)``), but its class becomes
   ``_called_from_zero_grad``).
 
 Inside compiled code (Dynamo tracing) both guards step aside, so graphs are unchanged.
-zerocompile's own code reaches the plain tensor through ``raw_grad`` / ``set_raw_grad`` and
-``_torch_compat.plain_tensor_ops()``.
+zerocompile's own code reaches the plain tensor through ``raw_grad`` / ``set_raw_grad``
+(``runtime/raw_grad.py``) and ``_torch_compat.plain_tensor_ops()``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ from torch.distributed.tensor import DTensor
 from zerocompile import _torch_compat
 from zerocompile.errors import GradientNotGatheredError, ParameterNotGatheredError  # noqa: F401  (re-exported)
 from zerocompile.runtime.dcp_shards import local_part
+from zerocompile.runtime.raw_grad import raw_grad, set_raw_grad  # noqa: F401  (re-exported)
+from zerocompile.runtime.sharded_param import get_state
 
 _METADATA_METHODS = frozenset({
     "size", "stride", "dim", "numel", "nelement", "element_size", "is_contiguous", "storage_offset",
@@ -88,8 +90,6 @@ class ZeroParameter(torch.nn.Parameter):
     @property
     def zero_state(self):
         """The parameter's ``ShardedParam``."""
-        from zerocompile.runtime.sharded_param import get_state
-
         return get_state(self)
 
     @classmethod
@@ -265,12 +265,3 @@ def gradient_reducer(param: torch.Tensor):
     optimizer is gone)."""
     ref = getattr(param, _REDUCER_ATTR, None)
     return ref() if ref is not None else None
-
-
-def raw_grad(param: torch.Tensor):
-    """The ``.grad`` autograd keeps on ``param`` itself, without ``ZeroParameter``'s check."""
-    return torch.Tensor.grad.__get__(param)
-
-
-def set_raw_grad(param: torch.Tensor, value) -> None:
-    torch.Tensor.grad.__set__(param, value)

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zerocompile.runtime.rank_exit import rank_teardown
+
 
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "transformers", "zerocompile", "dist_utils",
             "harness", "models", "zoo", "warm_imports"]   # modules missing here are skipped by the fork server
@@ -73,22 +75,13 @@ def _entry(rank, world, port, fn, args, outdir, environ, cwd):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
-    try:
-        result = fn(rank, world, *args)
-        torch.save({"ok": True, "result": result}, os.path.join(outdir, f"{rank}.pt"))
-    except BaseException:  # noqa: BLE001 - report to the parent
-        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(outdir, f"{rank}.pt"))
-        raise
-    finally:
+    with rank_teardown():   # a barrier, the group destroyed; after success os._exit(0)
         try:
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-    # Leave without interpreter teardown: gloo's background threads occasionally abort the
-    # process there ("terminate called without an active exception") after all work is done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+            result = fn(rank, world, *args)
+            torch.save({"ok": True, "result": result}, os.path.join(outdir, f"{rank}.pt"))
+        except BaseException:  # noqa: BLE001 - report to the parent
+            torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(outdir, f"{rank}.pt"))
+            raise
 
 
 def start_fresh(fn, *args) -> multiprocessing.Process:

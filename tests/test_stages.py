@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerocompile.runtime.comm import CommGroup
+from zerocompile.runtime import param_ops
+from zerocompile.runtime.comm import CommGroup, chunk_size
 from zerocompile.runtime.sharded_param import ShardedParam
 from zerocompile.runtime.stages import stage_rules
 
@@ -89,3 +90,30 @@ def test_stage_three_with_offload_param_keeps_the_shard_in_its_file(tmp_path):
     assert torch.equal(stored, torch.arange(4.0, 8.0)) and sp.shard.untyped_storage().nbytes() == 0
     with pytest.raises(ValueError, match="offload_param needs stage 3"):
         stage_rules(2, offload_param=True)
+
+
+@pytest.mark.parametrize("numel, world, chunk", [
+    (0, 1, 1), (0, 4, 1), (1, 1, 1), (1, 4, 1), (3, 4, 1), (4, 4, 1), (5, 4, 2), (15, 4, 4), (16, 4, 4),
+    (17, 4, 5), (7, 1, 7), (2**53 + 1, 2, 2**52 + 1)])
+def test_chunk_size_is_the_ceiling_share_and_at_least_one(numel, world, chunk):
+    assert chunk_size(numel, world) == chunk
+    assert chunk * world >= numel and (numel == 0 or (chunk - 1) * world < numel)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_empty_parameter_gets_a_one_element_shard_and_a_gradient_of_its_size(stage):
+    """The shard's size and that of the gradient the backward reduce-scatters into it come from
+    one formula (``chunk_size``), also for a parameter of no elements."""
+    group = CommGroup(rank=0, world=1, name="test")
+    sp = ShardedParam(torch.nn.Parameter(torch.zeros(0, 3)), "empty", stage, group, torch.float32)
+    assert sp.chunk == 1 and sp.padded_numel == 1 and sp.shard.shape == (1,)
+    if stage == 3:
+        out = param_ops.gather_param(sp.shard, 0, (0, 3), torch.float32, torch.float32, 1, group.name)
+    else:
+        out = param_ops.replica_with_sharded_grad(sp.shard, sp.replica, 0, torch.float32, 1, group.name)
+    assert out.shape == (0, 3)
+    out.sum().backward()
+    assert sp.shard.grad.shape == sp.shard.shape
+    # what the backward returns, before autograd sums a gradient of 0 elements to the shard's shape
+    grad = param_ops._reduce_scatter_grad(torch.zeros(0, 3), 0, torch.float32, torch.float32, 1, group.name)
+    assert grad.shape == sp.shard.shape
