@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from zerocompile import _torch_compat
-from zerocompile.checkpoint import _param_names
+from zerocompile.checkpoint.layout import param_names
 from zerocompile.progress import track
 from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, chunk_size, resolve_group
@@ -101,7 +101,7 @@ def _materialize(module, init, device, process_group, fill: bool) -> None:
     group = resolve_group(process_group)
     device = torch.device(device) if device is not None else _default_device()
     init = init if init is not None else default_init(module)
-    names = _param_names(module)
+    names = param_names(module)
     done: dict[int, torch.nn.Parameter] = {}
     checksum = torch.zeros(1, dtype=torch.float64)
     for mod_name, mod in module.named_modules():
