@@ -1,4 +1,4 @@
-"""The ``zerocompile`` command line (zerocompile/cli.py): ``show`` on dumps recorded from
+"""The ``zerocompile`` command line (zerocompile/cli/): ``show`` on dumps recorded from
 hand-built graphs, every error path, and ``dump`` end to end (as a subprocess, and on fake groups through ``main()``)."""
 
 from __future__ import annotations
