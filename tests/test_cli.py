@@ -1,4 +1,4 @@
-"""The ``zerocompile`` command line (zerocompile/cli.py): ``show`` on dumps recorded from
+"""The ``zerocompile`` command line (zerocompile/cli/): ``show`` on dumps recorded from
 hand-built graphs, every error path, and ``dump`` end to end (as a subprocess, and on fake groups through ``main()``)."""
 
 from __future__ import annotations
@@ -395,6 +395,32 @@ def test_dump_end_to_end_as_a_subprocess_with_options(tmp_path, capsys):
     _check_steps(index)
     code, out, err = _run(capsys, "show", tmp_path / "d")
     assert code == 0 and "rank 0 | frame 0/0 | backward graph" in out, err
+
+
+def test_a_scripts_init_process_group_joins_the_fake_group():
+    """Inside ``script_process_group`` (the group ``dump --world-size`` and ``plan`` run a
+    script on), a script's own ``init_process_group`` (any backend) joins the fake group and
+    ``destroy_process_group()`` waits for the runner; a rank or world size that disagrees is an
+    error. Both torch names are restored afterwards, and the group is gone."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from zerocompile.script_runner import script_process_group
+
+    originals = (dist.init_process_group, dist.destroy_process_group,
+                 distributed_c10d.init_process_group, distributed_c10d.destroy_process_group)
+    with script_process_group(16):
+        dist.init_process_group("nccl", init_method="env://", world_size=16, rank=0)
+        distributed_c10d.init_process_group(backend="gloo")
+        dist.destroy_process_group()
+        assert dist.is_initialized() and dist.get_world_size() == 16
+        with pytest.raises(ValueError, match="asks for rank 3 of 16 ranks, but it runs as rank 0"):
+            dist.init_process_group("gloo", rank=3, world_size=16)
+        with pytest.raises(ValueError, match="asks for rank 0 of 8 ranks"):
+            dist.init_process_group("gloo", world_size=8, rank=0)
+    assert not dist.is_initialized()
+    assert (dist.init_process_group, dist.destroy_process_group, distributed_c10d.init_process_group,
+            distributed_c10d.destroy_process_group) == originals, "the torch functions were not restored"
 
 
 def _dump_in_process(capsys, monkeypatch, tmp_path, *argv):

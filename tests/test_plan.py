@@ -384,3 +384,20 @@ def test_scalar_reads_of_fake_tensors_are_zero():
         assert x.sum().item() == 0.0
         assert bool((x > 0).any()) is False
         assert int(torch.tensor(5)) == 0
+
+
+def test_plans_options_reach_the_backend_in_a_scope_not_through_the_environment(monkeypatch):
+    """``plan`` runs the script inside ``overriding_options``: its keys win over the script's,
+    in place of ``ZEROCOMPILE_OPTIONS`` (still read outside the scope, for ``dump``'s children),
+    and the process environment is left alone."""
+    import os
+
+    from zerocompile.backend import _with_environment_options, overriding_options
+
+    monkeypatch.setenv("ZEROCOMPILE_OPTIONS", '{"stage": 1}')
+    with overriding_options({"stage": 3}):
+        assert _with_environment_options({"stage": 2, "bucket_mb": 5}) == {"stage": 3, "bucket_mb": 5}
+        assert os.environ["ZEROCOMPILE_OPTIONS"] == '{"stage": 1}'
+    assert _with_environment_options({"stage": 2}) == {"stage": 1}
+    monkeypatch.delenv("ZEROCOMPILE_OPTIONS")
+    assert _with_environment_options({"stage": 2}) == {"stage": 2}

@@ -24,6 +24,7 @@ import torch._dynamo.backends
 import torch._dynamo.funcname_cache
 
 import zerocompile
+import zerocompile.cli
 import zerocompile.passes
 import zerocompile.runtime
 
@@ -49,7 +50,7 @@ def _import_all() -> None:
             importlib.import_module(info.name)      # what torch's backend registry loads on first use
         except ImportError:
             pass
-    for package in (zerocompile, zerocompile.passes, zerocompile.runtime):
+    for package in (zerocompile, zerocompile.cli, zerocompile.passes, zerocompile.runtime):
         for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
             if not info.name.endswith("__main__"):
                 importlib.import_module(info.name)

@@ -1,4 +1,4 @@
-"""``python -m zerocompile ...``: the same command line as ``zerocompile ...`` (zerocompile/cli.py)."""
+"""``python -m zerocompile ...``: the same command line as ``zerocompile ...`` (zerocompile/cli/)."""
 
 from zerocompile.cli import main
 

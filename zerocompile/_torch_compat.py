@@ -8,7 +8,6 @@ there, loudly, rather than somewhere deep in a training run.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import sys
 
 import torch
@@ -357,51 +356,16 @@ def init_fake_process_group(world_size: int) -> None:
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
-@contextlib.contextmanager
-def script_process_group(world_size: int):
-    """The fake group of ``world_size`` ranks (this process rank 0) for a user's script run in
-    this process (``zerocompile.script_runner``), destroyed on exit. While it is open,
-    ``torch.distributed.init_process_group`` joins the existing group instead of creating one
-    (its backend and init method are ignored; a ``world_size`` or ``rank`` that disagrees is an
-    error) and ``destroy_process_group()`` of the default group does nothing.
-
-    Why this replaces two public torch functions for the duration: an unmodified training
-    script (the one launched with torchrun) creates its own group with ``gloo`` or ``nccl``,
-    and torch has no setting that sends that call to the fake backend. The two names
-    (``torch.distributed.X`` and ``torch.distributed.distributed_c10d.X``, the same function)
-    are restored on exit; ``tests/test_torch_compat.py`` checks both.
-    """
+# Why private: ``torch.distributed`` re-exports ``init_process_group`` and
+# ``destroy_process_group`` from ``torch.distributed.distributed_c10d``, and code calls either
+# name; which modules hold the two is torch's layout, not an API.
+def process_group_function_modules() -> tuple:
+    """The modules whose ``init_process_group`` and ``destroy_process_group`` a script may call
+    (``zerocompile.script_runner`` replaces both while a script runs on the fake group)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    init_fake_process_group(world_size)
-    original_init, original_destroy = distributed_c10d.init_process_group, distributed_c10d.destroy_process_group
-
-    def init_process_group(*args, **kwargs):
-        asked = inspect.signature(original_init).bind(*args, **kwargs).arguments
-        asked_world, rank = asked.get("world_size", -1), asked.get("rank", -1)
-        if asked_world not in (-1, None, world_size) or rank not in (-1, None, 0):
-            raise ValueError(
-                f"the script asks for rank {rank} of {asked_world} ranks, but it runs as rank 0 of the "
-                f"fake process group of {world_size} ranks (--world-size {world_size}); take rank and world "
-                "size from the RANK and WORLD_SIZE environment variables, as under torchrun")
-
-    def destroy_process_group(group=None):
-        if group is not None and group is not dist.group.WORLD:
-            original_destroy(group)
-
-    names = ("init_process_group", "destroy_process_group")
-    saved = {(module, name): getattr(module, name) for module in (dist, distributed_c10d) for name in names}
-    for module in (dist, distributed_c10d):
-        module.init_process_group = init_process_group
-        module.destroy_process_group = destroy_process_group
-    try:
-        yield
-    finally:
-        for (module, name), value in saved.items():
-            setattr(module, name, value)
-        if dist.is_initialized():
-            original_destroy()
+    return (dist, distributed_c10d)
 
 
 def plain_tensor_ops():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import os
@@ -15,6 +17,21 @@ log = logging.getLogger("zerocompile")
 
 # checkpointed regions (HF's gradient_checkpointing_enable()) compile, so their parameters shard
 _torch_compat.trace_checkpointed_regions_with_side_effects()
+
+_OVERRIDE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("zerocompile_options_override", default=None)
+"""Options that override the script's in this context (``overriding_options``), or None."""
+
+
+@contextlib.contextmanager
+def overriding_options(options: dict):
+    """While open, every ``backend="zero"`` compile in this context merges ``options`` over the
+    script's own, as ``ZEROCOMPILE_OPTIONS`` does for a process (and in its place: the
+    variable is not read meanwhile). ``zerocompile plan`` runs the script inside it."""
+    token = _OVERRIDE.set(dict(options))
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
 
 
 def zero_backend(gm, example_inputs, options=None, mode=None, **kwargs):
@@ -30,12 +47,15 @@ def zero_backend(gm, example_inputs, options=None, mode=None, **kwargs):
 
 
 def _with_environment_options(options):
-    """``options`` updated with the JSON object in ``ZEROCOMPILE_OPTIONS`` (set by
-    ``zerocompile dump --options``): the environment's keys win."""
-    try:
-        extra = env.options_override()
-    except ValueError as err:
-        raise ZeroConfigError(str(err)) from None
+    """``options`` updated with the options of an enclosing ``overriding_options``, else with
+    the JSON object in ``ZEROCOMPILE_OPTIONS`` (set by ``zerocompile dump --options``): the
+    override's keys win."""
+    extra = _OVERRIDE.get()
+    if extra is None:
+        try:
+            extra = env.options_override()
+        except ValueError as err:
+            raise ZeroConfigError(str(err)) from None
     if extra is None:
         return options
     if isinstance(options, (str, os.PathLike)):          # a DeepSpeed JSON file

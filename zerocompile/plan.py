@@ -378,7 +378,7 @@ def plan_script(script: Path, script_args: list, world_size: int, options: dict 
 def _plan_once(script, script_args, world_size, options, hardware, stdout, replay: bool) -> PlanReport:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from zerocompile.cli import OPTIONS_ENV
+    from zerocompile.backend import overriding_options
     from zerocompile.graph_replay import GraphReplay
     from zerocompile.script_runner import run_script
 
@@ -419,8 +419,9 @@ def _plan_once(script, script_args, world_size, options, hardware, stdout, repla
                 measuring.close()       # the modes pushed at the first step, innermost first
 
     start = time.perf_counter()
-    report.exit_code = run_script(Path(script).resolve(), script_args, {OPTIONS_ENV: json.dumps(options)},
-                                  world_size, around=around(), stop=PlanFinished)
+    with overriding_options(options):       # the backend compiles every frame with plan's options
+        report.exit_code = run_script(Path(script).resolve(), script_args, {}, world_size, around=around(),
+                                      stop=PlanFinished)
     report.wall_s = time.perf_counter() - start
     if replayer is not None:
         report.graph_runs = {"executed": replayer.executed, "replayed": replayer.replayed}
