@@ -110,8 +110,9 @@ class ZeroOptimizer(Optimizer):
         self._params_view = OptimizerParams(self.param_groups, process_group)
         self._binding = InnerBinding(self._params_view, builder)
         self._clipper = GradClipper(self._params_view)
-        self._scaling = LossScaling(self._params_view, scaler, self._reduce_gradients, self._clipper)
-        self._reducer = GradReducer(self._params_view, self._scaling.loss_scaler)
+        # the collaborators hold no reference to the optimizer: one dropped is freed at once
+        self._scaling = LossScaling(self._params_view, scaler, self._clipper)
+        self._reducer = GradReducer(self._params_view, self._scaling)
         self._state_io = StateIO(self._binding, self._scaling, optimizer_class, self.defaults)
         ACCOUNTING.optimizers.add(self)
 
@@ -238,7 +239,7 @@ class ZeroOptimizer(Optimizer):
         scaler = self._scaling.loss_scaler()
         check_one_scaler(grad_scaler, scaler)
         if grad_scaler is not None:
-            overflow = bool(self._scaling.unscale_with(grad_scaler, self).item())
+            overflow = bool(self._scaling.unscale_with(grad_scaler, self, self._reducer.reduce).item())
         elif scaler is not None:
             self._reduce_gradients()
             overflow = bool(self._scaling.overflow(None).item())
@@ -281,7 +282,7 @@ class ZeroOptimizer(Optimizer):
         if grad_scaler is not None and grad_scaler.is_enabled():
             self._binding.sync_hyperparameters()
             check_one_scaler(grad_scaler, self._scaling.loss_scaler())
-            self._scaling.unscale_with(grad_scaler, self)
+            self._scaling.unscale_with(grad_scaler, self, self._reducer.reduce)
         else:
             self._scaling.clipped_scaled = True
         self._reduce_gradients()

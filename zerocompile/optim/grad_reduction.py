@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Callable
-
 import torch
 
 from zerocompile import loss_scale
@@ -34,12 +32,12 @@ def bucket_bytes(states) -> int:
 
 
 class GradReducer:
-    """``params``: the optimizer's ``OptimizerParams``; ``loss_scaler``: the ``loss_scale``
-    option's scaler of this optimizer, or None (``LossScaling.loss_scaler``)."""
+    """``params``: the optimizer's ``OptimizerParams``; ``scaling``: its ``LossScaling`` (the
+    ``loss_scale`` option's scaler, or None)."""
 
-    def __init__(self, params, loss_scaler: Callable[[], loss_scale.LossScaler | None]) -> None:
+    def __init__(self, params, scaling) -> None:
         self.params = params
-        self.loss_scaler = loss_scaler
+        self.scaling = scaling
         self.reduced = False            # the gradients of this step were reduced (some may be stale again)
         self._warned_unsharded = False   # the warning about parameters no compiled frame used, given
 
@@ -59,7 +57,7 @@ class GradReducer:
             return
         again = self.reduced     # some gradients were reduced before the last backward
         self._agree_on_gradients()
-        scaler = self.loss_scaler()
+        scaler = self.scaling.loss_scaler()
         scale = scaler.scale if scaler is not None else None
         full = defaultdict(list)        # (group, reduce dtype) -> replicated grads to all-reduce
         # (group, reduce dtype) -> (state, full grad, accumulate?, scale it carries or None)

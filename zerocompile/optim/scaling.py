@@ -27,14 +27,14 @@ from zerocompile.runtime.zero_parameter import raw_grad
 
 class LossScaling:
     """``params``: the optimizer's ``OptimizerParams``; ``scaler``: the ``loss_scale`` option's
-    scaler, configured by the first frame that scales (its parameters claim it); ``reduce``:
-    brings the gradients to where the inner optimizer reads them; ``clipper``: the optimizer's
-    ``GradClipper`` (a coefficient still deferred is applied before checking)."""
+    scaler, configured by the first frame that scales (its parameters claim it); ``clipper``:
+    the optimizer's ``GradClipper`` (a coefficient still deferred is applied before checking).
+    It holds no reference to the optimizer (nor to anything that holds one): an optimizer
+    dropped is freed at once, and with it an offloaded state's swap file."""
 
-    def __init__(self, params, scaler: loss_scale.LossScaler, reduce: Callable[[], None], clipper) -> None:
+    def __init__(self, params, scaler: loss_scale.LossScaler, clipper) -> None:
         self.params = params
         self.scaler = scaler
-        self.reduce = reduce
         self.clipper = clipper
         self.clipped_scaled = False     # clip_grad_norm_ ran without knowing of a GradScaler
         self.flag: torch.Tensor | None = None   # overflow flag recorded for a GradScaler
@@ -110,10 +110,11 @@ class LossScaling:
             flag = torch.maximum(flag, (f.to(device) > 0).float())
         return all_reduce_max(flag, self.params.layout_group())
 
-    def unscale_with(self, grad_scaler, optimizer) -> torch.Tensor:
-        """For a ``torch.amp.GradScaler``, once per iteration: reduce the gradients, divide them
-        by its scale, and record the all-reduced overflow flag in its state for ``optimizer``
-        (which ``scaler.update()`` reads); return the flag."""
+    def unscale_with(self, grad_scaler, optimizer, reduce: Callable[[], None]) -> torch.Tensor:
+        """For a ``torch.amp.GradScaler``, once per iteration: reduce the gradients (``reduce``
+        brings them to where the inner optimizer reads them), divide them by its scale, and
+        record the all-reduced overflow flag in its state for ``optimizer`` (which
+        ``scaler.update()`` reads); return the flag."""
         ready, unscaled, _ = _torch_compat.grad_scaler_stages()
         state = _torch_compat.grad_scaler_state(grad_scaler, optimizer)
         if state["stage"] is unscaled and self.flag is not None:
@@ -134,7 +135,7 @@ class LossScaling:
             # first read reduced them), the shard gradients' DTensors at stages 1-3
             inv_scale = None
             earlier = tuple(state["found_inf_per_device"].values())
-        self.reduce()
+        reduce()
         flag = self.overflow(inv_scale, earlier)
         state["found_inf_per_device"] = {scale.device: flag.to(scale.device)}
         state["stage"] = unscaled
