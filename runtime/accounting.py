@@ -180,3 +180,22 @@ def frame_reports() -> list[dict]:
     for runner in sorted(ACCOUNTING.frames, key=lambda r: r.order):
         out.append(runner.report())
     return out
+
+
+def frame_roots() -> list:
+    """The modules each compiled frame alive was reached from (``FrameRunner.roots``), frame
+    by frame; a module several frames share comes once per frame."""
+    return [root for runner in list(ACCOUNTING.frames) for root in runner.roots]
+
+
+def newest_frame_order() -> int:
+    """The compile order (``FrameRunner.order``) of the newest compiled frame alive, 0 if none."""
+    return max((runner.order for runner in list(ACCOUNTING.frames)), default=0)
+
+
+def simulated_peak_bytes(states) -> int:
+    """The largest simulated transient peak of the compiled frames alive that use any of the
+    shard states ``states`` (their reports' ``simulated_peak_bytes``), 0 if none."""
+    ids = {id(sp) for sp in states}
+    frames = [r for r in list(ACCOUNTING.frames) if any(id(sp) in ids for sp in r.plans if sp is not None)]
+    return max((r.report()["results"].get("simulated_peak_bytes", 0) for r in frames), default=0)

@@ -25,8 +25,8 @@ from models import MLP, make_batch
 from zerocompile.config import ZeroConfig, ZeroConfigError
 from zerocompile.loss_scale import LossScaleError, LossScaler, LossScaleSettings
 
-# torch says it will stop passing itself to optimizers' step; ZeroOptimizer hides that (see
-# zerocompile/optimizer.py), but pytest records warnings under its own filters
+# torch says it will stop passing itself to optimizers' step, in scaler.step(opt) itself, before
+# ZeroOptimizer runs; zerocompile installs no warnings filter (see docs/api.md, loss scaling)
 pytestmark = pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself:FutureWarning")
 
 STEPS = 5

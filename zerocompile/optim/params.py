@@ -1,0 +1,60 @@
+"""The parameters of one ``ZeroOptimizer`` as zerocompile sees them: each one's shard state
+(None where no compiled frame has used it), the tensor the inner optimizer updates for it, the
+process group they are sharded over, the device they live on."""
+
+from __future__ import annotations
+
+import torch
+
+from zerocompile.runtime.comm import CommGroup, resolve_group
+from zerocompile.runtime.sharded_param import get_state
+
+
+def target_of(p: torch.Tensor) -> torch.Tensor:
+    """The tensor the inner optimizer updates for ``p``: its shard (stages 1-3), else ``p``."""
+    sp = get_state(p)
+    return p if sp is None else sp.rules.optimizer_target(sp)
+
+
+class OptimizerParams:
+    """``param_groups`` (the optimizer's own list, read live) and the process group given to the
+    optimizer (``default_group``: for parameters no compiled frame has sharded)."""
+
+    def __init__(self, param_groups: list, default_group) -> None:
+        self.param_groups = param_groups
+        self.default_group = default_group
+
+    def __iter__(self):
+        """Each parameter once, in param-group order."""
+        seen = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def states(self) -> list:
+        """The shard state of each parameter that has one."""
+        return [sp for p in self if (sp := get_state(p)) is not None]
+
+    def group_of(self, sp) -> CommGroup:
+        """The process group of a parameter with shard state ``sp`` (None: not sharded)."""
+        return sp.group if sp is not None else resolve_group(self.default_group)
+
+    def layout_group(self) -> CommGroup:
+        """The group the parameters are sharded over (the given one while none is sharded)."""
+        for p in self:
+            sp = get_state(p)
+            if sp is not None:
+                return sp.group
+        return resolve_group(self.default_group)
+
+    def device(self) -> torch.device:
+        return next((target_of(p).device for p in self), torch.device("cpu"))
+
+    def check_one_group(self) -> None:
+        names = {sp.group.name for sp in self.states()}
+        if len(names) > 1:
+            raise ValueError(
+                f"ZeroOptimizer: its parameters are sharded over different process groups "
+                f"({sorted(names)}); use one ZeroOptimizer per data-parallel group")

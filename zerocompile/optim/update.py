@@ -1,0 +1,130 @@
+"""The update of one optimizer step: the inner optimizer steps the targets (shards kept in
+files read back for it), then the replicas are refreshed from the updated shards (stages 1/2),
+or, in a step skipped for overflow, nothing moves; after a step in which frames were compiled,
+the garbage Dynamo's tracing left is collected."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections import defaultdict
+
+import torch
+
+from zerocompile.optim.grad_reduction import bucket_bytes
+from zerocompile.optim.params import target_of
+from zerocompile.runtime import fused_adam
+from zerocompile.runtime.accounting import newest_frame_order
+from zerocompile.runtime.param_offload import resident_shards
+from zerocompile.runtime.sharded_param import get_state
+from zerocompile.runtime.step_collectives import all_gather_concat
+
+log = logging.getLogger("zerocompile")
+
+
+def step_inner(inner, params, clipper, copies: dict) -> None:
+    """The inner optimizer's update. Shards kept in files (``offload_param``) are read back
+    for it and written again: with zerocompile's fused kernels part by part, at most
+    ``buffer_count * buffer_size`` elements of them at a time (each parameter's update
+    depends on nothing else, so the numbers are those of one step of all); torch's
+    optimizers update every tensor in one call, so all of them at once. ``params``: the
+    optimizer's ``OptimizerParams``; ``clipper``: its ``GradClipper``; ``copies``: filled as
+    ``_fused_step`` says."""
+    states = {id(target_of(p)): sp for p in params if (sp := get_state(p)) is not None}
+    offloaded = [sp for sp in states.values() if sp.shard_file is not None]
+    if not isinstance(inner, fused_adam.FusedAdam):
+        with resident_shards(offloaded, write=True, threads=max((sp.offload_param.threads for sp in offloaded),
+                                                                 default=1)):
+            inner.step()
+        return
+    in_files = {id(sp.shard) for sp in offloaded}
+    _fused_step(inner, [t for g in inner.param_groups for t in g["params"] if id(t) not in in_files], states,
+                clipper, copies)
+    if not offloaded:
+        return
+    settings = offloaded[0].offload_param
+    limit = settings.buffer_count * settings.buffer_size
+    part, size = [], 0
+    for sp in offloaded + [None]:
+        if part and (sp is None or size + sp.chunk > limit):
+            with resident_shards(part, write=True, threads=settings.threads):
+                _fused_step(inner, [s.shard for s in part], states, clipper, copies)
+            part, size = [], 0
+        if sp is not None:
+            part.append(sp)
+            size += sp.chunk
+
+
+def _fused_step(inner, targets: list, states: dict, clipper, copies: dict) -> None:
+    """The fused inner optimizer's update of ``targets``, the gradients still owed a deferred
+    clipping coefficient multiplied by it inside the kernel, and (stages 1/2 with a
+    ``param_dtype``) the shard's copy in the compute dtype, which the replica's all-gather
+    sends, written in the same pass (into ``copies``: id(shard) -> the updated shard in the
+    compute dtype). ``states`` maps ``id`` of each target to its parameter's shard state."""
+    written = {}
+    for t in targets:
+        sp = states.get(id(t))
+        if (t.grad is not None and sp is not None and sp.rules.keeps_replica and sp.requires_grad
+                and sp.compute_dtype != sp.dtype):
+            written[id(t)] = torch.empty(t.shape, dtype=sp.compute_dtype, device=t.device)
+    scale = clipper.deferred_scale
+    scaled = [t for t in targets if scale is not None and id(t) in clipper.deferred]
+    rest = [t for t in targets if scale is None or id(t) not in clipper.deferred]
+    if scaled:
+        inner.step(only=scaled, grad_scale=scale, copies=written)
+    if rest:
+        inner.step(only=rest, copies=written)
+    # the inner optimizer removed the copies it did not write (parameters whose optimizer
+    # state streams from a swap file): the after-step casts those shards itself
+    copies.update(written)
+
+
+def after_step(params, copies: dict) -> None:
+    """Refresh the replicas (and separate full parameters) from the updated shards, drop the
+    shard gradients reduced in the step, release eager-gathered copies. ``copies``: what
+    ``step_inner`` wrote in the compute dtype."""
+    replicas = defaultdict(list)
+    for p in params:
+        sp = get_state(p)
+        if sp is None or not sp.rules.shards_master:
+            continue
+        if sp.rules.keeps_replica and sp.requires_grad:
+            replicas[(sp.group, sp.compute_dtype)].append((sp, sp.refresh_replica))
+        if sp.separate_full_param and sp.requires_grad:
+            replicas[(sp.group, sp.dtype)].append((sp, sp.refresh_param))
+        if sp.rules.reduces_in_step:
+            sp.shard.grad = None     # the full gradients stay until zero_grad()
+            sp.forget_reduction()
+        sp.release()                 # eager-gathered copies are stale now
+    for (group, dtype), items in replicas.items():
+        with resident_shards([sp for sp, _ in items]):     # offload_param: shards read back
+            shards = [copies.get(id(sp.shard)) if dtype == sp.compute_dtype else None for sp, _ in items]
+            shards = [c if c is not None else sp.shard.detach().to(dtype) for c, (sp, _) in zip(shards, items)]
+            all_gather_concat(shards, group, bucket_bytes([sp for sp, _ in items]),
+                              lambda i, rows: items[i][1](rows))
+
+
+def skip_update(params) -> None:
+    """The update is skipped: shards, replicas and optimizer state stay as they are."""
+    log.info("ZeroOptimizer: step skipped, non-finite gradients on some rank")
+    for p in params:
+        sp = get_state(p)
+        if sp is not None and sp.rules.reduces_in_step:
+            sp.shard.grad = None     # as after a step: the full gradients stay until zero_grad()
+            sp.forget_reduction()
+
+
+def collect_compile_garbage(collected_through) -> int:
+    """After a step in which frames were compiled, run Python's cyclic garbage collector
+    once. Dynamo's tracing leaves reference cycles that hold each compiled frame's example
+    inputs (that step's activations: a decoder layer's hidden states, its position ids);
+    uncollected, they stay alive until the interpreter's next full collection, at a point
+    of its choosing, and every step's peak until then counts them. Collected here, the
+    memory of later steps is the program's own, the same in a real run and in ``plan``.
+    ``collected_through``: the compile order of the newest frame whose garbage was collected;
+    returns the new one."""
+    newest = newest_frame_order()
+    if newest > collected_through:
+        gc.collect()
+        return newest
+    return collected_through
