@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import zerocompile
+from zerocompile import env
 from zerocompile.runtime import cpu_extension, fused_adam
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -481,7 +482,7 @@ def test_a_finished_build_is_imported_by_a_fresh_process_without_building(monkey
     binary names another folder."""
     module = cpu_extension.load("fused_adam")
     assert module is not None, "the C++ kernel could not be built here"
-    folder = cpu_extension._cache_root() / "build" / cpu_extension.build_key("fused_adam")
+    folder = env.cache_root() / "build" / cpu_extension.build_key("fused_adam")
     assert Path(module.__file__).parent == folder
     assert (folder / "complete").read_text().strip() == Path(module.__file__).name
     # a fresh process whose torch builder would fail: it is never called

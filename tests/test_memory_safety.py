@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import run_ranks
 from harness import Run, assert_matches, reference, zero_train
-from zerocompile._torch_compat import CheckedInterpreter
+from zerocompile.inner_compilers import CheckedInterpreter
 from zerocompile.runtime.comm import (all_gather_flat, check_collectives_runnable,
                                       lower_collectives_for_backend)
 

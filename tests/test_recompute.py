@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerocompile import _torch_compat
+from zerocompile import _torch_compat, inner_compilers
 from zerocompile.config import ZeroConfig
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.cost_model import CostModel
@@ -140,7 +140,7 @@ def compiled_step(option, layers=LAYERS, dropout=0.0, also=()) -> RecordingParti
     reference = copy.deepcopy(model)
     part = RecordingPartitioner(option, also)
     compiled = torch.compile(model, fullgraph=True,
-                             backend=lambda gm, inputs: _torch_compat.compile_with_aot_eager(gm, inputs, part))
+                             backend=lambda gm, inputs: inner_compilers.compile_with_aot_eager(gm, inputs, part))
     idx, targets = batch()
     torch.manual_seed(1)
     loss = compiled(idx, targets)

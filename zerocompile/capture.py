@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.fx
 
-from zerocompile import _torch_compat, loss_scale
+from zerocompile import _torch_compat, inner_compilers, loss_scale
 from zerocompile.config import ZeroConfig
 from zerocompile.dump import recorder_for
 from zerocompile.passes.collective_summary import summarize_collectives
@@ -385,9 +385,10 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     log.info("[%s] %d parameters (stage %d, world %d) -> %s", frame,
              sum(p is not None for p in plans), cfg.stage, group.world, cfg.inner_compiler)
     if cfg.inner_compiler == "eager":
-        compiled = _torch_compat.compile_with_aot_eager(gm, new_inputs, partitioner, partitioner.inference)
+        compiled = inner_compilers.compile_with_aot_eager(gm, new_inputs, partitioner, partitioner.inference,
+                                                          debug_checks=cfg.debug_checks)
     else:
-        compiled = _torch_compat.compile_with_inductor(gm, new_inputs, partitioner, partitioner.inference)
+        compiled = inner_compilers.compile_with_inductor(gm, new_inputs, partitioner, partitioner.inference)
 
     def new_state(param, plan: ShardedParam) -> ShardedParam:
         # a parameter first seen at run time, in the place of one traced like it (same shape,
