@@ -133,3 +133,28 @@ def test_leaves_import_nothing_of_the_package(leaf):
 def test_no_module_near_a_thousand_lines():
     long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 700}
     assert not long, f"modules over 700 lines (split them by job): {long}"
+
+
+def test_passes_take_their_options_as_arguments():
+    """Only the pass manager reads the config (it binds each pass's options); a pass reading
+    ``ctx.config`` would hide what it depends on."""
+    readers = []
+    for name, path in modules().items():
+        if not name.startswith("zerocompile.passes.") or name in ("zerocompile.passes.manager",
+                                                                  "zerocompile.passes.context"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "config" and isinstance(node.value, ast.Name) \
+                    and node.value.id == "ctx":
+                readers.append(f"{name}:{node.lineno}")
+    assert not readers, f"passes reading ctx.config (bind the option in passes/manager.py instead): {readers}"
+
+
+def test_no_warnings_filter_is_installed_at_import():
+    installed = []
+    for name, path in modules().items():
+        for node in ast.parse(path.read_text()).body:      # module level only
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) \
+                    and "filterwarnings" in ast.unparse(node.value.func):
+                installed.append(name)
+    assert not installed, f"modules that change the warnings filters when imported: {installed}"
