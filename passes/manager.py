@@ -57,6 +57,13 @@ class GraphPass:
     the graph breaks what the pass promises (``torch.fx.passes.infra``'s ``ensures``)."""
     bind: Callable = lambda config: {}
     """The pass's knobs: the keyword arguments it takes from the config (``config -> dict``)."""
+    option: str = ""
+    """For a pass an option asks for (``enabled``), that option's name: ``check_stages`` refuses
+    the option at a stage the pass does not apply to, with ``stage_reason`` and ``otherwise``."""
+    stage_reason: str = ""
+    """Why the pass needs its stages (for the error)."""
+    otherwise: str = ""
+    """The other fix than changing the stage (for the error)."""
 
 
 def _registry() -> list[GraphPass]:
@@ -109,6 +116,8 @@ def _registry() -> list[GraphPass]:
                   requires=("tags", "resharded"), optional=False,
                   enabled=lambda config: config.zero_hpz_partition_size > 1,
                   bind=lambda config: {"zero_hpz_partition_size": config.zero_hpz_partition_size},
+                  option="zero_hpz_partition_size", otherwise="or set it to 1",
+                  stage_reason="it partitions the parameters the backward re-gathers",
                   summary="ZeRO++ hpZ: backward re-gathers from secondary shards within groups of k ranks",
                   required_because="it is what zero_hpz_partition_size asks for (set zero_hpz_partition_size=1 "
                                    "instead)"),
@@ -123,12 +132,16 @@ def _registry() -> list[GraphPass]:
         GraphPass("quantize_weight_gathers", quantize_weight_gathers, ("forward", "backward", "inference"),
                   stages=(3,), requires=("tags",), optional=False,
                   enabled=lambda config: config.zero_quantized_weights,
+                  option="zero_quantized_weights", otherwise="or drop it",
+                  stage_reason="it quantizes the parameter all-gathers, which only stage 3 has",
                   summary="ZeRO++ qwZ: parameter all-gathers move int8 values and block scales",
                   required_because="it is what zero_quantized_weights asks for (set zero_quantized_weights=False "
                                    "instead)"),
         GraphPass("quantize_gradient_reductions", quantize_gradient_reductions, ("backward",),
                   stages=(2, 3), requires=("tags",), optional=False,
                   enabled=lambda config: config.zero_quantized_gradients,
+                  option="zero_quantized_gradients", otherwise="or drop it",
+                  stage_reason="it quantizes the gradient reduce-scatters of the backward graphs",
                   bind=lambda config: {"zero_hpz_partition_size": config.zero_hpz_partition_size},
                   summary="ZeRO++ qgZ: gradient reduce-scatters become int8 all-to-alls and a local sum",
                   required_because="it is what zero_quantized_gradients asks for (set "
@@ -158,6 +171,16 @@ def check_disabled_passes(names: tuple) -> None:
                 "unknown option", "unknown pass in the disabled passes:"))
         if not known[name].optional:
             raise ZeroConfigError(f"pass '{name}' cannot be disabled: {known[name].required_because}")
+
+
+def check_stages(config, passes: list | None = None) -> None:
+    """Raise ``ZeroConfigError`` for an option that asks for a pass at a stage the pass does not
+    apply to (the stage rules live in the registry, once)."""
+    for p in _registry() if passes is None else passes:
+        if p.option and config.stage not in p.stages and p.enabled(config):
+            stages = " or ".join(str(s) for s in p.stages)
+            raise ZeroConfigError(f"option '{p.option}' needs stage {stages} ({p.stage_reason}), not stage "
+                                  f"{config.stage}; use stage={stages}, {p.otherwise}")
 
 
 def _selected(config, graph_kind: str | None = None, passes: list | None = None) -> list[GraphPass]:

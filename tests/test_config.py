@@ -351,3 +351,22 @@ def test_a_deepspeed_json_file_as_torch_compile_options(tmp_path, monkeypatch):
     bad.write_text("[1, 2]")
     with pytest.raises(ZeroConfigError, match=r"must hold a JSON object \(a DeepSpeed config\), got list"):
         ZeroConfig.from_options(bad)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"stage": 2, "zero_quantized_weights": True},
+     "option 'zero_quantized_weights' needs stage 3 (it quantizes the parameter all-gathers, which only stage 3 "
+     "has), not stage 2; use stage=3, or drop it"),
+    ({"stage": 1, "zero_quantized_gradients": True},
+     "option 'zero_quantized_gradients' needs stage 2 or 3 (it quantizes the gradient reduce-scatters of the "
+     "backward graphs), not stage 1; use stage=2 or 3, or drop it"),
+    ({"stage": 2, "zero_hpz_partition_size": 2},
+     "option 'zero_hpz_partition_size' needs stage 3 (it partitions the parameters the backward re-gathers), "
+     "not stage 2; use stage=3, or set it to 1"),
+])
+def test_options_that_ask_for_a_stage_bound_pass_are_refused_from_the_registry(options, message):
+    """The stage each ZeRO++ option needs is the stages of the pass it asks for (one rule, in
+    passes/manager.py), and the message names the option, the reason and both fixes."""
+    with pytest.raises(ZeroConfigError) as err:
+        ZeroConfig.from_options(options)
+    assert str(err.value) == message

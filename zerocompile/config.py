@@ -18,7 +18,7 @@ import torch
 from zerocompile import deepspeed_config
 from zerocompile.errors import ZeroConfigError, unknown_key_message
 from zerocompile.loss_scale import parse_loss_scale
-from zerocompile.passes.manager import check_disabled_passes, check_pipeline
+from zerocompile.passes.manager import check_disabled_passes, check_pipeline, check_stages
 from zerocompile.runtime.offload_settings import parse_offload
 
 _DTYPES = {
@@ -274,24 +274,14 @@ class ZeroConfig:
         if not isinstance(self.zero_quantized_weights, bool):
             raise ZeroConfigError(f"option 'zero_quantized_weights' = {self.zero_quantized_weights!r} is invalid; "
                                   "allowed: True, False")
-        if self.zero_quantized_weights and self.stage != 3:
-            raise ZeroConfigError(f"option 'zero_quantized_weights' needs stage 3 (it quantizes the parameter "
-                                  f"all-gathers, which only stage 3 has), not stage {self.stage}; use stage=3, "
-                                  "or drop it")
         if not isinstance(self.zero_quantized_gradients, bool):
             raise ZeroConfigError(f"option 'zero_quantized_gradients' = {self.zero_quantized_gradients!r} is "
                                   "invalid; allowed: True, False")
-        if self.zero_quantized_gradients and self.stage not in (2, 3):
-            raise ZeroConfigError(f"option 'zero_quantized_gradients' needs stage 2 or 3 (it quantizes the gradient "
-                                  f"reduce-scatters of the backward graphs), not stage {self.stage}; use stage=2 or 3, "
-                                  "or drop it")
         hpz = self.zero_hpz_partition_size
         if isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1:
             raise ZeroConfigError(f"option 'zero_hpz_partition_size' = {hpz!r} is invalid; allowed: an integer >= 1 "
                                   "(1 = off; the ranks per node)")
-        if hpz > 1 and self.stage != 3:
-            raise ZeroConfigError(f"option 'zero_hpz_partition_size' needs stage 3 (it partitions the parameters the "
-                                  f"backward re-gathers), not stage {self.stage}; use stage=3, or set it to 1")
+        check_stages(self)               # the options that ask for stage-bound passes (ZeRO++)
         if hpz > 1 and not self.reshard_after_forward:
             raise ZeroConfigError("option 'zero_hpz_partition_size' needs reshard_after_forward=True: with it False "
                                   "the backward re-gathers nothing to partition")
