@@ -68,7 +68,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
+import bench_harness as harness  # noqa: E402
 from common import MiB, RESULTS, all_ranks_ok, error_line, load_example, spawn_ranks  # noqa: E402
 
 SYSTEMS = ("ddp", "fsdp2", "fsdp2-compile", "ds-zero1", "ds-zero2", "ds-zero3", "ds-zero3-offload",

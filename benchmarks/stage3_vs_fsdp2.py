@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
+import bench_harness as harness  # noqa: E402
 from common import MiB, RESULTS, error_line, load_example, spawn_ranks  # noqa: E402
 
 SYSTEMS = ("zero3", "zero3-profile", "zero3-nopass", "fsdp2")

@@ -30,6 +30,11 @@ INTEGRATION_EXTRA = "hf"
 """``zerocompile.integrations`` modules exist to use their libraries (``ZeroTrainer`` subclasses
 ``transformers.Trainer``): they import the ``hf`` extra at module level, and nothing imports them
 but the user (``import zerocompile`` does not; the plain-install check below skips them)."""
+LAZY_ONLY = {"runtime/triton_common.py"}
+"""Installed modules that import an optional package at module level because that package
+needs it (Triton's interpreter looks for ``triton.language`` among a kernel module's globals),
+and that no installed module imports at module level (checked below): they load only when a
+feature that has the package runs, so their imports count as inside a function."""
 TEST_PLUGINS = {"pytest-xdist"}
 """Pytest plugins the test command loads (``make test`` runs ``pytest -n``), which no test imports."""
 """Every other extra serves an optional feature of the installed code (``plot``): its packages are
@@ -80,7 +85,9 @@ def _third_party(folders: list, local: set) -> dict:
     out = {}
     for folder in folders:
         for path in sorted(folder.rglob("*.py")):
+            lazy = str(path.relative_to(ROOT)) in LAZY_ONLY
             for name, module_level in _imports(path):
+                module_level = module_level and not lazy
                 if name in sys.stdlib_module_names or name == "zerocompile" or name in local:
                     continue
                 for dist in providers.get(name, [name]):
@@ -110,6 +117,23 @@ def test_base_dependencies_are_what_the_installed_code_imports():
                         if all(w.startswith(str(INTEGRATIONS.relative_to(ROOT))) for w in imported[d]["where"])}
     eager = {d for d in optional & set(imported) if imported[d]["module_level"]} - integration_only
     assert not eager, f"optional-feature packages imported at module level: {_report(imported, eager)}"
+
+
+def test_lazy_only_modules_are_imported_inside_functions_only():
+    stems = {Path(m).stem for m in LAZY_ONLY}
+    eager = []
+    for folder in INSTALLED:
+        for path in sorted(folder.rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            parents = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and any(s in ast.unparse(node) for s in stems):
+                    up = node
+                    while up in parents and not isinstance(up, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        up = parents[up]
+                    if not isinstance(up, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        eager.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert stems and not eager, f"modules of LAZY_ONLY imported at module level: {eager}"
 
 
 def test_test_extra_is_what_the_tests_import():
