@@ -23,7 +23,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 @dataclass
@@ -43,9 +43,12 @@ class CollectiveTotals:
 
 def ring_wire_bytes(kind: str, nbytes: int, group_size: int) -> float:
     """Bytes one rank sends in a ring collective of ``kind`` over ``group_size`` ranks whose
-    full buffer is ``nbytes`` (an all-reduce is a reduce-scatter and an all-gather)."""
+    full buffer is ``nbytes`` (an all-reduce is a reduce-scatter and an all-gather). An
+    all-to-all's ``nbytes`` is what the rank sends to the others already."""
     if group_size <= 1:
         return 0.0
+    if kind == "all_to_all":
+        return float(nbytes)
     return nbytes * (group_size - 1) / group_size * (2 if kind == "all_reduce" else 1)
 
 
@@ -68,10 +71,13 @@ class ZeroStats:
     """Bytes of optimizer state offloaded to host memory or swap files (``offload_optimizer``)."""
     offloaded_param_bytes: int = 0
     """Bytes of parameter shards held in files instead of ``param_bytes`` (``offload_param``)."""
+    all_to_all: CollectiveTotals = field(default_factory=CollectiveTotals)
+    """All-to-alls the optimizer step issues (a whole-parameter optimizer's gradient pieces to each
+    parameter's owner and the updated pieces back); ``bytes``: what this rank sends to the others."""
 
     @property
     def comm_bytes(self) -> int:
-        return self.all_gather.bytes + self.reduce_scatter.bytes + self.all_reduce.bytes
+        return sum(getattr(self, k).bytes for k in COLLECTIVE_KINDS)
 
     @property
     def wire_bytes(self) -> float:

@@ -163,3 +163,20 @@ def all_reduce_mean_(tensors: list[torch.Tensor], group: CommGroup, bucket_bytes
             offset += n
 
     _two_in_flight(buckets, start, finish)
+
+
+def start_all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                     group: CommGroup) -> torch.Tensor:
+    """Start an all-to-all of the flat ``send``: ``send_counts[r]`` elements to rank ``r`` (in
+    rank order), ``recv_counts[r]`` from it; returns the received flat tensor, to be read after
+    ``finish_all_to_all``. Recorded as the bytes this rank sends to the other ranks."""
+    if group.world == 1:
+        return send
+    elem = send.element_size()
+    ACCOUNTING.record("all_to_all", (sum(send_counts) - send_counts[group.rank]) * elem)
+    return _c10d.all_to_all_single(send, list(recv_counts), list(send_counts), group.name)
+
+
+def finish_all_to_all(received: torch.Tensor) -> torch.Tensor:
+    """Wait for an all-to-all ``start_all_to_all`` started; return the received tensor."""
+    return _c10d.wait_tensor(received)

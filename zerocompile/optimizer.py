@@ -49,10 +49,12 @@ from zerocompile.optim import update
 from zerocompile.optim.binding import InnerBinding
 from zerocompile.optim.clipping import GradClipper
 from zerocompile.optim.grad_reduction import GradReducer, clear_gradients, parameter_names
-from zerocompile.optim.kernels import KERNEL_CHOICES, InnerOptimizerBuilder
+from zerocompile.optim.grouped import GroupedBuilder, check_group_shapes, class_defaults, group_class
+from zerocompile.optim.kernels import KERNEL_CHOICES
 from zerocompile.optim.param_state import ParamState
 from zerocompile.optim.params import OptimizerParams
-from zerocompile.optim.rules import check_elementwise
+from zerocompile.optim.rules import check_class_argument, check_optimizer_class, needs_whole_parameter
+from zerocompile.optim.whole_param import placeholder
 from zerocompile.optim.scaling import LossScaling, check_one_scaler
 from zerocompile.optim.state_io import StateIO
 from zerocompile.runtime.accounting import ACCOUNTING
@@ -66,22 +68,29 @@ __all__ = ["KERNEL_CHOICES", "ParamState", "ZeroOptimizer"]
 class ZeroOptimizer(Optimizer):
     """``ZeroOptimizer(params, optimizer_class=torch.optim.AdamW, lr=..., ...)``.
 
-    ``optimizer_class`` must be element-wise (see ``zerocompile.optimizer_rules``): one of the
-    allow-listed torch classes, or any class with ``assume_elementwise=True``, your promise that
-    it updates every element from that element's value, gradient and state alone and never
-    depends on a parameter's shape."""
+    ``optimizer_class`` (see ``zerocompile.optimizer_rules``) is either element-wise, run on this
+    rank's flat shards: one of the allow-listed torch classes, or any class with
+    ``assume_elementwise=True``, your promise that it updates every element from that element's
+    value, gradient and state alone and never depends on a parameter's shape; or a
+    whole-parameter optimizer, run on whole parameters each at one owner rank
+    (``zerocompile/optim/whole_param.py``): ``torch.optim.Muon``, ``torch.optim.Adafactor``, or
+    any class with ``whole_parameter=True``, your statement that it updates each parameter from
+    that parameter alone (its values, gradient and state) and skips parameters without a gradient.
+
+    A param group may name its own class: ``{"params": ..., "optimizer_class": torch.optim.AdamW,
+    "lr": ...}`` (and ``"whole_parameter": True`` for a class of yours); its hyperparameters are
+    its own keys and that class's defaults, not the keyword arguments given here, which are for
+    ``optimizer_class``."""
 
     _step_supports_amp_scaling = True
     """``torch.amp.GradScaler.step`` passes itself to ``step(grad_scaler=...)``, which unscales
     the gradients where they live (see the module docstring)."""
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, process_group=None, *,
-                 assume_elementwise: bool = False, kernel: str = "auto", **defaults):
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
-            raise TypeError(
-                f"ZeroOptimizer: optimizer_class must be a torch.optim.Optimizer subclass "
-                f"(e.g. torch.optim.AdamW), got {optimizer_class!r}")
-        check_elementwise(optimizer_class, assume_elementwise)
+                 assume_elementwise: bool = False, whole_parameter: bool = False, kernel: str = "auto",
+                 **defaults):
+        check_class_argument(optimizer_class)
+        check_optimizer_class(optimizer_class, assume_elementwise, whole_parameter)
         if kernel not in KERNEL_CHOICES:
             raise ValueError(f"ZeroOptimizer: kernel={kernel!r} is invalid; allowed: "
                              f"{', '.join(repr(k) for k in KERNEL_CHOICES)}")
@@ -101,12 +110,16 @@ class ZeroOptimizer(Optimizer):
                              f"{meta[0]}), so the model was built under torch.device('meta') and has no values yet. "
                              "Give it values first: zerocompile.materialize(model) (its own init, shard by shard) or "
                              "zerocompile.load_pretrained(model, path), before compiling and training it")
+        whole = needs_whole_parameter(optimizer_class, whole_parameter)
         try:  # fail now, not at the first step, on a bad hyperparameter
-            probe = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
+            probe = optimizer_class([placeholder((2, 2) if whole else (1,), torch.float32, "cpu")], **defaults)
         except (TypeError, ValueError) as err:
             raise type(err)(f"ZeroOptimizer: {optimizer_class.__name__} rejects {defaults}: {err}") from err
         # the class's own defaults filled in
-        builder = InnerOptimizerBuilder(optimizer_class, kernel, self.defaults, dict(probe.defaults))
+        builder = GroupedBuilder(optimizer_class, kernel, self.defaults, dict(probe.defaults), whole_parameter)
+        for group in self.param_groups:
+            check_group_shapes(group, *builder.part_of(group), defaults if group_class(
+                group, optimizer_class) is optimizer_class else {})
         self._params_view = OptimizerParams(self.param_groups, process_group)
         self._binding = InnerBinding(self._params_view, builder)
         self._clipper = GradClipper(self._params_view)
@@ -134,6 +147,13 @@ class ZeroOptimizer(Optimizer):
             set_gradient_reducer(p, weakref.WeakMethod(self._gradients_for_reading))
 
     def add_param_group(self, param_group: dict) -> None:
+        own_class = param_group.get("optimizer_class") if isinstance(param_group, dict) else None
+        if own_class is not None and own_class is not self.__dict__.get("optimizer_class"):
+            check_class_argument(own_class, where="a param group's 'optimizer_class'")
+            check_optimizer_class(own_class, False, bool(param_group.get("whole_parameter", False)))
+            # its own class's defaults, not the keyword arguments given for optimizer_class
+            shape = (2, 2) if needs_whole_parameter(own_class, param_group.get("whole_parameter", False)) else (1,)
+            param_group = {**class_defaults(own_class, shape), **param_group}
         super().add_param_group(param_group)
         if "_binding" not in self.__dict__:    # in Optimizer.__init__: __init__ claims the groups after it
             return

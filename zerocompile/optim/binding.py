@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 
 from zerocompile.optim.param_state import PARAM_STATES, ParamState
 from zerocompile.optim.params import target_of
+from zerocompile.optim.whole_param import OWN_KEYS
 from zerocompile.runtime.offloaded_adam import OffloadedAdam
 
 log = logging.getLogger("zerocompile")
@@ -54,7 +55,9 @@ class InnerBinding:
         if not moved:
             return
         self.params.check_one_group()
-        if any(self.inner.state.get(self.bound[gi][pi]) for gi, pi in moved):
+        # a whole-parameter optimizer assigned owners to the sharded targets when it bound: build it again
+        if hasattr(self.inner, "holds_whole_state") or any(
+                self.inner.state.get(self.bound[gi][pi]) for gi, pi in moved):
             self._rebind_with_state(load)
             return
         for gi, pi in moved:
@@ -88,8 +91,15 @@ class InnerBinding:
         for _, p, target in self.pairs():
             values = self.target_state(target)
             if values:
-                out[p] = ParamState(dict(values), sharded=target is not p)
+                whole = self.holds_whole_state(target)
+                out[p] = ParamState(dict(values), sharded=target is not p and not whole,
+                                    owned=whole and target is not p)
         return out
+
+    def holds_whole_state(self, target) -> bool:
+        """The inner optimizer keeps ``target``'s state whole (a whole-parameter optimizer: the
+        parameter's owner holds it, in the parameter's shape), never cut into shards."""
+        return bool(getattr(self.inner, "holds_whole_state", lambda t: False)(target))
 
     def target_state(self, target) -> dict:
         """The inner optimizer's whole state of ``target`` (offloaded moments read back)."""
@@ -107,7 +117,7 @@ class InnerBinding:
         """Copy the param groups' hyperparameters (an LR scheduler changes them) into the inner optimizer's."""
         for outer, inner in zip(self.params.param_groups, self.inner.param_groups):
             for key, value in outer.items():
-                if key != "params":
+                if key != "params" and key not in OWN_KEYS:
                     inner[key] = value
 
     def add_group(self, group: dict) -> None:

@@ -16,6 +16,9 @@ class ParamState:
     """Element-wise tensors are this rank's flat shard (``chunk`` elements, zero-padded), as the
     inner optimizer holds them for a sharded parameter; otherwise every tensor is whole (the
     element-wise ones in the parameter's shape)."""
+    owned: bool = False
+    """Whole state of a sharded parameter that this rank alone holds: it owns the parameter for a
+    whole-parameter optimizer (Muon, Adafactor), so it is the one that writes it to a checkpoint."""
 
 
 PARAM_STATES = "zerocompile_param_states"

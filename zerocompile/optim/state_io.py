@@ -40,7 +40,9 @@ class StateIO:
             ids = []
             for p, target in zip(group["params"], targets):
                 values = self.binding.target_state(target)
-                if values:
+                if values and self.binding.holds_whole_state(target):
+                    state[index] = dict(values)     # whole, at this rank only (it owns the parameter)
+                elif values:
                     state[index] = {k: state_dict_values.exported(p, target, v) for k, v in values.items()}
                 ids.append(index)
                 index += 1
@@ -216,6 +218,11 @@ class StateIO:
 
     def _state_for_target(self, p, target, entry: ParamState, group_index: int) -> dict:
         sharded_target = target is not p
+        if self.binding.holds_whole_state(target):
+            if entry.sharded:
+                raise RuntimeError(f"ZeroOptimizer: shard state for parameter {tuple(p.shape)}, whose optimizer "
+                                   "keeps its state whole (a whole-parameter optimizer)")
+            return dict(entry.values)       # the inner optimizer keeps what its rank owns
         if entry.sharded == sharded_target:
             return dict(entry.values)
         if entry.sharded:
