@@ -1,7 +1,9 @@
-"""ZeroOptimizer runs only element-wise optimizers on flat shards: every allow-listed torch class
+"""ZeroOptimizer runs element-wise optimizers on flat shards: every allow-listed torch class
 (with its notable options: amsgrad, foreach, fused, nesterov, centered, decoupled weight decay)
-matches plain torch on the whole model, at world size 1 and on 2 ranks; Adafactor, LBFGS,
-SparseAdam and Muon are refused with their reason; an unknown class needs the opt-in."""
+matches plain torch on the whole model, at world size 1 and on 2 ranks; LBFGS and SparseAdam
+are refused with their reason; Muon and Adafactor run on whole parameters (their tests:
+test_whole_parameter_optimizers.py) and are refused as element-wise; an unknown class needs
+an opt-in."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import zerocompile
 from dist_utils import run_ranks
 from harness import train_on_rank_slices
 from models import make_batch, make_model
-from zerocompile.optimizer_rules import ELEMENTWISE, NOT_ELEMENTWISE
+from zerocompile.optimizer_rules import ELEMENTWISE, NOT_ELEMENTWISE, REFUSED, WHOLE_PARAMETER
 
 O = torch.optim
 STEPS = 6    # RAdam (betas 0.9, 0.99) rectifies from step 6 on, ASGD (t0=2) averages from step 3
@@ -103,25 +105,31 @@ PARAMS = [torch.nn.Parameter(torch.zeros(3, 4))]
 
 
 @pytest.mark.parametrize("cls, reason", [
-    (O.Adafactor, "rows and columns"),
     (O.LBFGS, "needs a closure"),
     (O.SparseAdam, "only takes sparse gradients"),
-    (O.Muon, "orthogonalizes each 2-D weight matrix"),
 ])
 @pytest.mark.parametrize("assume", [False, True])
-def test_shape_dependent_torch_optimizers_are_refused_even_with_the_opt_in(cls, reason, assume):
-    assert cls in NOT_ELEMENTWISE
-    with pytest.raises(ValueError, match=f"torch.optim.{cls.__name__} cannot run on flat parameter shards") as err:
+def test_optimizers_that_couple_parameters_are_refused_even_with_the_opt_in(cls, reason, assume):
+    assert cls in REFUSED and cls in NOT_ELEMENTWISE
+    with pytest.raises(ValueError, match=f"torch.optim.{cls.__name__} cannot run on sharded parameters") as err:
         zerocompile.ZeroOptimizer(PARAMS, optimizer_class=cls, assume_elementwise=assume)
-    assert reason in str(err.value) and "AdamW" in str(err.value)
+    assert reason in str(err.value) and "AdamW" in str(err.value) and "Muon" in str(err.value)
+
+
+@pytest.mark.parametrize("cls, reason", [(O.Adafactor, "rows and columns"), (O.Muon, "orthogonalizes")])
+def test_whole_parameter_optimizers_are_accepted_but_not_as_elementwise(cls, reason):
+    assert cls in WHOLE_PARAMETER and reason in WHOLE_PARAMETER[cls]
+    zerocompile.ZeroOptimizer(PARAMS, optimizer_class=cls)           # runs on whole parameters
+    with pytest.raises(ValueError, match=f"{cls.__name__} is not element-wise.*{reason}.*drop assume_elementwise"):
+        zerocompile.ZeroOptimizer(PARAMS, optimizer_class=cls, assume_elementwise=True)
 
 
 def test_a_subclass_of_a_refused_class_is_refused_too():
-    class MyAdafactor(O.Adafactor):
+    class MyLBFGS(O.LBFGS):
         pass
 
-    with pytest.raises(ValueError, match="a subclass of torch.optim.Adafactor.*rows and columns"):
-        zerocompile.ZeroOptimizer(PARAMS, optimizer_class=MyAdafactor, assume_elementwise=True)
+    with pytest.raises(ValueError, match="a subclass of torch.optim.LBFGS.*needs a closure"):
+        zerocompile.ZeroOptimizer(PARAMS, optimizer_class=MyLBFGS, assume_elementwise=True)
 
 
 class CountingAdamW(O.AdamW):
@@ -138,6 +146,7 @@ def test_unknown_subclass_needs_the_opt_in_and_then_matches_plain_torch():
     with pytest.raises(ValueError, match="CountingAdamW is not known to be element-wise") as err:
         zerocompile.ZeroOptimizer(PARAMS, optimizer_class=CountingAdamW, lr=0.01)
     assert "assume_elementwise=True" in str(err.value) and "not subclasses" in str(err.value)
+    assert "whole_parameter=True" in str(err.value)
 
     kw = {"lr": 0.01, "weight_decay": 0.1}
     ref = _reference(CountingAdamW, kw)

@@ -212,3 +212,120 @@ def test_bf16_compute_matches_one_rank_with_the_same_options():
         hidden = two[0][i]["state"]["blocks.0.fc.weight"]
         assert hidden.dtype == torch.float32
         assert not torch.equal(hidden, hidden.to(torch.bfloat16).float()), "masters rounded to bfloat16"
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _save_worker(rank, world, path):
+    model, opts, losses = _train(rank, world, "gpt", "muon", 3, steps=2)
+    zerocompile.save_checkpoint(path, model, opts[0], extra={"step": 2})
+    state = opts[0].state_dict()       # torch's layout: the owner's whole state, plain tensors
+    owned = sorted(k for k, st in state["state"].items() if "momentum_buffer" in st)
+    # a fresh model and optimizer at the same world size: the model from the checkpoint, the
+    # optimizer from the state dict, before the first forward shards the model
+    torch._dynamo.reset()
+    model = torch.compile(make_model("gpt", seed=5), backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    opts = _zero_optimizer(model, "muon")
+    zerocompile.load_checkpoint(path, model)
+    opts[0].load_state_dict(state)
+    _, _, again = _train(rank, world, "gpt", "muon", 3, steps=2, start=2, model=model, opts=opts)
+    return losses, again, zerocompile.full_state_dict(model, rank0_only=False), owned
+
+
+def _load_worker(rank, world, path, stage):
+    torch._dynamo.reset()
+    model = torch.compile(make_model("gpt", seed=5), backend="zero", options={"stage": stage, "inner_compiler": "eager"})
+    opts = _zero_optimizer(model, "muon")
+    assert zerocompile.load_checkpoint(path, model, opts[0]) == {"step": 2}
+    _, _, losses = _train(rank, world, "gpt", "muon", stage, steps=2, start=2, model=model, opts=opts)
+    return losses, zerocompile.full_state_dict(model, rank0_only=False), opts[0].state_bytes()
+
+
+def test_checkpoint_saves_the_owners_state_and_reshards_it_to_another_world_size(tmp_path):
+    """2 ranks at stage 3 save after 2 steps (each owner writes its matrices' momentum); 3 ranks at
+    stage 2 and 1 process at stage 1 load it (new owners) and continue: all equal 4 steps of
+    plain torch. The torch-layout state dict loads back at the same world size."""
+    path = str(tmp_path / "ck")
+    ref_losses, ref_state = _reference("gpt", "muon", steps=4)
+    saved = run_ranks(_save_worker, 2, path)
+    for losses, again, state, _ in saved:
+        _assert_close({"losses": losses + again, "state": state}, (ref_losses, ref_state), MUON_TOL)
+    # the owners hold the momentum of disjoint matrices: rank 0's and rank 1's state dicts differ
+    keys = [set(owned) for *_, owned in saved]
+    assert keys[0] and keys[1] and not keys[0] & keys[1]
+    three = run_ranks(_load_worker, 3, path, 2)
+    one = run_ranks(_load_worker, 1, path, 1)
+    for losses, state, _ in three + one:
+        _assert_close({"losses": losses, "state": state}, (ref_losses[2:], ref_state), MUON_TOL)
+    assert sum(b for _, _, b in three) == pytest.approx(one[0][2], rel=0.02)   # held once, split three ways
+
+
+# ----------------------------------------------------------------------------- declared classes, errors
+class ScaledSignSGD(torch.optim.Optimizer):
+    """A whole-parameter optimizer of a user's: the step scales by the parameter's RMS."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                rms = p.pow(2).mean().sqrt().clamp(min=1e-3)
+                p.add_(p.grad.sign(), alpha=-group["lr"] * float(rms))
+
+
+def _declared_worker(rank, world):
+    torch._dynamo.reset()
+    model = torch.compile(make_model("mlp"), backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=ScaledSignSGD, whole_parameter=True, lr=0.01)
+    _, _, losses = _train(rank, world, "mlp", None, 3, model=model, opts=[opt])
+    return losses, zerocompile.full_state_dict(model, rank0_only=False)
+
+
+def test_a_declared_whole_parameter_class_matches_plain_torch():
+    model = make_model("mlp")
+    opt = ScaledSignSGD(model.parameters(), lr=0.01)
+    losses = []
+    for step in range(STEPS):
+        x, y = make_batch("mlp", step, BATCH)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    for got in run_ranks(_declared_worker, 2):
+        _assert_close({"losses": got[0], "state": got[1]}, (losses, model.state_dict()), dict(weights=1e-6, loss=1e-6))
+    with pytest.raises(ValueError, match="ScaledSignSGD is not known to be element-wise.*whole_parameter=True"):
+        zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=ScaledSignSGD)
+
+
+def test_bad_input_is_refused_early():
+    model = make_model("gpt")
+    with pytest.raises(ValueError, match="Muon refuses a parameter of this param group.*only supports 2D"):
+        zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=torch.optim.Muon)
+    with pytest.raises(TypeError, match="a param group's 'optimizer_class' must be a torch.optim.Optimizer subclass"):
+        zerocompile.ZeroOptimizer([{"params": list(model.parameters()), "optimizer_class": "AdamW"}])
+    with pytest.raises(ValueError, match="contradict"):
+        zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=ScaledSignSGD, whole_parameter=True,
+                                  assume_elementwise=True)
+    with pytest.raises(ValueError, match="LBFGS cannot run on sharded parameters"):
+        zerocompile.ZeroOptimizer([{"params": list(model.parameters()), "optimizer_class": torch.optim.LBFGS}])
+
+
+def _offload_worker(rank, world, path):
+    torch._dynamo.reset()
+    model = torch.compile(make_model("gpt"), backend="zero", options={
+        "stage": 3, "inner_compiler": "eager", "offload_optimizer": {"device": "nvme", "nvme_path": path}})
+    opts = _zero_optimizer(model, "muon")
+    try:
+        _train(rank, world, "gpt", "muon", 3, steps=1, model=model, opts=opts)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_offloading_a_whole_parameter_optimizers_state_is_a_clear_error(tmp_path):
+    for message in run_ranks(_offload_worker, 2, str(tmp_path)):
+        assert message is not None and "offload_optimizer='nvme' is not supported for Muon" in message

@@ -198,6 +198,14 @@ class ZeroOptimizer(Optimizer):
         """``"cpu"`` or ``"nvme"`` where the optimizer state is offloaded, else None (also before binding)."""
         return self._binding.offload()
 
+    def holds_whole_state(self, p) -> bool:
+        """Whether ``p``'s optimizer state is kept whole, in ``p``'s shape (a whole-parameter
+        optimizer's: at ``p``'s owner rank only when ``p`` is sharded), never cut into shards."""
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                return self._binding.builder.part_of(group)[1]
+        return False
+
     def unsharded_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """``(name, parameter)`` of each trainable parameter no compiled frame has used (kept
         whole on every rank, with its gradient and optimizer state); ``zerocompile plan``

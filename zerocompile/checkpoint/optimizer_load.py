@@ -70,7 +70,8 @@ class OptimizerLoad:
             if not names:
                 continue
             sp = is_sharded(p)
-            sharded = sp is not None and p.dim() > 0
+            # a whole-parameter optimizer's state is whole: every rank reads it, its owner keeps it
+            sharded = sp is not None and p.dim() > 0 and not self.optimizer.holds_whole_state(p)
             values = {}
             for name in names:
                 key = f"{OPTIM_STATE}{fqn}.{name}"

@@ -15,6 +15,7 @@ from zerocompile.checkpoint.files import clean_path, failures_named, prepare_des
 from zerocompile.checkpoint.layout import (EXTRA_KEY, META_KEY, MODEL, OPTIM_GROUPS, OPTIM_STATE, is_sharded,
                                            layout_group, meta_entry, offloaded_shards, param_names,
                                            pickle_extra, shard_part)
+from zerocompile.optim.rules import class_name
 from zerocompile.optimizer import ZeroOptimizer
 from zerocompile.runtime.comm import CommGroup
 from zerocompile.runtime.param_offload import resident_shards
@@ -85,12 +86,14 @@ def _optimizer_save_entries(optimizer: ZeroOptimizer, fqns: dict, group: CommGro
                 part = shard_part(value.detach(), sp)
                 if part is not None:
                     out[key] = part
-            elif group.rank == 0:
+            elif group.rank == 0 or entry.owned:     # owned: whole state only this rank holds
                 out[key] = value.detach() if isinstance(value, torch.Tensor) else value
     if group.rank == 0:
         for param_group in optimizer.param_groups:
             for p in param_group["params"]:
                 for name, value in param_group.items():
+                    if name == "optimizer_class":    # a param group's own class, by name
+                        value = class_name(value)
                     if name != "params":
                         out[f"{OPTIM_GROUPS}{fqns[p]}.{name}"] = value
     return out

@@ -118,3 +118,8 @@ def check_class_argument(optimizer_class, where: str = "optimizer_class") -> Non
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"ZeroOptimizer: {where} must be a torch.optim.Optimizer subclass "
                         f"(e.g. torch.optim.AdamW), got {optimizer_class!r}")
+
+
+def class_name(cls: type) -> str:
+    """``module.QualifiedName`` of a class: how checkpoints record a param group's own class."""
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -9,6 +9,8 @@ import torch
 
 from zerocompile.optim import state_dict_values
 from zerocompile.optim.param_state import PARAM_STATES, TORCH_LAYOUT, ParamState
+from zerocompile.optim.rules import class_name
+from zerocompile.optim.whole_param import OWN_KEYS
 from zerocompile.runtime.sharded_param import get_state
 
 
@@ -167,7 +169,8 @@ class StateIO:
             raise ValueError("ZeroOptimizer.load_state_dict: the saved param groups hold different numbers "
                              "of parameters than this optimizer's")
         for outer, loaded in zip(self.params.param_groups, saved):
-            outer.update({k: v for k, v in loaded.items() if k != "params"})
+            check_same_class(outer, loaded)
+            outer.update({k: v for k, v in loaded.items() if k != "params" and k not in OWN_KEYS})
         if self.binding.inner is not None:
             self.binding.sync_hyperparameters()
 
@@ -192,7 +195,8 @@ class StateIO:
             raise ValueError(f"ZeroOptimizer: {len(hyperparameters)} param groups of hyperparameters for "
                              f"{len(param_groups)} groups")
         for group, values in zip(param_groups, hyperparameters):
-            group.update({k: v for k, v in values.items() if k != "params"})
+            check_same_class(group, values)
+            group.update({k: v for k, v in values.items() if k != "params" and k not in OWN_KEYS})
         if self.binding.inner is None:
             self.binding.pending = {PARAM_STATES: dict(states)}
             return
@@ -254,3 +258,17 @@ class StateIO:
         opt.step()
         return {k for k in same_shape
                 if isinstance(opt.state[probe].get(k), torch.Tensor) and opt.state[probe][k].shape == probe.shape}
+
+
+def check_same_class(group: dict, saved: dict) -> None:
+    """A param group that names its own optimizer class loads only state saved with that class
+    (``saved``: the saved group's hyperparameters; the class as an object or by name)."""
+    if "optimizer_class" not in group and "optimizer_class" not in saved:
+        return
+    have, had = group.get("optimizer_class"), saved.get("optimizer_class")
+    have = class_name(have) if isinstance(have, type) else have
+    had = class_name(had) if isinstance(had, type) else had
+    if have != had:
+        raise ValueError(f"ZeroOptimizer: a param group saved with optimizer_class {had or '(the default)'} "
+                         f"loads into a group with optimizer_class {have or '(the default)'}; build the "
+                         "optimizer with the param groups it was saved with")

@@ -164,7 +164,8 @@ class WholeParameterOptimizer(Optimizer):
                 state[inner_of[id(tensor)]] = values
         groups = []
         for saved, group in zip(state_dict["param_groups"], self.inner.param_groups):
-            groups.append({**_hyper(saved), "params": [inner_of[id(t)] for t in group["params"]]})
+            # the class's own defaults stay where the saved group does not set them
+            groups.append({**_hyper(group), **_hyper(saved), "params": [inner_of[id(t)] for t in group["params"]]})
         self.inner.load_state_dict({"state": state, "param_groups": groups})
         for ours, loaded in zip(self.param_groups, self.inner.param_groups):
             ours.update(_hyper(loaded))
@@ -237,9 +238,7 @@ class WholeParameterOptimizer(Optimizer):
             returns.append((bucket, self._start_out(bucket, owned)))
         for bucket, pending in returns:
             received = finish_all_to_all(pending) if world > 1 else pending
-            offset = 0
-            for e in bucket:                  # in bucket order: each owner's pieces, in owner order
-                pass
+            offset = 0                        # each owner's pieces, in owner order, then bucket order
             by_owner = defaultdict(list)
             for e in bucket:
                 by_owner[e.owner].append(e)
