@@ -329,3 +329,53 @@ def _offload_worker(rank, world, path):
 def test_offloading_a_whole_parameter_optimizers_state_is_a_clear_error(tmp_path):
     for message in run_ranks(_offload_worker, 2, str(tmp_path)):
         assert message is not None and "offload_optimizer='nvme' is not supported for Muon" in message
+
+
+# ----------------------------------------------------------------------------- DeepSpeed's Muon
+DS_MUON = {"type": "Muon", "params": {"lr": 0.01, "muon_lr": 0.02, "adam_lr": 3e-3, "momentum": 0.9,
+                                      "weight_decay": 0.01, "ns_method": "standard"}}
+
+
+def _deepspeed_muon_worker(rank, world):
+    torch._dynamo.reset()
+    config = {"zero_optimization": {"stage": 3}, "optimizer": DS_MUON, "inner_compiler": "eager"}
+    model, opt, _ = zerocompile.initialize(make_model("gpt"), config=config)
+    classes = [g["optimizer_class"].__name__ for g in opt.param_groups]
+    lrs = [g["lr"] for g in opt.param_groups]
+    _, _, losses = _train(rank, world, "gpt", None, 3, model=model, opts=[opt])
+    return losses, zerocompile.full_state_dict(model, rank0_only=False), classes, lrs
+
+
+def test_deepspeed_muon_section_builds_muon_with_aux_adamw():
+    """DeepSpeed's rule: Muon for parameters with 2+ dimensions whose name has neither "embed"
+    nor "lm_head" (here wte, tied to the head, is one of them), Adam for the rest; muon_lr and
+    adam_lr win over lr; the Adam group has DeepSpeed's betas (0.9, 0.95) and eps 1e-10."""
+    from zerocompile.deepspeed_training import uses_muon
+
+    model = make_model("gpt")
+    named = list(model.named_parameters())
+    muon = [p for n, p in named if uses_muon(n, p)]
+    other = [p for n, p in named if not uses_muon(n, p)]
+    opts = [torch.optim.Muon(muon, lr=0.02, momentum=0.9, weight_decay=0.01),
+            torch.optim.AdamW(other, lr=3e-3, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.01)]
+    losses = []
+    for step in range(STEPS):
+        x, y = make_batch("gpt", step, BATCH)
+        loss = model(x, y)
+        loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    for got_losses, state, classes, lrs in run_ranks(_deepspeed_muon_worker, 2):
+        assert classes == ["Muon", "AdamW"] and lrs == [0.02, 3e-3]
+        _assert_close({"losses": got_losses, "state": state}, (losses, model.state_dict()), MUON_TOL)
+
+
+def test_deepspeed_muon_section_errors():
+    bad = {"type": "Muon", "params": {"nesterov": False}}
+    with pytest.raises(zerocompile.ZeroConfigError, match="optimizer.params.nesterov' is not supported.*muon_lr"):
+        zerocompile.initialize(make_model("gpt"), config={"optimizer": bad})
+    from zerocompile.deepspeed_training import optimizer_from_section
+    with pytest.raises(zerocompile.ZeroConfigError, match="'Muon' splits the model's parameters by name"):
+        optimizer_from_section(DS_MUON)

@@ -8,8 +8,10 @@
 - ``optimizer`` becomes a ``ZeroOptimizer`` (``optimizer_from_section``): ``Adam`` / ``AdamW``
   as DeepSpeed builds them (``adam_w_mode``, default true, makes ``Adam`` decoupled like
   ``AdamW``; DeepSpeed's fused Adam defaults, weight decay 0; with ``torch_adam`` torch's own
-  defaults), any other name the ``torch.optim`` class of that name with its own arguments, as
-  DeepSpeed does;
+  defaults), ``Muon`` as DeepSpeed's ``MuonWithAuxAdam`` (``muon_param_groups``: the hidden
+  matrices with ``torch.optim.Muon`` at ``muon_lr``, the others with AdamW at ``adam_lr``, run
+  on whole parameters at owner ranks), any other name the ``torch.optim`` class of that name
+  with its own arguments, as DeepSpeed does;
 - ``scheduler`` becomes DeepSpeed's schedule of that name (``lr_schedules``);
 - ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and ``gradient_accumulation_steps``
   are checked against each other and the world size as DeepSpeed checks them
@@ -48,8 +50,18 @@ _FUSED_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_
 """What DeepSpeed's Adam (its fused and CPU kernels) uses for a key the config leaves out."""
 
 _DEEPSPEED_ONLY_OPTIMIZERS = ("lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muadam", "muadamw",
-                              "musgd", "muon")
+                              "musgd")
 """DeepSpeed optimizer types that are DeepSpeed's own kernels (no torch class of that name)."""
+
+
+_MUON_KEYS = {"muon": ("lr", "muon_lr", "momentum", "weight_decay", "ns_method"),
+              "adam": ("lr", "adam_lr", "betas", "eps", "weight_decay")}
+"""``optimizer.params`` keys of DeepSpeed's ``Muon`` (``MuonWithAuxAdam``) that reach each of its
+two param groups: the hidden matrices' (Muon) and the others' (Adam)."""
+
+_MUON_DEFAULTS = {"muon": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0},
+                  "adam": {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0}}
+"""What DeepSpeed's ``MuonWithAuxAdam`` uses for a key the config leaves out, per group."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +228,11 @@ def optimizer_from_section(section: dict) -> tuple[type, dict]:
         kwargs = {**defaults, **params}
         kwargs["betas"] = tuple(kwargs["betas"])
         return cls, kwargs
+    if name.lower() == "muon":
+        raise ZeroConfigError("DeepSpeed optimizer type 'Muon' splits the model's parameters by name; build it "
+                              "with zerocompile.initialize(model, config=...) (muon_param_groups), or in your "
+                              "script: ZeroOptimizer([{'params': hidden_matrices}, {'params': others, "
+                              "'optimizer_class': torch.optim.AdamW}], optimizer_class=torch.optim.Muon, lr=...)")
     if name.lower() in _DEEPSPEED_ONLY_OPTIMIZERS:
         raise ZeroConfigError(f"DeepSpeed optimizer type '{name}' is DeepSpeed's own kernel and not supported by "
                               "zerocompile; supported: Adam, AdamW, and torch.optim classes by name "
@@ -231,6 +248,52 @@ def optimizer_from_section(section: dict) -> tuple[type, dict]:
     allowed = [p for p in inspect.signature(cls).parameters if p != "params"]
     _refuse_unknown("optimizer.params", params, allowed)
     return cls, params
+
+
+def uses_muon(name: str, p: torch.Tensor) -> bool:
+    """DeepSpeed's rule for which parameters its Muon optimizer updates with Muon (the others
+    with Adam): two or more dimensions, and a name without "embed" or "lm_head"."""
+    return p.ndim >= 2 and not any(keyword in name.lower() for keyword in ("embed", "lm_head"))
+
+
+def muon_param_groups(model: torch.nn.Module, params, section: dict) -> list[dict]:
+    """The param groups of DeepSpeed's ``"optimizer": {"type": "Muon", "params": {...}}`` over
+    ``params`` (parameters or param-group dicts; trainable ones only, as DeepSpeed): the hidden
+    matrices (``uses_muon``) with ``torch.optim.Muon`` (``muon_lr`` overrides ``lr``; momentum,
+    weight decay; Nesterov momentum and the update scale ``sqrt(max(1, rows / cols))`` as
+    DeepSpeed's), the others with ``torch.optim.AdamW`` (``adam_lr`` overrides ``lr``; betas, eps,
+    weight decay), each key DeepSpeed's default where the config leaves it out."""
+    name, values = _section({"optimizer": section}, "optimizer")
+    _refuse_unknown("optimizer.params", values, sorted(set(_MUON_KEYS["muon"] + _MUON_KEYS["adam"])))
+    ns_method = values.get("ns_method", "gram")
+    if ns_method not in ("gram", "standard"):
+        raise ZeroConfigError(f"DeepSpeed key 'optimizer.params.ns_method' = {ns_method!r}: allowed 'gram', 'standard'")
+    if ns_method == "gram":
+        warn_once("zerocompile: DeepSpeed's Muon ns_method 'gram' iterates Newton-Schulz on the Gram matrix in "
+                  "float16; torch.optim.Muon runs the same quintic iteration on the matrix itself (ns_method "
+                  "'standard'): same polynomial, different rounding")
+    flat = []
+    for item in params:
+        flat.extend(item["params"] if isinstance(item, dict) else [item])
+    names = {id(p): n for n, p in model.named_parameters()}
+    trainable = [p for p in flat if p.requires_grad]
+    split = {"muon": [p for p in trainable if uses_muon(names.get(id(p), ""), p)]}
+    split["adam"] = [p for p in trainable if not any(p is q for q in split["muon"])]
+    groups = []
+    for kind, cls in (("muon", torch.optim.Muon), ("adam", torch.optim.AdamW)):
+        if not split[kind]:
+            continue
+        group = dict(_MUON_DEFAULTS[kind])
+        for key in _MUON_KEYS[kind]:
+            if key in values and key not in ("ns_method", "muon_lr", "adam_lr"):
+                group[key] = values[key]
+        override = f"{kind}_lr"          # muon_lr / adam_lr win over lr, as in DeepSpeed
+        if override in values:
+            group["lr"] = values[override]
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+        groups.append({"params": split[kind], "optimizer_class": cls, **group})
+    return groups
 
 
 def schedule_from_section(section: dict, optimizer: torch.optim.Optimizer) -> lr_schedules.DeepSpeedSchedule:
@@ -281,9 +344,13 @@ def initialize(model: torch.nn.Module, config, model_parameters=None, *, auto_va
                               "build the optimizer it schedules")
     optimizer = scheduler = None
     if optimizer_section is not None:
-        cls, kwargs = optimizer_from_section(optimizer_section)
         params = model.parameters() if model_parameters is None else model_parameters
-        optimizer = ZeroOptimizer(params, optimizer_class=cls, process_group=ds.get("process_group"), **kwargs)
+        if str(optimizer_section.get("type", "")).lower() == "muon":
+            groups = muon_param_groups(model, list(params), optimizer_section)
+            optimizer = ZeroOptimizer(groups, optimizer_class=torch.optim.Muon, process_group=ds.get("process_group"))
+        else:
+            cls, kwargs = optimizer_from_section(optimizer_section)
+            optimizer = ZeroOptimizer(params, optimizer_class=cls, process_group=ds.get("process_group"), **kwargs)
     if scheduler_section is not None:
         scheduler = schedule_from_section(scheduler_section, optimizer)
     model.compile(backend="zero", options=ds)
