@@ -14,6 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from zerocompile.dump import DumpRecorder, recorder_for, safe_name
 from zerocompile.env import DUMP_ENV
+from zerocompile.runtime.accounting import COLLECTIVE_KINDS
 from zerocompile.passes.collective_summary import summarize_collectives
 from zerocompile.passes.graph_utils import set_tag
 from zerocompile.passes.liveness import simulate
@@ -126,7 +127,7 @@ def test_exact_peak_of_a_tiny_graph(tmp_path):
         ("x_1", 64, 0), ("mul", 64, 64), ("add", 64, 128), ("sum_1", 4, 68), ("output", 0, 4)]
     # backward counts the 64-byte input, which is live together with mul's output
     assert (bw["peak_bytes"], bw["peak_node"]) == (128, "mul")
-    assert fw["collectives"] == {k: {"count": 0, "bytes": 0, "dtypes": []} for k in ("all_gather", "reduce_scatter", "all_reduce")}
+    assert fw["collectives"] == {k: {"count": 0, "bytes": 0, "dtypes": []} for k in COLLECTIVE_KINDS}
 
 
 def test_collectives_without_shape_metadata_are_recorded_as_unknown(tmp_path):

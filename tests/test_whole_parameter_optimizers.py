@@ -115,7 +115,7 @@ def _result(rank, world, model_name, optimizer, stage, **kw):
     stats = zerocompile.stats()
     held = sum(opt.state_bytes() for opt in opts)
     return {"losses": losses, "state": state, "state_bytes": held, "all_to_all": stats.all_to_all.count,
-            "kernels": [opt.kernel for opt in opts]}
+            "kernels": [opt.kernel for opt in opts], "owners": opts[0].owners()}
 
 
 def _assert_close(result, ref, tol):
@@ -130,7 +130,7 @@ def _assert_close(result, ref, tol):
 # ----------------------------------------------------------------------------- exactness
 def _two_rank_cases(rank, world):
     out = {}
-    for stage in (1, 2, 3):
+    for stage in (0, 1, 2, 3):
         out[("gpt", "muon", stage)] = _result(rank, world, "gpt", "muon", stage)
     out[("gpt", "adafactor", 3)] = _result(rank, world, "gpt", "adafactor", 3)
     out[("mlp", "adafactor", 1)] = _result(rank, world, "mlp", "adafactor", 1)
@@ -152,7 +152,8 @@ def test_muon_and_adafactor_match_one_process_on_two_ranks():
         tol = ADAFACTOR_TOL if kind == "adafactor" else MUON_TOL
         for rank in range(2):
             _assert_close(results[rank][(model_name, optimizer, stage)], refs[key], tol)
-        assert got["all_to_all"] > 0, "the pieces travel by all-to-all"
+        # stage 0 keeps parameters whole on every rank: each steps them itself, nothing travels
+        assert (got["all_to_all"] > 0) == (stage > 0) and bool(got["owners"]) == (stage > 0)
         # every rank ends with the same model
         for key2, value in got["state"].items():
             torch.testing.assert_close(results[1][(model_name, optimizer, stage)]["state"][key2], value, atol=0, rtol=0)
@@ -188,6 +189,10 @@ def test_three_ranks_and_the_optimizer_state_is_split_by_owner():
     adam_state = sum(v.numel() * 4 for s in opts[1].state.values() for k, v in s.items() if k != "step")
     largest = max(p.numel() * 4 for p in opts[0].param_groups[0]["params"])
     held = [results[rank]["muon"]["state_bytes"] for rank in range(3)]
+    owners = results[0]["muon"]["owners"]
+    assert all(results[rank]["muon"]["owners"] == owners for rank in range(3))     # no communication needed
+    assert set(owners) == {n for n, p in model.named_parameters() if _is_hidden_matrix(n, p)}
+    assert set(owners.values()) == {0, 1, 2}
     assert abs(sum(held) - (muon_state + adam_state)) <= 3 * 8 * 64 * 4     # AdamW shards' padding at most
     for h in held:
         assert h <= (muon_state + adam_state) / 3 + largest + 8 * 64 * 4

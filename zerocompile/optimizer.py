@@ -49,7 +49,8 @@ from zerocompile.optim import update
 from zerocompile.optim.binding import InnerBinding
 from zerocompile.optim.clipping import GradClipper
 from zerocompile.optim.grad_reduction import GradReducer, clear_gradients, parameter_names
-from zerocompile.optim.grouped import GroupedBuilder, check_group_shapes, class_defaults, group_class
+from zerocompile.optim.grouped import (GroupedBuilder, check_group_shapes, class_defaults, group_class,
+                                       nested_optimizers, owner_of)
 from zerocompile.optim.kernels import KERNEL_CHOICES
 from zerocompile.optim.param_state import ParamState
 from zerocompile.optim.params import OptimizerParams
@@ -174,6 +175,11 @@ class ZeroOptimizer(Optimizer):
         """The wrapped optimizer (None until the first step binds it)."""
         return self._binding.inner
 
+    def inner_optimizers(self) -> list:
+        """Every optimizer this one steps inside its own ``step()`` (the inner optimizer, and for
+        several classes or a whole-parameter one, the optimizers inside it); empty before binding."""
+        return nested_optimizers(self._binding.inner)
+
     @property
     def state(self) -> dict:
         """Per-parameter optimizer state, keyed by *your* parameters: the inner optimizer's state
@@ -205,6 +211,17 @@ class ZeroOptimizer(Optimizer):
             if any(q is p for q in group["params"]):
                 return self._binding.builder.part_of(group)[1]
         return False
+
+    def owners(self) -> dict[str, int]:
+        """``{parameter name: rank}`` of each sharded parameter a whole-parameter optimizer (Muon,
+        Adafactor, ...) steps whole at one owner rank, which alone holds its optimizer state;
+        empty before the optimizer binds (the first step) and without such parameters."""
+        inner = self._binding.inner
+        if inner is None:
+            return {}
+        owned = [(p, owner) for _, p, target in self._binding.pairs()
+                 if (owner := owner_of(inner, target)) is not None and target is not p]
+        return dict(zip(parameter_names([p for p, _ in owned]), [owner for _, owner in owned]))
 
     def unsharded_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """``(name, parameter)`` of each trainable parameter no compiled frame has used (kept

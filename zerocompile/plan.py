@@ -251,7 +251,7 @@ class _StepWatcher:
         self._handle.remove()
 
     def _hook(self, optimizer, args, kwargs) -> None:
-        if any(z.inner is optimizer for z in list(accounting.ACCOUNTING.optimizers)):
+        if any(optimizer in z.inner_optimizers() for z in list(accounting.ACCOUNTING.optimizers)):
             return
         self.steps += 1
         self.on_step(self.steps)

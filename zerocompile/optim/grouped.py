@@ -136,10 +136,6 @@ class GroupedOptimizer:
         inner = self._part_of_target(target)
         return inner is not None and getattr(inner, "holds_whole_state", lambda t: False)(target)
 
-    def owner_of(self, target) -> int | None:
-        inner = self._part_of_target(target)
-        return inner.owner_of(target) if isinstance(inner, WholeParameterOptimizer) else None
-
     def load_state_dict(self, state_dict: dict) -> None:
         """Split torch's layout over all groups into each part's own (positions renumbered)."""
         for inner, indices in self.parts:
@@ -179,3 +175,28 @@ def check_group_shapes(group: dict, cls: type, whole: bool, defaults: dict) -> N
         raise ValueError(f"ZeroOptimizer: {cls.__name__} refuses a parameter of this param group (shapes "
                          f"{shapes[:6]}): {err}. Give it only the parameters it takes (for Muon, the 2-D hidden "
                          "weight matrices) and the others to a param group or ZeroOptimizer with AdamW") from err
+
+
+def nested_optimizers(inner) -> list:
+    """``inner`` and every optimizer inside it (a ``GroupedOptimizer``'s parts, a
+    ``WholeParameterOptimizer``'s user optimizer): the steps that are part of one ``ZeroOptimizer`` step."""
+    if inner is None:
+        return []
+    out = [inner]
+    if isinstance(inner, GroupedOptimizer):
+        for part, _ in inner.parts:
+            out += nested_optimizers(part)
+    elif isinstance(inner, WholeParameterOptimizer):
+        out.append(inner.inner)
+    return out
+
+
+def owner_of(inner, target) -> int | None:
+    """The owner rank of ``target`` where a whole-parameter optimizer inside ``inner`` steps it,
+    else None."""
+    if isinstance(inner, WholeParameterOptimizer):
+        return inner.owner_of(target) if inner.has(target) else None
+    if isinstance(inner, GroupedOptimizer):
+        part = inner._part_of_target(target)
+        return owner_of(part, target) if part is not None else None
+    return None

@@ -139,6 +139,10 @@ class WholeParameterOptimizer(Optimizer):
         """The state of ``target`` is whole (the parameter's shape), never cut into shards."""
         return True
 
+    def has(self, target) -> bool:
+        """``target`` is one of this optimizer's."""
+        return id(target) in self._by_target
+
     def owner_of(self, target) -> int:
         """The rank that holds the state of ``target`` (this rank for parameters kept whole)."""
         return self._by_target[id(target)].owner
