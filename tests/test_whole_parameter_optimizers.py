@@ -128,7 +128,7 @@ def _assert_close(result, ref, tol):
 
 
 # ----------------------------------------------------------------------------- exactness
-def _two_rank_cases(rank, world):
+def _two_rank_cases(rank, world, tmp):
     out = {}
     for stage in (0, 1, 2, 3):
         out[("gpt", "muon", stage)] = _result(rank, world, "gpt", "muon", stage)
@@ -137,11 +137,14 @@ def _two_rank_cases(rank, world):
     out[("frozen", "adafactor", 2)] = _result(rank, world, "frozen", "adafactor", 2)
     out[("tied", "muon-two", 3)] = _result(rank, world, "tied", "muon", 3, two_optimizers=True)
     out[("gpt", "muon-accum-clip", 2)] = _result(rank, world, "gpt", "muon", 2, accum=2, clip=0.5)
+    # the master shards in files (offload_param): read back for the step, as for any optimizer
+    out[("gpt", "muon-offload-param", 3)] = _result(rank, world, "gpt", "muon", 3, options={
+        "offload_param": {"device": "nvme", "nvme_path": tmp}})
     return out
 
 
-def test_muon_and_adafactor_match_one_process_on_two_ranks():
-    results = run_ranks(_two_rank_cases, 2)
+def test_muon_and_adafactor_match_one_process_on_two_ranks(tmp_path):
+    results = run_ranks(_two_rank_cases, 2, str(tmp_path))
     refs = {}
     for (model_name, optimizer, stage), got in results[0].items():
         kind = "adafactor" if optimizer.startswith("adafactor") else "muon"
@@ -162,18 +165,15 @@ def test_muon_and_adafactor_match_one_process_on_two_ranks():
 def _three_rank_cases(rank, world):
     return {
         "muon": _result(rank, world, "gpt", "muon", 3),
-        "adafactor": _result(rank, world, "gpt", "adafactor", 2),
-        "tied-muon": _result(rank, world, "tied", "muon", 1),
+        # tied weights used by two frames (a graph break between body and head)
+        "tied-adafactor": _result(rank, world, "tied", "adafactor", 1),
     }
 
 
 def test_three_ranks_and_the_optimizer_state_is_split_by_owner():
     results = run_ranks(_three_rank_cases, 3)
     for name, (model_name, kind, tol) in {"muon": ("gpt", "muon", MUON_TOL),
-                                          "adafactor": ("gpt", "adafactor", ADAFACTOR_TOL),
-                                          # its loss is ~22 nats (a std-1 embedding tied to the head):
-                                          # the same weights' difference shows 2e-5 relative in it
-                                          "tied-muon": ("tied", "muon", dict(MUON_TOL, loss=5e-5))}.items():
+                                          "tied-adafactor": ("tied", "adafactor", ADAFACTOR_TOL)}.items():
         ref = _reference(model_name, kind)
         for rank in range(3):
             _assert_close(results[rank][name], ref, tol)
@@ -200,9 +200,9 @@ def test_three_ranks_and_the_optimizer_state_is_split_by_owner():
 
 # ----------------------------------------------------------------------------- options
 def _bf16_worker(rank, world):
-    options = {"param_dtype": "bfloat16"}
-    return _result(rank, world, "gpt", "muon", 3, options=options), _result(rank, world, "gpt", "muon", 2,
-                                                                            options=options)
+    # stage 2: the replica is bfloat16, so the float32 master shards travel to the owner (stage 3
+    # always sends them)
+    return [_result(rank, world, "gpt", "muon", 2, options={"param_dtype": "bfloat16"})]
 
 
 def test_bf16_compute_matches_one_rank_with_the_same_options():
@@ -211,7 +211,7 @@ def test_bf16_compute_matches_one_rank_with_the_same_options():
     float32 (the master shards travel to the owners, not the bfloat16 replicas)."""
     one = run_ranks(_bf16_worker, 1)[0]
     two = run_ranks(_bf16_worker, 2)
-    for i in range(2):
+    for i in range(1):
         for rank in range(2):
             _assert_close(two[rank][i], (one[i]["losses"], one[i]["state"]), dict(weights=1e-2, loss=0.1))
         hidden = two[0][i]["state"]["blocks.0.fc.weight"]

@@ -167,12 +167,16 @@ class ZeroOptimizer(Optimizer):
         """How the inner optimizer updates the tensors, chosen when it binds (None before):
         ``"cpp"`` / ``"triton"`` (zerocompile's fused Adam kernels, ``runtime/fused_adam.py``),
         ``"torch_fused"`` / ``"torch_foreach"`` (the class's own ``fused=True`` /
-        ``foreach=True``), or ``"torch"`` (the class as configured)."""
+        ``foreach=True``), ``"torch"`` (the class as configured), or ``"whole_parameter"`` (a
+        whole-parameter optimizer's own code at the owner ranks); param groups of several classes
+        give one name per class joined by ``+`` (``"whole_parameter+cpp"``)."""
         return self._binding.kernel
 
     @property
-    def inner(self) -> Optimizer | None:
-        """The wrapped optimizer (None until the first step binds it)."""
+    def inner(self):
+        """The wrapped optimizer (None until the first step binds it): the ``optimizer_class``
+        instance over the targets, a ``WholeParameterOptimizer`` for a whole-parameter class, or a
+        ``GroupedOptimizer`` of one per class when param groups name several."""
         return self._binding.inner
 
     def inner_optimizers(self) -> list:

@@ -10,7 +10,10 @@
 - ``update``: the inner optimizer's update of the shards and the refresh of the replicas.
 - ``state_io``: ``state_dict`` / ``load_state_dict`` and checkpoint state (``param_state``,
   ``state_dict_values``).
-- ``rules``: which optimizer classes may run on flat shards.
+- ``rules``: which optimizer classes run on flat shards, which on whole parameters, which are refused.
+- ``whole_param``: a whole-parameter optimizer (Muon, Adafactor, ...) stepped at owner ranks, the
+  pieces moved by all-to-alls; ``owners``: which rank owns each parameter.
+- ``grouped``: param groups that name their own optimizer class, one inner optimizer per class.
 
 None of them imports ``zerocompile.optimizer``: it owns them and delegates to them.
 """

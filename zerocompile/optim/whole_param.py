@@ -320,11 +320,12 @@ def _unpack_received(received: torch.Tensor, bucket: list, rank: int, world: int
 
 def _buckets(entries: list, cap: int) -> list[list]:
     """``entries`` in order, in buckets of at most ``cap`` bytes of shard (one parameter larger
-    than that gets a bucket of its own); every rank makes the same buckets."""
+    than that gets a bucket of its own) and of one master dtype (a bucket is one flat buffer);
+    every rank makes the same buckets."""
     out, cur, size = [], [], 0
     for e in entries:
         nbytes = e.sp.padded_numel * e.target.element_size()
-        if cur and size + nbytes > cap:
+        if cur and (size + nbytes > cap or e.sp.dtype != cur[0].sp.dtype):
             out.append(cur)
             cur, size = [], 0
         cur.append(e)
