@@ -384,3 +384,26 @@ def test_deepspeed_muon_section_errors():
     from zerocompile.deepspeed_training import optimizer_from_section
     with pytest.raises(zerocompile.ZeroConfigError, match="'Muon' splits the model's parameters by name"):
         optimizer_from_section(DS_MUON)
+
+
+def test_hugging_faces_adafactor_runs_on_whole_parameters():
+    """transformers' Adafactor (TrainingArguments(optim="adafactor")) is in the rule table by name."""
+    from transformers.optimization import Adafactor
+
+    from zerocompile.optimizer_rules import needs_whole_parameter
+
+    assert needs_whole_parameter(Adafactor)
+    model = make_model("mlp")
+    opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=Adafactor, lr=1e-3, relative_step=False)
+    ref_model = make_model("mlp")
+    ref = Adafactor(ref_model.parameters(), lr=1e-3, relative_step=False)
+    for step in range(3):
+        for m, o in ((model, opt), (ref_model, ref)):
+            x, y = make_batch("mlp", step, BATCH)
+            m(x, y).backward()
+            o.step()
+            o.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+    with pytest.raises(ValueError, match="Adafactor is not element-wise"):
+        zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=Adafactor, assume_elementwise=True)

@@ -47,6 +47,14 @@ WHOLE_PARAMETER: dict[type, str] = {
 """torch optimizers that need whole parameters (subclasses included), with the reason: they run
 on whole parameters at owner ranks."""
 
+WHOLE_PARAMETER_BY_NAME: dict[str, str] = {
+    "transformers.optimization.Adafactor": "it factors the second moment of every matrix over its rows and "
+                                           "columns, and scales each update by its RMS and the parameter's",
+}
+"""Third-party whole-parameter optimizers (subclasses included), by ``module.QualifiedName`` so
+that their packages need not be imported: Hugging Face's Adafactor (``TrainingArguments(optim=
+"adafactor")``), checked against transformers 5's source (per parameter, skips missing gradients)."""
+
 REFUSED: dict[type, str] = {
     torch.optim.LBFGS: "it needs a closure that re-evaluates the model and keeps one flat history of "
                        "all parameters together (curvature pairs, line search), not one per parameter",
@@ -67,7 +75,8 @@ def _name(cls: type) -> str:
 def needs_whole_parameter(optimizer_class: type, whole_parameter: bool = False) -> bool:
     """Whether ``optimizer_class`` runs on whole parameters: it is (a subclass of) one of
     ``WHOLE_PARAMETER``, or the caller says so with ``whole_parameter=True``."""
-    return whole_parameter or any(issubclass(optimizer_class, cls) for cls in WHOLE_PARAMETER)
+    return (whole_parameter or any(issubclass(optimizer_class, cls) for cls in WHOLE_PARAMETER)
+            or any(class_name(cls) in WHOLE_PARAMETER_BY_NAME for cls in optimizer_class.__mro__))
 
 
 def check_optimizer_class(optimizer_class: type, assume_elementwise: bool = False,
@@ -87,7 +96,9 @@ def check_optimizer_class(optimizer_class: type, assume_elementwise: bool = Fals
         raise ValueError("ZeroOptimizer: assume_elementwise=True and whole_parameter=True contradict each other: "
                          "say which one your optimizer is")
     if assume_elementwise:
-        for cls, reason in WHOLE_PARAMETER.items():
+        known = {**WHOLE_PARAMETER, **{cls: WHOLE_PARAMETER_BY_NAME[class_name(cls)] for cls in optimizer_class.__mro__
+                                       if class_name(cls) in WHOLE_PARAMETER_BY_NAME}}
+        for cls, reason in known.items():
             if issubclass(optimizer_class, cls):
                 raise ValueError(
                     f"ZeroOptimizer: {_name(optimizer_class)} is not element-wise ({reason}), so "
