@@ -17,10 +17,12 @@ from zerocompile.runtime.comm import CommGroup, pad_flat, start_all_gather_flat
 _c10d = torch.ops._c10d_functional
 
 
-def _buckets(sizes: list[int], cap: int) -> list[list[int]]:
+def bucket_indices(sizes: list[int], cap: int, breaks: list[bool] | None = None) -> list[list[int]]:
+    """Indices of items of ``sizes`` bytes in order, in buckets of at most ``cap`` bytes (an item
+    larger than that gets a bucket of its own); ``breaks[i]``: item ``i`` starts a new bucket."""
     out, cur, cur_bytes = [], [], 0
     for i, size in enumerate(sizes):
-        if cur and cur_bytes + size > cap:
+        if cur and (cur_bytes + size > cap or (breaks is not None and breaks[i])):
             out.append(cur)
             cur, cur_bytes = [], 0
         cur.append(i)
@@ -61,7 +63,7 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
         for i, (g, padded) in enumerate(grads):
             results[i] = pad_flat(g.to(reduce_dtype), padded)
         return results
-    buckets = _buckets([padded * elem for _, padded in grads], bucket_bytes)
+    buckets = bucket_indices([padded * elem for _, padded in grads], bucket_bytes)
     if not buckets:
         return results
     slots = _slots(len(buckets), max(sum(grads[i][1] for i in b) for b in buckets), grads[0][0], reduce_dtype)
@@ -106,7 +108,7 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
         for i, t in enumerate(shards):
             write(i, t.reshape(1, -1))
         return
-    buckets = _buckets([t.numel() * t.element_size() * world for t in shards], bucket_bytes)
+    buckets = bucket_indices([t.numel() * t.element_size() * world for t in shards], bucket_bytes)
     if not buckets:
         return
     cap = max(sum(shards[i].numel() for i in b) for b in buckets)
@@ -138,7 +140,7 @@ def all_reduce_mean_(tensors: list[torch.Tensor], group: CommGroup, bucket_bytes
     world = group.world
     if world == 1:
         return
-    buckets = _buckets([t.numel() * torch.empty((), dtype=reduce_dtype).element_size() for t in tensors],
+    buckets = bucket_indices([t.numel() * torch.empty((), dtype=reduce_dtype).element_size() for t in tensors],
                        bucket_bytes)
     if not buckets:
         return

@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 
 from zerocompile.optim.owners import assign_owners, owner_loads
 from zerocompile.runtime.sharded_param import get_state
-from zerocompile.runtime.step_collectives import finish_all_to_all, start_all_to_all
+from zerocompile.runtime.step_collectives import bucket_indices, finish_all_to_all, start_all_to_all
 
 log = logging.getLogger("zerocompile")
 
@@ -319,20 +319,11 @@ def _unpack_received(received: torch.Tensor, bucket: list, rank: int, world: int
 
 
 def _buckets(entries: list, cap: int) -> list[list]:
-    """``entries`` in order, in buckets of at most ``cap`` bytes of shard (one parameter larger
-    than that gets a bucket of its own) and of one master dtype (a bucket is one flat buffer);
-    every rank makes the same buckets."""
-    out, cur, size = [], [], 0
-    for e in entries:
-        nbytes = e.sp.padded_numel * e.target.element_size()
-        if cur and (size + nbytes > cap or e.sp.dtype != cur[0].sp.dtype):
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(e)
-        size += nbytes
-    if cur:
-        out.append(cur)
-    return out
+    """``entries`` in order, in buckets of at most ``cap`` bytes of shard and of one master dtype
+    (a bucket is one flat buffer); every rank makes the same buckets."""
+    sizes = [e.sp.padded_numel * e.target.element_size() for e in entries]
+    breaks = [i > 0 and e.sp.dtype != entries[i - 1].sp.dtype for i, e in enumerate(entries)]
+    return [[entries[i] for i in bucket] for bucket in bucket_indices(sizes, cap, breaks)]
 
 
 def _hyper(group: dict) -> dict:
