@@ -35,6 +35,8 @@ from zerocompile import lr_schedules
 from zerocompile.config import ZeroConfig
 from zerocompile.errors import ZeroConfigError
 from zerocompile.deepspeed_config import gradient_clipping, warn_once
+from zerocompile.optim.onebit_adam import OneBitAdam
+from zerocompile.optim.zero_one_adam import ZeroOneAdam
 from zerocompile.optimizer import ZeroOptimizer
 from zerocompile.runtime.comm import resolve_group
 
@@ -47,7 +49,7 @@ _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction"
 _FUSED_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 """What DeepSpeed's Adam (its fused and CPU kernels) uses for a key the config leaves out."""
 
-_DEEPSPEED_ONLY_OPTIMIZERS = ("lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muadam", "muadamw",
+_DEEPSPEED_ONLY_OPTIMIZERS = ("lamb", "onebitlamb", "lion", "muadam", "muadamw",
                               "musgd", "muon")
 """DeepSpeed optimizer types that are DeepSpeed's own kernels (no torch class of that name)."""
 
@@ -216,6 +218,11 @@ def optimizer_from_section(section: dict) -> tuple[type, dict]:
         kwargs = {**defaults, **params}
         kwargs["betas"] = tuple(kwargs["betas"])
         return cls, kwargs
+    onebit = {"onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam}.get(name.lower())
+    if onebit is not None:      # DeepSpeed's 1-bit optimizers, with their own parameters (stage 0)
+        _refuse_unknown("optimizer.params", params, [p for p in inspect.signature(onebit).parameters
+                                                     if p not in ("params", "max_grad_norm")])
+        return onebit, {**params, **({"betas": tuple(params["betas"])} if "betas" in params else {})}
     if name.lower() in _DEEPSPEED_ONLY_OPTIMIZERS:
         raise ZeroConfigError(f"DeepSpeed optimizer type '{name}' is DeepSpeed's own kernel and not supported by "
                               "zerocompile; supported: Adam, AdamW, and torch.optim classes by name "

@@ -56,6 +56,8 @@ def check_elementwise(optimizer_class: type, assume_elementwise: bool = False) -
     """Raise ``ValueError`` unless ``optimizer_class`` may run on flat shards: it is one of
     ``ELEMENTWISE``, or the caller vouches for it with ``assume_elementwise=True`` and it is not
     (a subclass of) one of ``NOT_ELEMENTWISE``."""
+    if getattr(optimizer_class, "zerocompile_reduces_gradients", False):
+        return      # 1-bit Adam / 0/1 Adam: whole parameters at stage 0 (optim/local_gradients.py checks)
     for unsafe, reason in NOT_ELEMENTWISE.items():
         if issubclass(optimizer_class, unsafe):
             via = "" if optimizer_class is unsafe else f" (a subclass of {_name(unsafe)})"
