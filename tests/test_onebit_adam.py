@@ -27,11 +27,12 @@ from zerocompile.errors import ZeroConfigError
 from zerocompile.runtime import cpu_extension, sign_compression as S
 from zerocompile.runtime.comm import resolve_group
 from zerocompile.runtime.compressed_allreduce import compressed_allreduce, padded_size
+from zerocompile.runtime.raw_grad import raw_grad
 
 STEPS, FREEZE, BATCH, LR = 20, 4, 8, 2e-3
 ZO_ARGS = {"var_freeze_step": 12, "var_update_scaler": 2}
 """0/1 Adam: exact steps 1, 2, 4, 6, 8, 12 (the interval doubles after every 2 exact steps),
-compressed gradients at 3, 5, 7, 9-11, local steps (each synchronised) from 13 on."""
+compressed gradients at 3, 5, 7, 9-11 and 13, local steps (each synchronised) from 14 on."""
 
 
 # ------------------------------------------------------------------ kernels
@@ -375,3 +376,47 @@ def test_state_dict_and_checkpoint_round_trips(tmp_path):
     assert [r["reset_warned"] for r in results] == [False, True]
     assert torch.equal(results[0]["params"], results[1]["params"])
     assert all(r["moments"] for r in results)
+
+
+# ------------------------------------------------------------------ accumulation and loss scaling
+def _accumulation_worker(rank: int, world: int) -> dict:
+    """Past the warm-up: two micro-batches per step equal one backward of both (summed loss);
+    a non-finite gradient on rank 1 skips the step on both ranks (GradScaler)."""
+    runs = {}
+    for mode in ("micro", "whole", "scaler"):
+        torch._dynamo.reset()
+        model = make_model("mlp")
+        compiled = torch.compile(model, backend="zero", options={"stage": 0, "inner_compiler": "eager"})
+        opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=zerocompile.OneBitAdam, lr=0.01,
+                                        freeze_step=1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        for step in range(4):
+            (x1, y1), (x2, y2) = (make_batch("mlp", 2 * step + k, 4) for k in (0, 1))
+            x1, y1, x2, y2 = (rank_slice(t, rank, world) for t in (x1, y1, x2, y2))
+            if mode == "micro":
+                compiled(x1, y1).backward()
+                compiled(x2, y2).backward()
+            elif mode == "whole":
+                (compiled(x1, y1) + compiled(x2, y2)).backward()
+            if mode != "scaler":
+                opt.step()
+            else:
+                scaler.scale(compiled(x1, y1)).backward()
+                if step == 2 and rank == 1:
+                    raw_grad(model.l1.weight)[0, 0] = float("inf")
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+        runs[mode] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        runs[mode + "_steps"] = opt.inner.steps_taken()
+        runs[mode + "_skipped"] = opt.skipped_steps
+    return runs
+
+
+def test_accumulation_and_skipped_steps_past_the_warm_up():
+    results = run_ranks(_accumulation_worker, 2)
+    for mode in ("micro", "whole", "scaler"):
+        assert torch.equal(results[0][mode], results[1][mode]), mode
+    torch.testing.assert_close(results[0]["micro"], results[0]["whole"], rtol=1e-6, atol=1e-6)
+    assert [(r["scaler_steps"], r["scaler_skipped"]) for r in results] == [(3, 1), (3, 1)]
+    assert [(r["micro_steps"], r["micro_skipped"]) for r in results] == [(4, 0), (4, 0)]
