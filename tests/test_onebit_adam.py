@@ -77,6 +77,19 @@ def test_cpp_kernels_equal_the_torch_reference_bit_for_bit():
     check_kernels(S.sign_pack, S.sign_unpack)      # the custom ops on CPU tensors run it
 
 
+def test_the_ops_have_fake_kernels():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        packed, error = S.sign_pack(torch.empty(24), torch.empty(()))
+        values = S.sign_unpack(torch.empty(3, 5, dtype=torch.uint8), torch.empty(3), False)
+        average = S.sign_unpack(torch.empty(3, 5, dtype=torch.uint8), torch.empty(3), True)
+    assert (packed.shape, packed.dtype, error.shape) == ((3,), torch.uint8, (24,))
+    assert values.shape == (120,) and average.shape == (40,) and average.dtype == torch.float32
+    with pytest.raises(ValueError, match="multiple of 8"):
+        S.sign_pack(torch.zeros(12), torch.tensor(1.0))
+
+
 def check_triton() -> None:
     from zerocompile.runtime import triton_sign
 
@@ -410,6 +423,19 @@ def _accumulation_worker(rank: int, world: int) -> dict:
         runs[mode] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         runs[mode + "_steps"] = opt.inner.steps_taken()
         runs[mode + "_skipped"] = opt.skipped_steps
+    # 0/1 Adam's local steps: local from step 4 on, synchronising at step 4, then every 2nd step
+    torch._dynamo.reset()
+    model = make_model("mlp")
+    compiled = torch.compile(model, backend="zero", options={"stage": 0, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=zerocompile.ZeroOneAdam, lr=0.01,
+                                    var_freeze_step=2, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2)
+    runs["local"] = []
+    for step in range(8):
+        x, y = make_batch("mlp", step, 4)
+        compiled(rank_slice(x, rank, world), rank_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        runs["local"].append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
     return runs
 
 
@@ -420,3 +446,5 @@ def test_accumulation_and_skipped_steps_past_the_warm_up():
     torch.testing.assert_close(results[0]["micro"], results[0]["whole"], rtol=1e-6, atol=1e-6)
     assert [(r["scaler_steps"], r["scaler_skipped"]) for r in results] == [(3, 1), (3, 1)]
     assert [(r["micro_steps"], r["micro_skipped"]) for r in results] == [(4, 0), (4, 0)]
+    same = [torch.equal(a, b) for a, b in zip(results[0]["local"], results[1]["local"])]
+    assert same == [True, True, True, True, False, True, False, True]     # steps 1-8
