@@ -28,6 +28,7 @@ from zerocompile.runtime import cpu_extension, sign_compression as S
 from zerocompile.runtime.comm import resolve_group
 from zerocompile.runtime.compressed_allreduce import compressed_allreduce, padded_size
 from zerocompile.runtime.raw_grad import raw_grad
+from zerocompile.runtime.sharded_param import get_state
 
 STEPS, FREEZE, BATCH, LR = 20, 4, 8, 2e-3
 ZO_ARGS = {"var_freeze_step": 12, "var_update_scaler": 2}
@@ -332,6 +333,18 @@ def test_deepspeed_optimizer_types_build_them():
         optimizer_from_section({"type": "OneBitAdam", "params": {"freeze_stepp": 3}})
     with pytest.raises(ZeroConfigError, match="var_freeze_stp"):
         optimizer_from_section({"type": "zerooneadam", "params": {"var_freeze_stp": 3}})
+    # zerocompile.initialize: without a zero_optimization stage they run at DeepSpeed's default, 0
+    torch._dynamo.reset()
+    model = make_model("mlp")
+    model, opt, _ = zerocompile.initialize(model, config={"train_batch_size": 4, "inner_compiler": "eager",
+                                                          "optimizer": {"type": "OneBitAdam",
+                                                                        "params": {"freeze_step": 1}}})
+    for step in range(2):
+        model(*make_batch("mlp", step, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert isinstance(opt.inner, zerocompile.OneBitAdam) and opt.inner.steps_taken() == 2
+    assert {get_state(p).stage for p in model.parameters()} == {0}
 
 
 # ------------------------------------------------------------------ state round trips

@@ -289,6 +289,9 @@ def initialize(model: torch.nn.Module, config, model_parameters=None, *, auto_va
     optimizer = scheduler = None
     if optimizer_section is not None:
         cls, kwargs = optimizer_from_section(optimizer_section)
+        if cls in (OneBitAdam, ZeroOneAdam) and "stage" not in ds and "stage" not in ds.get("zero_optimization", {}):
+            # DeepSpeed's default stage (0), the one they run at, rather than zerocompile's (3)
+            ds["zero_optimization"] = {**ds.get("zero_optimization", {}), "stage": 0}
         params = model.parameters() if model_parameters is None else model_parameters
         optimizer = ZeroOptimizer(params, optimizer_class=cls, process_group=ds.get("process_group"), **kwargs)
     if scheduler_section is not None:
