@@ -11,6 +11,9 @@
 - ``state_io``: ``state_dict`` / ``load_state_dict`` and checkpoint state (``param_state``,
   ``state_dict_values``).
 - ``rules``: which optimizer classes may run on flat shards.
+- ``onebit_adam``, ``zero_one_adam`` (sharing ``compressed_momentum``): DeepSpeed's 1-bit Adam and
+  0/1 Adam, inner optimizers that average the momentum themselves, compressed, at stage 0;
+  ``local_gradients``: how ``ZeroOptimizer`` builds them and skips its gradient all-reduce for them.
 
 None of them imports ``zerocompile.optimizer``: it owns them and delegates to them.
 """
