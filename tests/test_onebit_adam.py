@@ -351,14 +351,14 @@ def test_deepspeed_optimizer_types_build_them():
 def _round_trip_worker(rank: int, world: int, ckpt: str) -> dict:
     def build():
         torch._dynamo.reset()
-        model = make_model("gpt")
+        model = make_model("mlp")
         compiled = torch.compile(model, backend="zero", options={"stage": 0, "inner_compiler": "eager"})
         return model, compiled, zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=zerocompile.OneBitAdam,
                                                           lr=LR, freeze_step=2)
 
     def train(compiled, opt, steps):
         for step in steps:
-            x, y = _batch(step)
+            x, y = make_batch("mlp", step, 4)
             compiled(rank_slice(x, rank, world), rank_slice(y, rank, world)).backward()
             opt.step()
             opt.zero_grad()
