@@ -2,6 +2,7 @@
 # make test: same install, run the test suite.
 # make bench: same install plus the bench extra (DeepSpeed, matplotlib, pytest-benchmark), then benchmarks/run.py,
 #             benchmarks/optimizer_step.py, benchmarks/first_step.py, benchmarks/collectives.py, benchmarks/quantize.py,
+#             benchmarks/onebit_bytes.py,
 #             benchmarks/step_breakdown.py, benchmarks/plan_llama70b.py, benchmarks/lr_schedules_vs_deepspeed.py
 #             and the micro benchmarks
 #             (results in benchmarks/results/).
@@ -44,6 +45,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/first_step.py
 	$(PY) benchmarks/collectives.py
 	$(PY) benchmarks/quantize.py
+	$(PY) benchmarks/onebit_bytes.py
 	$(PY) benchmarks/step_breakdown.py
 	$(PY) benchmarks/plan_llama70b.py
 	$(PY) benchmarks/lr_schedules_vs_deepspeed.py | tee benchmarks/results/lr_schedules_vs_deepspeed.txt

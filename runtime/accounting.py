@@ -24,6 +24,9 @@ import weakref
 from dataclasses import dataclass, field
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+COMPRESSED_KINDS = ("compressed_all_to_all", "compressed_all_gather")
+"""Eager collectives of 1-bit Adam / 0/1 Adam's compressed all-reduce (runtime/compressed_allreduce.py):
+packed signs and scales; never inside compiled graphs."""
 
 
 @dataclass
@@ -74,21 +77,25 @@ class ZeroStats:
     all_to_all: CollectiveTotals = field(default_factory=CollectiveTotals)
     """All-to-alls the optimizer step issues (a whole-parameter optimizer's gradient pieces to each
     parameter's owner and the updated pieces back); ``bytes``: what this rank sends to the others."""
+    compressed_all_to_all: CollectiveTotals = field(default_factory=CollectiveTotals)
+    """1-bit Adam / 0/1 Adam: the all-to-alls of packed signs and scales (``COMPRESSED_KINDS``)."""
+    compressed_all_gather: CollectiveTotals = field(default_factory=CollectiveTotals)
+    """1-bit Adam / 0/1 Adam: the all-gathers of the servers' packed signs and scales."""
 
     @property
     def comm_bytes(self) -> int:
-        return sum(getattr(self, k).bytes for k in COLLECTIVE_KINDS)
+        return sum(getattr(self, k).bytes for k in COLLECTIVE_KINDS + COMPRESSED_KINDS)
 
     @property
     def wire_bytes(self) -> float:
         """Bytes each rank sends with ring algorithms, each collective over its own group: an
         all-reduce counts twice (reduce-scatter + all-gather)."""
-        return sum(getattr(self, k).wire_bytes for k in COLLECTIVE_KINDS)
+        return sum(getattr(self, k).wire_bytes for k in COLLECTIVE_KINDS + COMPRESSED_KINDS)
 
     def as_dict(self) -> dict:
         out = {k: {"count": getattr(self, k).count, "bytes": getattr(self, k).bytes,
                    "wire_bytes": getattr(self, k).wire_bytes}
-               for k in COLLECTIVE_KINDS}
+               for k in COLLECTIVE_KINDS + COMPRESSED_KINDS}
         out.update(world_size=self.world_size, param_bytes=self.param_bytes,
                    grad_bytes=self.grad_bytes, optimizer_state_bytes=self.optimizer_state_bytes,
                    offloaded_bytes=self.offloaded_bytes, offloaded_param_bytes=self.offloaded_param_bytes)
@@ -119,7 +126,7 @@ class Accounting:
     """Process-wide counters; see the module docstring."""
 
     def __init__(self) -> None:
-        self.comm = {k: CollectiveTotals() for k in COLLECTIVE_KINDS}
+        self.comm = {k: CollectiveTotals() for k in COLLECTIVE_KINDS + COMPRESSED_KINDS}
         self.world_size = 1
         self.states: "weakref.WeakSet" = weakref.WeakSet()
         self.optimizers: "weakref.WeakSet" = weakref.WeakSet()
@@ -137,7 +144,7 @@ class Accounting:
             self.comm[kind].add(tot)
 
     def reset(self) -> None:
-        self.comm = {k: CollectiveTotals() for k in COLLECTIVE_KINDS}
+        self.comm = {k: CollectiveTotals() for k in COLLECTIVE_KINDS + COMPRESSED_KINDS}
 
     def snapshot(self) -> ZeroStats:
         params: dict[int, int] = {}

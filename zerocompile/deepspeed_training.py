@@ -37,6 +37,8 @@ from zerocompile import lr_schedules
 from zerocompile.config import ZeroConfig
 from zerocompile.errors import ZeroConfigError
 from zerocompile.deepspeed_config import gradient_clipping, warn_once
+from zerocompile.optim.onebit_adam import OneBitAdam
+from zerocompile.optim.zero_one_adam import ZeroOneAdam
 from zerocompile.optimizer import ZeroOptimizer
 from zerocompile.runtime.comm import resolve_group
 
@@ -49,8 +51,7 @@ _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction"
 _FUSED_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 """What DeepSpeed's Adam (its fused and CPU kernels) uses for a key the config leaves out."""
 
-_DEEPSPEED_ONLY_OPTIMIZERS = ("lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muadam", "muadamw",
-                              "musgd")
+_DEEPSPEED_ONLY_OPTIMIZERS = ("lamb", "onebitlamb", "lion", "muadam", "muadamw", "musgd")
 """DeepSpeed optimizer types that are DeepSpeed's own kernels (no torch class of that name)."""
 
 
@@ -233,6 +234,11 @@ def optimizer_from_section(section: dict) -> tuple[type, dict]:
                               "with zerocompile.initialize(model, config=...) (muon_param_groups), or in your "
                               "script: ZeroOptimizer([{'params': hidden_matrices}, {'params': others, "
                               "'optimizer_class': torch.optim.AdamW}], optimizer_class=torch.optim.Muon, lr=...)")
+    onebit = {"onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam}.get(name.lower())
+    if onebit is not None:      # DeepSpeed's 1-bit optimizers, with their own parameters (stage 0)
+        _refuse_unknown("optimizer.params", params, [p for p in inspect.signature(onebit).parameters
+                                                     if p not in ("params", "max_grad_norm")])
+        return onebit, {**params, **({"betas": tuple(params["betas"])} if "betas" in params else {})}
     if name.lower() in _DEEPSPEED_ONLY_OPTIMIZERS:
         raise ZeroConfigError(f"DeepSpeed optimizer type '{name}' is DeepSpeed's own kernel and not supported by "
                               "zerocompile; supported: Adam, AdamW, and torch.optim classes by name "
@@ -350,6 +356,10 @@ def initialize(model: torch.nn.Module, config, model_parameters=None, *, auto_va
             optimizer = ZeroOptimizer(groups, optimizer_class=torch.optim.Muon, process_group=ds.get("process_group"))
         else:
             cls, kwargs = optimizer_from_section(optimizer_section)
+            if cls in (OneBitAdam, ZeroOneAdam) and "stage" not in ds and \
+                    "stage" not in ds.get("zero_optimization", {}):
+                # DeepSpeed's default stage (0), the one they run at, rather than zerocompile's (3)
+                ds["zero_optimization"] = {**ds.get("zero_optimization", {}), "stage": 0}
             optimizer = ZeroOptimizer(params, optimizer_class=cls, process_group=ds.get("process_group"), **kwargs)
     if scheduler_section is not None:
         scheduler = schedule_from_section(scheduler_section, optimizer)

@@ -39,13 +39,14 @@ the same way everywhere.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 from torch.optim import Optimizer
 
 from zerocompile import loss_scale
-from zerocompile.optim import update
+from zerocompile.optim import local_gradients, update
 from zerocompile.optim.binding import InnerBinding
 from zerocompile.optim.clipping import GradClipper
 from zerocompile.optim.grad_reduction import GradReducer, clear_gradients, parameter_names
@@ -126,7 +127,8 @@ class ZeroOptimizer(Optimizer):
         self._clipper = GradClipper(self._params_view)
         # the collaborators hold no reference to the optimizer: one dropped is freed at once
         self._scaling = LossScaling(self._params_view, scaler, self._clipper)
-        self._reducer = GradReducer(self._params_view, self._scaling)
+        self._reducer = GradReducer(self._params_view, self._scaling,
+                                    functools.partial(local_gradients.takes_local_gradients, self._binding))
         self._state_io = StateIO(self._binding, self._scaling, optimizer_class, self.defaults)
         ACCOUNTING.optimizers.add(self)
 

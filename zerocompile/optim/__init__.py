@@ -14,6 +14,9 @@
 - ``whole_param``: a whole-parameter optimizer (Muon, Adafactor, ...) stepped at owner ranks, the
   pieces moved by all-to-alls; ``owners``: which rank owns each parameter.
 - ``grouped``: param groups that name their own optimizer class, one inner optimizer per class.
+- ``onebit_adam``, ``zero_one_adam`` (sharing ``compressed_momentum``): DeepSpeed's 1-bit Adam and
+  0/1 Adam, inner optimizers that average the momentum themselves, compressed, at stage 0;
+  ``local_gradients``: how ``ZeroOptimizer`` builds them and skips its gradient all-reduce for them.
 
 None of them imports ``zerocompile.optimizer``: it owns them and delegates to them.
 """

@@ -10,6 +10,7 @@ import weakref
 import torch
 
 from zerocompile.deepspeed_config import warn_once
+from zerocompile.optim import local_gradients
 from zerocompile.optim.params import target_of
 from zerocompile.runtime import fused_adam
 from zerocompile.runtime.accounting import ACCOUNTING
@@ -94,6 +95,8 @@ class GradClipper:
     def clip(self, max_norm: float, norm_type: float, inner) -> torch.Tensor:
         """Clip the reduced, unscaled gradients the inner optimizer reads (``inner``) to the
         global ``norm_type``-norm ``max_norm``; return that norm (before clipping)."""
+        if local_gradients.reduces_gradients(inner) and inner.takes_local_gradients():
+            raise local_gradients.clipping_error(inner)
         self.apply_deferred()      # clipped twice: the first coefficient goes in now
         norm_type = float(norm_type)
         owned, replicated = [], []

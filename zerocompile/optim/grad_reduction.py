@@ -33,11 +33,13 @@ def bucket_bytes(states) -> int:
 
 class GradReducer:
     """``params``: the optimizer's ``OptimizerParams``; ``scaling``: its ``LossScaling`` (the
-    ``loss_scale`` option's scaler, or None)."""
+    ``loss_scale`` option's scaler, or None); ``local_gradients``: a predicate, True while the
+    inner optimizer takes this rank's local gradients (1-bit Adam: then nothing is all-reduced)."""
 
-    def __init__(self, params, scaling) -> None:
+    def __init__(self, params, scaling, local_gradients=None) -> None:
         self.params = params
         self.scaling = scaling
+        self.local_gradients = local_gradients
         self.reduced = False            # the gradients of this step were reduced (some may be stale again)
         self._warned_unsharded = False   # the warning about parameters no compiled frame used, given
 
@@ -104,6 +106,8 @@ class GradReducer:
                 to_scatter[key].append((sp, own, True, None))
                 set_raw_grad(p, None)
         self._warn_unsharded(full)
+        if self.local_gradients is not None and self.local_gradients():
+            full.clear()         # the inner optimizer averages (compressed) what it derives from them
         for (group, rd), items in full.items():
             all_reduce_mean_([g for _, g in items], group, bucket_bytes([s for s, _ in items]), rd)
             for sp, _ in items:

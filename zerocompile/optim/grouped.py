@@ -62,6 +62,10 @@ class GroupedBuilder:
         parts: dict[tuple[type, bool], list[int]] = {}
         for i, group in enumerate(groups):
             parts.setdefault(self.part_of(group), []).append(i)
+        if len(parts) > 1 and any(getattr(cls, "zerocompile_reduces_gradients", False) for cls, _ in parts):
+            raise ValueError("ZeroOptimizer: a 1-bit optimizer (OneBitAdam, ZeroOneAdam) averages the gradients of "
+                             "every parameter it holds itself; it cannot share a ZeroOptimizer with param groups of "
+                             "other classes. Give it a ZeroOptimizer of its own, over all the model's parameters")
         clean = [{k: v for k, v in g.items() if k not in OWN_KEYS} for g in groups]
         built = []
         for (cls, whole), indices in parts.items():

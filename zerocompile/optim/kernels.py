@@ -11,6 +11,7 @@ import logging
 import torch
 from torch.optim import Optimizer
 
+from zerocompile.optim import local_gradients
 from zerocompile.runtime import cpu_extension, fused_adam
 from zerocompile.runtime.accounting import simulated_peak_bytes
 from zerocompile.runtime.offload_settings import OffloadSettings
@@ -42,6 +43,8 @@ class InnerOptimizerBuilder:
         else the class itself, with ``fused=True`` or ``foreach=True`` under ``"auto"`` where
         it is a torch class that takes them and you set neither. ``params``: the optimizer's
         ``OptimizerParams``."""
+        if local_gradients.reduces_gradients(self.optimizer_class):     # 1-bit Adam, 0/1 Adam: stage 0, torch code
+            return local_gradients.build(self.optimizer_class, self.choice, groups, params, self.defaults), "torch"
         name = self.optimizer_class.__name__
         devices = {t.device.type for g in groups for t in g["params"]}
         offload = self._offload_settings(params.states(), devices)
