@@ -1,5 +1,5 @@
-"""The benchmarks (``stage3_vs_fsdp2.py``, ``run.py``, ``optimizer_step.py``, ``first_step.py``, ``collectives.py``:
-what ``make bench`` runs) and ``gpu_check.py`` (``make gpu-check``) run end to end in their quick modes and write sane
+"""The benchmarks (``stage3_vs_fsdp2.py``, ``run.py``, ``optimizer_step.py``, ``first_step.py``, ``collectives.py``,
+``whole_param_step.py``: what ``make bench`` runs) and ``gpu_check.py`` (``make gpu-check``) run end to end in their quick modes and write sane
 figures."""
 
 from __future__ import annotations
@@ -255,3 +255,35 @@ def test_collectives_benchmark_small(tmp_path):
     total = result["ms"]["reduce_scatter"] + result["ms"]["all_gather"]
     assert math.isclose(result["stages_1_2_x_all_reduce"], total / result["ms"]["all_reduce"])
     assert "| reduce-scatter |" in proc.stdout and "ZeRO stages 1-2" in proc.stdout
+
+
+WHOLE_PARAM_STEP = Path(__file__).resolve().parent.parent / "benchmarks" / "whole_param_step.py"
+
+
+def test_whole_param_step_benchmark_quick(tmp_path):
+    """benchmarks/whole_param_step.py --quick: AdamW, Muon + AdamW and Adafactor on 2 ranks at
+    stages 1 and 3; the all-to-alls send what the design says (Muon's: 1/2 of DeepSpeed's two
+    all-gathers at stage 1, 3/4 at stage 3, with the master pieces), Muon's state is held once
+    and split by owner, and the report files."""
+    proc = subprocess.run([sys.executable, str(WHOLE_PARAM_STEP), "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "whole_param_step.json").read_text())
+    assert set(result["stages"]) == {"1", "3"}
+    muon_bytes = 4 * result["muon_numel"]
+    assert result["deepspeed_muon_bytes"] == muon_bytes      # 2 (N-1)/N at N = 2
+    for stage, rows in result["stages"].items():
+        assert set(rows) == {"AdamW", "Muon + AdamW", "Adafactor"}
+        for name, e in rows.items():
+            for key in ("step_ms", "total_ms", "plain_step_ms", "peak_bytes", "state_bytes_max"):
+                assert math.isfinite(e[key]) and e[key] > 0, (stage, name, key, e[key])
+            assert (e["bytes_by_kind"]["all_to_all"] > 0) == (name != "AdamW"), (stage, name)
+            assert bool(e["owners"]) == (name != "AdamW")
+        muon = rows["Muon + AdamW"]
+        assert muon["all_to_all_x_deepspeed"] == pytest.approx(0.5 if stage == "1" else 0.75)
+        adamw_state = rows["AdamW"]["state_bytes_sum"]
+        # momentum (4 bytes) of the matrices instead of AdamW's 8, split over the owners
+        assert muon["state_bytes_sum"] == pytest.approx(adamw_state - muon_bytes, rel=0.01)
+        assert muon["state_bytes_max"] <= muon["state_bytes_sum"] / 2 + max(4 * 64 * 256, 1)
+    md = (tmp_path / "whole_param_step.md").read_text()
+    assert "| 3 | Muon + AdamW |" in md and "DeepSpeed's ZeRO Muon" in md
