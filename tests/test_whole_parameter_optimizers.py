@@ -407,3 +407,29 @@ def test_hugging_faces_adafactor_runs_on_whole_parameters():
         torch.testing.assert_close(p, q, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
     with pytest.raises(ValueError, match="Adafactor is not element-wise"):
         zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=Adafactor, assume_elementwise=True)
+
+
+def test_add_param_group_after_binding_is_refused_where_it_cannot_be_honoured():
+    """A group added after the first step binds joins only an optimizer of one element-wise class,
+    and only of that class; otherwise a clear error, and the group is not left half-added."""
+    model = make_model("gpt")
+    hidden, other = _groups(model, "muon")
+    for build, group, pattern in [
+        (lambda: zerocompile.ZeroOptimizer(hidden["params"][:2], optimizer_class=torch.optim.Muon),
+         {"params": hidden["params"][2:4], "optimizer_class": torch.optim.AdamW}, "fixed when it binds"),
+        (lambda: zerocompile.ZeroOptimizer(hidden["params"][:2], optimizer_class=torch.optim.AdamW),
+         {"params": hidden["params"][2:4], "optimizer_class": torch.optim.SGD, "lr": 0.1},
+         "optimizer_class SGD is not the AdamW this optimizer bound"),
+        (lambda: zerocompile.ZeroOptimizer(hidden["params"][:2], optimizer_class=torch.optim.AdamW),
+         {"params": hidden["params"][2:4], "optimizer_class": torch.optim.Muon}, "fixed when it binds"),
+    ]:
+        opt = build()
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        with pytest.raises(ValueError, match=f"ZeroOptimizer.add_param_group: .*{pattern}"):
+            opt.add_param_group(group)
+        assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": hidden["params"][4:6]})     # AdamW's own class: joins
+    opt.step()
+    assert len(opt.param_groups) == 2 and all(p in opt.state for p in hidden["params"][4:6])

@@ -127,9 +127,7 @@ class InnerBinding:
         reason = self.builder.unaddable_reason(self.kernel, {**group, "params": targets})
         if reason is not None:
             self.params.param_groups.pop()
-            raise ValueError(f"ZeroOptimizer.add_param_group: the fused Adam kernel this optimizer "
-                             f"uses cannot update this group ({reason}); build the ZeroOptimizer "
-                             "with kernel='torch' to add such groups")
+            raise ValueError(f"ZeroOptimizer.add_param_group: {reason}")
         self.bound.append(targets)
         self.inner.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": targets})
 

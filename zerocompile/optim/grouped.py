@@ -45,6 +45,8 @@ class GroupedBuilder:
         self.defaults = defaults
         self.resolved = resolved
         self.whole_parameter = whole_parameter
+        self.bound_parts: list[tuple[type, bool]] = []
+        """The (class, whole parameter) parts of the groups the last ``build`` bound."""
 
     def part_of(self, group: dict) -> tuple[type, bool]:
         """(class, runs on whole parameters) of param group ``group``."""
@@ -78,22 +80,30 @@ class GroupedBuilder:
             else:
                 inner, kernel = self.element_builder(cls).build(sub, params)
                 built.append((inner, indices, kernel))
-        if len(built) == 1 and built[0][2] != WHOLE_PARAMETER_KERNEL:
+        self.bound_parts = list(parts)
+        if len(built) == 1:
             return built[0][0], built[0][2]
         kernels = "+".join(dict.fromkeys(k for _, _, k in built))
         return GroupedOptimizer([(inner, indices) for inner, indices, _ in built], len(groups)), kernels
 
     def unaddable_reason(self, kernel: str | None, group: dict) -> str | None:
-        """Why the bound inner optimizer cannot take ``group``, or None."""
+        """Why the bound inner optimizer (of kernel ``kernel``) cannot take ``group``, or None:
+        a whole-parameter optimizer or several classes are fixed when the optimizer binds (owners,
+        parts); one element-wise class takes groups of that class its kernel supports."""
         cls, whole = self.part_of(group)
-        if "+" in (kernel or ""):
-            return "it runs several optimizer classes; give every param group to the constructor"
-        if whole:
-            return (f"{cls.__name__} runs on whole parameters at owner ranks, assigned when the optimizer "
-                    "binds; give every param group to the constructor")
+        if whole or len(self.bound_parts) > 1 or self.bound_parts[0][1]:
+            return ("this optimizer runs a whole-parameter optimizer or several optimizer classes, whose owners "
+                    "and parts are fixed when it binds (its first step); give every param group to the constructor")
+        if (cls, whole) != self.bound_parts[0]:
+            return (f"the group's optimizer_class {cls.__name__} is not the {self.bound_parts[0][0].__name__} this "
+                    "optimizer bound; give every param group to the constructor")
         kernels = (kernel or "").split("+")
         fused = next((k for k in kernels if k in ("cpp", "triton")), None)
-        return self.element_builder(cls).unaddable_reason(fused, {k: v for k, v in group.items() if k not in OWN_KEYS})
+        reason = self.element_builder(cls).unaddable_reason(fused, {k: v for k, v in group.items() if k not in OWN_KEYS})
+        if reason is None:
+            return None
+        return (f"the fused Adam kernel this optimizer uses cannot update this group ({reason}); build the "
+                "ZeroOptimizer with kernel='torch' to add such groups")
 
     @staticmethod
     def _check_no_offload(cls: type, groups: list[dict], params) -> None:

@@ -217,43 +217,57 @@ class WholeParameterOptimizer(Optimizer):
                     e.whole.grad = None
 
     def _step_owned(self, entries: list) -> None:
-        """Gradients (and master values) to the owners, the owners' steps, the values back."""
+        """Gradients (and master values) to the owners, the owners' steps, the values back.
+        Two buckets at most are in flight: bucket ``k + 1``'s pieces travel to the owners while
+        bucket ``k`` is stepped, and bucket ``k``'s updated pieces travel back while bucket ``k + 1``
+        is stepped; a bucket's whole matrices are freed once packed for the way back."""
         world, rank = self.layout.world, self.layout.rank
         buckets = _buckets(entries, self.bucket_bytes)
         pending_in = self._start_in(buckets[0])
-        returns = []
+        pending_out = None
         for k, bucket in enumerate(buckets):
             received = finish_all_to_all(pending_in) if world > 1 else pending_in
             if k + 1 < len(buckets):
                 pending_in = self._start_in(buckets[k + 1])
             owned = [e for e in bucket if e.owner == rank]
-            pieces = _unpack_received(received, bucket, rank, world)
-            grads = {}
-            for e in owned:
-                grad_rows, master_rows = pieces[id(e)]
-                sp = e.sp
-                grads[id(e)] = grad_rows.reshape(-1)[: sp.numel].view(sp.shape).to(sp.dtype)
-                if master_rows is not None:
-                    e.whole.data = master_rows.reshape(-1)[: sp.numel].view(sp.shape).clone()
-                else:
-                    e.whole.data = sp.replica.detach().reshape(sp.shape).clone()
             if owned:
-                self._step_only(owned, grads)
-            returns.append((bucket, self._start_out(bucket, owned)))
-        for bucket, pending in returns:
-            received = finish_all_to_all(pending) if world > 1 else pending
-            offset = 0                        # each owner's pieces, in owner order, then bucket order
-            by_owner = defaultdict(list)
-            for e in bucket:
-                by_owner[e.owner].append(e)
-            for owner in range(world):
-                for e in by_owner[owner]:
-                    chunk = e.sp.chunk
-                    e.target.copy_(received[offset : offset + chunk])
-                    offset += chunk
-        for e in entries:
-            if e.whole is not None:
+                self._step_only(owned, self._assemble(received, bucket, owned))
+            del received
+            started = (bucket, self._start_out(bucket, owned))
+            for e in owned:
                 e.whole.data = placeholder(e.sp.shape, e.sp.dtype, e.target.device)
+            if pending_out is not None:
+                self._finish_out(*pending_out)
+            pending_out = started
+        self._finish_out(*pending_out)
+
+    def _assemble(self, received: torch.Tensor, bucket: list, owned: list) -> dict:
+        """Set each owned parameter's whole tensor to its assembled master values; return its
+        assembled gradient by ``id(entry)``."""
+        pieces = _unpack_received(received, bucket, self.layout.rank, self.layout.world)
+        grads = {}
+        for e in owned:
+            grad_rows, master_rows = pieces[id(e)]
+            sp = e.sp
+            grads[id(e)] = grad_rows.reshape(-1)[: sp.numel].view(sp.shape).to(sp.dtype)
+            if master_rows is not None:
+                e.whole.data = master_rows.reshape(-1)[: sp.numel].view(sp.shape).clone()
+            else:
+                e.whole.data = sp.replica.detach().reshape(sp.shape).clone()
+        return grads
+
+    def _finish_out(self, bucket: list, pending) -> None:
+        """Write the updated pieces of ``bucket`` that came back into this rank's shards."""
+        received = finish_all_to_all(pending) if self.layout.world > 1 else pending
+        by_owner = defaultdict(list)
+        for e in bucket:
+            by_owner[e.owner].append(e)
+        offset = 0                            # each owner's pieces, in owner order, then bucket order
+        for owner in range(self.layout.world):
+            for e in by_owner[owner]:
+                chunk = e.sp.chunk
+                e.target.copy_(received[offset : offset + chunk])
+                offset += chunk
 
     def _start_in(self, bucket: list):
         """Pack this rank's pieces of ``bucket`` by owner (gradient, then master where it
