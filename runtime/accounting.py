@@ -212,3 +212,14 @@ def simulated_peak_bytes(states) -> int:
     ids = {id(sp) for sp in states}
     frames = [r for r in list(ACCOUNTING.frames) if any(id(sp) in ids for sp in r.plans if sp is not None)]
     return max((r.report()["results"].get("simulated_peak_bytes", 0) for r in frames), default=0)
+
+
+def comm_counts() -> dict:
+    """``{kind: (count, bytes)}`` of every collective kind counted so far (eager and graphs)."""
+    return {k: (v.count, v.bytes) for k, v in ACCOUNTING.comm.items()}
+
+
+def dump_roots() -> list:
+    """The dump directories of the compiled frames alive (``options={"dump": DIR}`` or
+    ``ZEROCOMPILE_DUMP``), each once."""
+    return sorted({root for r in list(ACCOUNTING.frames) if (root := getattr(r, "dump_root", None))})

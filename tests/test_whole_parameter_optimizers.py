@@ -433,3 +433,41 @@ def test_add_param_group_after_binding_is_refused_where_it_cannot_be_honoured():
     opt.add_param_group({"params": hidden["params"][4:6]})     # AdamW's own class: joins
     opt.step()
     assert len(opt.param_groups) == 2 and all(p in opt.state for p in hidden["params"][4:6])
+
+
+# ----------------------------------------------------------------------------- the dump shows the step
+def _dump_worker(rank, world, root):
+    torch._dynamo.reset()
+    model = torch.compile(make_model("gpt"), backend="zero", options={"stage": 3, "inner_compiler": "eager",
+                                                                      "dump": root})
+    opts = _zero_optimizer(model, "muon")
+    _train(rank, world, "gpt", "muon", 3, steps=2, model=model, opts=opts)
+    muon_bytes = zerocompile.stats().all_to_all.bytes
+    torch._dynamo.reset()
+    model = torch.compile(make_model("mlp"), backend="zero", options={"stage": 0, "inner_compiler": "eager",
+                                                                      "dump": root})
+    opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=zerocompile.OneBitAdam, lr=1e-3,
+                                    freeze_step=1)
+    _train(rank, world, "mlp", None, 0, steps=3, model=model, opts=[opt])
+    return muon_bytes
+
+
+def test_the_dump_records_each_optimizer_steps_collectives(tmp_path, capsys):
+    """The optimizer step's collectives are eager, in no graph: the dump writes them per step to
+    rank{R}/optimizer_steps.json and `zerocompile show` prints them (the all-to-alls of Muon's
+    owners, 1-bit Adam's compressed momentum after its warm-up)."""
+    import json
+
+    from zerocompile.cli import main
+
+    muon_bytes = run_ranks(_dump_worker, 2, str(tmp_path))[0]
+    data = json.loads((tmp_path / "rank0" / "optimizer_steps.json").read_text())
+    muon, onebit = (data["optimizers"][k] for k in sorted(data["optimizers"]))
+    assert "Muon+AdamW" in sorted(data["optimizers"])[0] and "OneBitAdam" in sorted(data["optimizers"])[1]
+    assert muon["steps"] == 2 and sum(r["collectives"]["all_to_all"]["bytes"] for r in muon["recorded"]) == muon_bytes
+    warmup, compressed = onebit["recorded"][0]["collectives"], onebit["recorded"][-1]["collectives"]
+    assert "all_reduce" in warmup and "compressed_all_to_all" not in warmup
+    assert "compressed_all_to_all" in compressed and compressed["compressed_all_to_all"]["bytes"] > 0
+    assert main(["show", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer steps" in out and "all-to-all 2x" in out and "compressed-all-to-all" in out

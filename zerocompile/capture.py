@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.fx
 
-from zerocompile import _torch_compat, inner_compilers, loss_scale
+from zerocompile import _torch_compat, env, inner_compilers, loss_scale
 from zerocompile.config import ZeroConfig
 from zerocompile.dump import recorder_for
 from zerocompile.passes.collective_summary import summarize_collectives
@@ -139,6 +139,8 @@ class FrameRunner:
         self._checked = False
         self._loss_scale = partitioner.ctx.config.loss_scale
         self.order = time.monotonic_ns()  # compile order, for frame_reports()
+        self.dump_root = partitioner.ctx.config.dump or env.dump_dir()
+        """Where this frame's graphs are dumped (None: no dump); the optimizer step records there too."""
         ACCOUNTING.frames.add(self)
 
     @property

@@ -21,7 +21,8 @@ where a step is ``{"index", "pass", "code", "nodes_file", "nodes", "collectives"
 "peak_bytes", "peak_node", "peak_breakdown", "time_s"}``; ``code`` and ``nodes_file`` are
 paths relative to ``DIR/rank{R}``, and ``collectives`` is ``{kind: {"count", "bytes"}}``
 for all_gather, reduce_scatter and all_reduce, or None when the graph lacks the shape
-metadata to size them. ``zerocompile show DIR`` reads it (see docs/cli.md).
+metadata to size them. ``zerocompile show DIR`` reads it (see docs/cli.md). The optimizer
+steps' own collectives go to ``DIR/rank{R}/optimizer_steps.json`` (``record_optimizer_step``).
 
 Several recorders may write to one directory in one process (for instance one per
 compiled frame): each record merges its own (frame, graph kind) entries into the index
@@ -284,6 +285,41 @@ def _write_text_atomic(path: Path, text: str) -> None:
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+OPTIMIZER_STEPS_FILE = "optimizer_steps.json"
+"""``DIR/rank{R}/optimizer_steps.json``: the collectives of each ``ZeroOptimizer.step()`` (see
+``record_optimizer_step``)."""
+
+KEPT_STEPS = 3
+"""``record_optimizer_step`` keeps the first steps of each optimizer and the last one."""
+
+
+def record_optimizer_step(root, rank: int, world: int, optimizer: str, collectives: dict) -> None:
+    """Add one step of ``optimizer`` (a name) to ``DIR/rank{R}/optimizer_steps.json``:
+    ``{"pid", "rank", "world", "optimizers": {name: {"steps": n, "recorded": [{"step", "collectives":
+    {kind: {"count", "bytes"}}}, ...]}}}``, the first ``KEPT_STEPS`` steps and the last. The
+    collectives of an optimizer step are eager (the gradient reduction done in the step, the
+    replicas' all-gather, a whole-parameter optimizer's all-to-alls, 1-bit Adam's compressed
+    momentum), not part of any graph, so the dump records them here. Never raises."""
+    path = Path(root) / f"rank{rank}" / OPTIMIZER_STEPS_FILE
+    try:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            data = None
+        if not isinstance(data, dict) or data.get("pid") != os.getpid():
+            data = {"pid": os.getpid(), "rank": rank, "world": world, "optimizers": {}}
+        entry = data["optimizers"].setdefault(optimizer, {"steps": 0, "recorded": []})
+        entry["steps"] += 1
+        record = {"step": entry["steps"], "collectives": collectives}
+        if len(entry["recorded"]) > KEPT_STEPS:
+            entry["recorded"].pop()            # the previous last step
+        entry["recorded"].append(record)
+        _write_text_atomic(path, json.dumps(data, indent=1) + "\n")
+    except Exception as exc:  # noqa: BLE001 - a dump must never break a training step
+        logger.debug("zerocompile: could not record the optimizer step under %s: %s", root, exc)
 
 
 def recorder_for(config, group) -> DumpRecorder | None:

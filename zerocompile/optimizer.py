@@ -40,6 +40,7 @@ the same way everywhere.
 from __future__ import annotations
 
 import functools
+import time
 import weakref
 
 import torch
@@ -59,6 +60,7 @@ from zerocompile.optim.rules import check_class_argument, check_optimizer_class,
 from zerocompile.optim.whole_param import placeholder
 from zerocompile.optim.scaling import LossScaling, check_one_scaler
 from zerocompile.optim.state_io import StateIO
+from zerocompile.optim.step_record import StepRecord, optimizer_name
 from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup
 from zerocompile.runtime.sharded_param import get_state
@@ -130,6 +132,8 @@ class ZeroOptimizer(Optimizer):
         self._reducer = GradReducer(self._params_view, self._scaling,
                                     functools.partial(local_gradients.takes_local_gradients, self._binding))
         self._state_io = StateIO(self._binding, self._scaling, optimizer_class, self.defaults)
+        self.created_ns = time.monotonic_ns()      # names it in the dump's optimizer_steps.json
+        self._step_record = StepRecord()
         ACCOUNTING.optimizers.add(self)
 
     # ------------------------------------------------------------------ binding and parameters
@@ -285,6 +289,7 @@ class ZeroOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step_record.begin()
         self._bind()
         self._binding.sync_hyperparameters()
         scaler = self._scaling.loss_scaler()
@@ -312,6 +317,8 @@ class ZeroOptimizer(Optimizer):
             scaler.update(overflow)
         self._end_step()
         self._collected_through = update.collect_compile_garbage(self._collected_through)
+        classes = list(dict.fromkeys(group_class(g, self.optimizer_class).__name__ for g in self.param_groups))
+        self._step_record.end(optimizer_name(self, classes), self._layout_group())
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -93,6 +93,21 @@ def steps_table(rank: int, frame: str, kind: str, steps: list) -> Table:
     return table
 
 
+def optimizer_steps_table(rank: int, data: dict) -> Table:
+    """The collectives of each recorded ``ZeroOptimizer.step()`` (``optimizer_steps.json``)."""
+    table = Table(title=f"rank {rank} | optimizer steps (eager collectives in opt.step())", title_justify="left")
+    table.add_column("optimizer", no_wrap=True)
+    table.add_column("step", justify="right")
+    table.add_column("collectives (count x bytes)")
+    for name, entry in (data.get("optimizers") or {}).items():
+        for record in entry.get("recorded", []):
+            moved = record.get("collectives") or {}
+            cells = ", ".join(f"{kind.replace('_', '-')} {v['count']}x {human_bytes(v['bytes'])}"
+                              for kind, v in moved.items()) or "none"
+            table.add_row(name, f"{record.get('step')} of {entry.get('steps')}", cells)
+    return table
+
+
 # ============================================================================ graphviz
 def _node_category(node: dict) -> str:
     """The --svg colour category of a node dict from a dump's nodes file."""

@@ -1,7 +1,7 @@
 """``zerocompile show DIR [--rank R] [--frame F] [--graph G] [--after PASS] [--diff PASS]
 [--svg OUT.svg] [--memory OUT.png]``: per frame and graph of a dump, a table of the pipeline's
 steps, a step's code, a diff across one pass, a graphviz drawing or a plot of simulated live
-memory."""
+memory; and the collectives of the recorded optimizer steps (``optimizer_steps.json``)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 from zerocompile.cli.errors import CliError
 from zerocompile.cli.inputs import read_dump, read_json
-from zerocompile.cli.render import (human_bytes, new_console, print_code, steps_table, write_memory_plot,
-                                    write_svg)
-from zerocompile.dump import GRAPH_KINDS, INDEX_FILE
+from zerocompile.cli.render import (human_bytes, new_console, optimizer_steps_table, print_code, steps_table,
+                                    write_memory_plot, write_svg)
+from zerocompile.dump import GRAPH_KINDS, INDEX_FILE, OPTIMIZER_STEPS_FILE
 
 GRAPH_ALIASES = {"fw": "forward", "bw": "backward"}
 
@@ -194,6 +194,9 @@ def cmd_show(args) -> int:
         return 0
     for frame, kind, steps in selected:
         console.print(steps_table(args.rank, frame, kind, steps))
+    if args.frame is None and args.graph is None and (rank_dir / OPTIMIZER_STEPS_FILE).exists():
+        console.print(optimizer_steps_table(args.rank, read_json(rank_dir / OPTIMIZER_STEPS_FILE,
+                                                                 "optimizer steps file")))
     if args.frame is not None or args.graph is not None:
         for frame, kind, steps in selected:
             step = steps[-1]
