@@ -130,16 +130,18 @@ def _assert_close(result, ref, tol):
 # ----------------------------------------------------------------------------- exactness
 def _two_rank_cases(rank, world, tmp):
     out = {}
-    for stage in (0, 1, 2, 3):
+    for stage in (0, 1):
         out[("gpt", "muon", stage)] = _result(rank, world, "gpt", "muon", stage)
+    # stage 2 with gradient accumulation and clipping; stage 3 with the master shards in files
+    # (offload_param: read back for the step, as for any optimizer); stage 3 plain: the
+    # checkpoint and three-rank tests
+    out[("gpt", "muon", 2)] = _result(rank, world, "gpt", "muon", 2, accum=2, clip=0.5)
+    out[("gpt", "muon", 3)] = _result(rank, world, "gpt", "muon", 3, options={
+        "offload_param": {"device": "nvme", "nvme_path": tmp}})
     out[("gpt", "adafactor", 3)] = _result(rank, world, "gpt", "adafactor", 3)
     out[("mlp", "adafactor", 1)] = _result(rank, world, "mlp", "adafactor", 1)
     out[("frozen", "adafactor", 2)] = _result(rank, world, "frozen", "adafactor", 2)
     out[("tied", "muon-two", 3)] = _result(rank, world, "tied", "muon", 3, two_optimizers=True)
-    out[("gpt", "muon-accum-clip", 2)] = _result(rank, world, "gpt", "muon", 2, accum=2, clip=0.5)
-    # the master shards in files (offload_param): read back for the step, as for any optimizer
-    out[("gpt", "muon-offload-param", 3)] = _result(rank, world, "gpt", "muon", 3, options={
-        "offload_param": {"device": "nvme", "nvme_path": tmp}})
     return out
 
 
@@ -148,7 +150,7 @@ def test_muon_and_adafactor_match_one_process_on_two_ranks(tmp_path):
     refs = {}
     for (model_name, optimizer, stage), got in results[0].items():
         kind = "adafactor" if optimizer.startswith("adafactor") else "muon"
-        kw = dict(accum=2, clip=0.5) if "accum" in optimizer else {}
+        kw = dict(accum=2, clip=0.5) if (optimizer, stage) == ("muon", 2) and model_name == "gpt" else {}
         key = (model_name, kind, tuple(kw.items()))
         if key not in refs:
             refs[key] = _reference(model_name, kind, **kw)
