@@ -40,6 +40,9 @@ class PassContext:
     """The ``CostModel`` (``zerocompile.passes.cost_model``) the passes weigh decisions with."""
     recorder: object = None
     """The ``DumpRecorder`` when dumping is on (``options={"dump": DIR}``), else None."""
+    progress: object = None
+    """Called as ``progress(graph_kind, pass_name)`` before each pass runs (the first step's
+    status line, ``zerocompile/progress.py``), or None."""
     results: dict = field(default_factory=dict)
     """What passes report about this frame (e.g. ``results["selective_unshard"]``), for logs,
     dumps and tests."""

@@ -225,6 +225,8 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, graph_kind: str, **in
         missing = [r for r in p.requires if r not in ctx.provided]
         if missing:
             raise RuntimeError(f"zerocompile: pass '{p.name}' requires {missing}, which no earlier pass provided")
+        if ctx.progress is not None:
+            ctx.progress(graph_kind, p.name)
         start = time.perf_counter()
         knobs = p.bind(ctx.config)
         gm = p.fn(gm, ctx, **knobs, **inputs) or gm

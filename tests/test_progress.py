@@ -37,3 +37,32 @@ def test_consolidate_and_load_pretrained_show_progress(tmp_path, monkeypatch, ca
     assert "loading full.pt" in capsys.readouterr().err
     for key, value in full.items():
         assert torch.equal(fresh.state_dict()[key], value), key
+
+
+def test_the_first_step_says_which_frame_compiled(monkeypatch, capsys):
+    """Forced (a launcher piping stderr): one line per frame once it compiled, nothing per pass;
+    off, or unwatched (not a terminal), nothing."""
+    monkeypatch.setenv("ZEROCOMPILE_PROGRESS", "1")
+    torch._dynamo.reset()
+    model = torch.compile(make_model("tied"), backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    model(*make_batch("tied", 0, 2)).backward()        # two frames: a graph break before the head
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("zerocompile:")]
+    assert len(lines) == 2 and all("compiled frame" in line and "(stage 3) in" in line for line in lines), lines
+    for setting in ("0", None):
+        if setting is None:
+            monkeypatch.delenv("ZEROCOMPILE_PROGRESS")
+        else:
+            monkeypatch.setenv("ZEROCOMPILE_PROGRESS", setting)
+        torch._dynamo.reset()
+        model = torch.compile(make_model("tied"), backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+        model(*make_batch("tied", 0, 2)).backward()
+        assert "zerocompile: compil" not in capsys.readouterr().err
+
+
+def test_the_status_line_names_the_frame_graph_and_pass():
+    from zerocompile.progress import CompileStatus
+
+    status = CompileStatus("frame 0/0", 3)
+    assert status.text().startswith("zerocompile: compiling frame 0/0: tracing (")
+    status.update("backward", "bucketing")
+    assert "frame 0/0: backward graph, bucketing (" in status.text() and status.text().endswith(" s)")

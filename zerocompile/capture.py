@@ -27,6 +27,7 @@ import torch.fx
 from zerocompile import _torch_compat, env, inner_compilers, loss_scale
 from zerocompile.config import ZeroConfig
 from zerocompile.dump import recorder_for
+from zerocompile.progress import compile_status
 from zerocompile.passes.collective_summary import summarize_collectives
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.cost_model import cost_model_for
@@ -369,6 +370,27 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     if _needs_cost_model(ctx):
         ctx.cost_model = cost_model_for(cfg.cost_model, group, ctx.device)
         log.debug("[%s] cost model: %s", frame, ctx.cost_model)
+    with compile_status(frame, cfg.stage) as status:
+        ctx.progress = status.update
+        try:
+            compiled, partitioner = _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx, cfg, status)
+        finally:
+            ctx.progress = None
+
+    def new_state(param, plan: ShardedParam) -> ShardedParam:
+        # a parameter first seen at run time, in the place of one traced like it (same shape,
+        # dtype and requires_grad: Dynamo's guards checked them); named after that one
+        loss_scale.register(param, cfg.loss_scale, plan.name)
+        return _shard_parameter(param, plan.name, cfg, group, keep_full=id(param) in eager_owned)
+
+    _adopt_parameters(plans, roots, eager_owned)
+    return FrameRunner(compiled, plans, partitioner, frame, roots, new_state)
+
+
+def _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx: PassContext, cfg: ZeroConfig, status):
+    """The frame's passes (Dynamo graph, then through AOTAutograd the joint, forward and backward
+    graphs) and its inner compile; returns the compiled callable and the partitioner."""
+    frame, group = ctx.frame, ctx.group
     kinds = [_torch_compat.input_kind(source, ex) for source, ex in zip(sources, example_inputs)]
     gm = run_passes(gm, ctx, "dynamo", plans=plans, input_kinds=kinds)
     new_inputs = []
@@ -386,20 +408,13 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     partitioner = ZeroPartitioner(ctx)
     log.info("[%s] %d parameters (stage %d, world %d) -> %s", frame,
              sum(p is not None for p in plans), cfg.stage, group.world, cfg.inner_compiler)
+    status.compiling(f"AOTAutograd, {cfg.inner_compiler}")
     if cfg.inner_compiler == "eager":
         compiled = inner_compilers.compile_with_aot_eager(gm, new_inputs, partitioner, partitioner.inference,
                                                           debug_checks=cfg.debug_checks)
     else:
         compiled = inner_compilers.compile_with_inductor(gm, new_inputs, partitioner, partitioner.inference)
-
-    def new_state(param, plan: ShardedParam) -> ShardedParam:
-        # a parameter first seen at run time, in the place of one traced like it (same shape,
-        # dtype and requires_grad: Dynamo's guards checked them); named after that one
-        loss_scale.register(param, cfg.loss_scale, plan.name)
-        return _shard_parameter(param, plan.name, cfg, group, keep_full=id(param) in eager_owned)
-
-    _adopt_parameters(plans, roots, eager_owned)
-    return FrameRunner(compiled, plans, partitioner, frame, roots, new_state)
+    return compiled, partitioner
 
 
 def _adopt_parameters(plans, roots, eager_owned: set) -> None:

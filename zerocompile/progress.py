@@ -1,5 +1,6 @@
-"""Progress bars for long operations (consolidating a checkpoint, loading and saving
-pretrained weights), drawn with ``rich`` on stderr.
+"""Progress for long operations, drawn with ``rich`` on stderr: bars for consolidating a
+checkpoint and loading or saving pretrained weights (``track``), and a status line while a
+frame compiles (``compile_status``: the frame, the graph and the pass it is at, the seconds).
 
 A bar is drawn only where someone watches: stderr is a terminal and this is global rank 0
 (every rank of a job would otherwise draw its own). ``ZEROCOMPILE_PROGRESS=1`` forces the bars
@@ -10,6 +11,8 @@ A bar is drawn only where someone watches: stderr is a terminal and this is glob
 from __future__ import annotations
 
 import sys
+import contextlib
+import time
 from collections.abc import Iterable, Iterator
 
 from zerocompile import env
@@ -47,3 +50,53 @@ def track(items: Iterable, description: str, total: int | None = None) -> Iterat
         for item in items:
             yield item
             bar.advance(task)
+
+
+class CompileStatus:
+    """The status of one frame's compile: ``update(graph_kind, pass_name)`` as the passes run
+    (``PassContext.progress``), ``text()`` what the line says."""
+
+    def __init__(self, frame: str, stage: int) -> None:
+        self.frame = frame
+        self.stage = stage
+        self.start = time.perf_counter()
+        self.where = "tracing"
+        self.status = None          # the rich Status drawn on a terminal, else None
+
+    def text(self) -> str:
+        return f"zerocompile: compiling {self.frame}: {self.where} ({time.perf_counter() - self.start:.1f} s)"
+
+    def update(self, graph_kind: str, pass_name: str) -> None:
+        self.where = f"{graph_kind} graph, {pass_name}"
+        if self.status is not None:
+            self.status.update(self.text())
+
+    def compiling(self, what: str) -> None:
+        """The compile is at ``what`` (e.g. AOTAutograd and the inner compiler), not at a pass."""
+        self.where = what
+        if self.status is not None:
+            self.status.update(self.text())
+
+
+@contextlib.contextmanager
+def compile_status(frame: str, stage: int) -> Iterator[CompileStatus]:
+    """A status line while a frame compiles (its passes, AOTAutograd, the inner compiler), drawn
+    where ``progress_enabled()``: on a terminal a spinner that disappears when the frame is done;
+    elsewhere (``ZEROCOMPILE_PROGRESS=1`` under a launcher that pipes stderr) one line per frame
+    once it compiled, so logs are not flooded. Yields the ``CompileStatus`` to update."""
+    status = CompileStatus(frame, stage)
+    if not progress_enabled():
+        yield status
+        return
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if console.is_terminal:
+        with console.status(status.text()) as drawn:
+            status.status = drawn
+            yield status
+            status.status = None
+        return
+    yield status
+    console.print(f"zerocompile: compiled {frame} (stage {stage}) in {time.perf_counter() - status.start:.1f} s",
+                  highlight=False)
