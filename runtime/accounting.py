@@ -74,6 +74,9 @@ class ZeroStats:
     """Bytes of optimizer state offloaded to host memory or swap files (``offload_optimizer``)."""
     offloaded_param_bytes: int = 0
     """Bytes of parameter shards held in files instead of ``param_bytes`` (``offload_param``)."""
+    offload_buffer_bytes: int = 0
+    """Bytes of the optimizer offload pipeline's host buffers (``offload_optimizer``), resident
+    beside the model state and counted in none of the figures above."""
     all_to_all: CollectiveTotals = field(default_factory=CollectiveTotals)
     """All-to-alls the optimizer step issues (a whole-parameter optimizer's gradient pieces to each
     parameter's owner and the updated pieces back); ``bytes``: what this rank sends to the others."""
@@ -98,7 +101,8 @@ class ZeroStats:
                for k in COLLECTIVE_KINDS + COMPRESSED_KINDS}
         out.update(world_size=self.world_size, param_bytes=self.param_bytes,
                    grad_bytes=self.grad_bytes, optimizer_state_bytes=self.optimizer_state_bytes,
-                   offloaded_bytes=self.offloaded_bytes, offloaded_param_bytes=self.offloaded_param_bytes)
+                   offloaded_bytes=self.offloaded_bytes, offloaded_param_bytes=self.offloaded_param_bytes,
+                   offload_buffer_bytes=self.offload_buffer_bytes)
         return out
 
 
@@ -159,6 +163,7 @@ class Accounting:
         optimizers = list(self.optimizers)
         opt_bytes = sum(opt.state_bytes() for opt in optimizers)
         offloaded = sum(opt.offloaded_bytes() for opt in optimizers)
+        buffers = sum(opt.offload_buffer_bytes() for opt in optimizers)
         return ZeroStats(
             **{k: CollectiveTotals(v.count, v.bytes, v.wire_bytes) for k, v in self.comm.items()},
             world_size=self.world_size,
@@ -167,6 +172,7 @@ class Accounting:
             optimizer_state_bytes=opt_bytes,
             offloaded_bytes=offloaded,
             offloaded_param_bytes=offloaded_params,
+            offload_buffer_bytes=buffers,
         )
 
 

@@ -3,7 +3,8 @@
 With ``offload_optimizer={"device": "nvme", ...}`` the moments (``exp_avg``, ``exp_avg_sq``) of
 the offloaded parameters live in a per-rank swap file (``runtime/swap_file.py``); with
 ``"cpu"`` and CUDA parameters they live in host memory. The step streams each flat target
-through ``buffer_count`` host buffers of ``buffer_size`` elements, tile by tile: while one
+through ``buffer_count`` host buffers of one tile each (``_tile_elems``: sized to the offloaded
+state, at most ``buffer_size`` elements), tile by tile: while one
 tile is updated by the fused C++ kernel (the same ``zerocompile::fused_adam_step`` as without
 offload, so the numbers are the same bit for bit), the next tiles are being read and the
 previous one written. CUDA parameters and gradients are copied through host buffers too
@@ -31,6 +32,12 @@ from zerocompile.runtime.swap_file import PAGE, SwapFile, aligned_empty
 log = logging.getLogger("zerocompile")
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+TILE_FRACTION = 8
+"""The buffers hold about ``1 / TILE_FRACTION`` of the offloaded state (``_tile_elems``)."""
+MIN_TILE = 1 << 16
+"""The smallest tile, in elements (256 KiB of fp32), unless ``buffer_size`` is smaller."""
 
 
 class _Slot:
@@ -197,8 +204,16 @@ class OffloadedAdam(FusedAdam):
         return loss
 
     def _tile_elems(self) -> int:
-        # whole pages of every dtype (2048 elements: 8 KiB of fp32, 4 KiB of 16-bit)
-        return max(2048, -(-self.settings.buffer_size // 2048) * 2048)
+        """Elements per tile: sized to what the buffers serve, ``1 / (8 * buffer_count)`` of the
+        offloaded elements (so the ``buffer_count`` buffers hold about an eighth of the
+        offloaded state), at least ``MIN_TILE`` and at most ``buffer_size``, in whole pages of
+        every dtype (2048 elements: 8 KiB of fp32, 4 KiB of 16-bit). Fixed once the
+        parameters to offload are chosen (the first step)."""
+        pages = lambda n: -(-n // 2048) * 2048      # noqa: E731
+        cap = max(2048, pages(self.settings.buffer_size))
+        total = sum(p.numel() for p in (self._offloaded or {}))
+        share = pages(total // (TILE_FRACTION * self.settings.buffer_count))
+        return min(cap, max(MIN_TILE, share))
 
     def _ensure_slots(self, tiles: list) -> None:
         """The pipeline's buffers, once: ``buffer_count`` slots of one tile (the largest any

@@ -69,6 +69,7 @@ def _memory_worker(rank, world, path):
     swap = opt.inner._swap
     buffers = opt.inner.buffer_bytes()
     return {"live": live, "psi_padded": psi_padded, "buffers": buffers, "file_bytes": os.path.getsize(swap.path),
+            "stats_buffers": zerocompile.stats().offload_buffer_bytes,
             "offloaded": opt.offloaded_bytes(), "state_bytes": opt.state_bytes(), "kernel": opt.kernel,
             "offload": opt.offload}
 
@@ -84,6 +85,7 @@ def test_nvme_offload_resident_bytes_are_params_grads_and_buffers(tmp_path):
         assert res["offloaded"] == state and res["state_bytes"] == 0
         assert res["file_bytes"] >= state
         assert 8 * res["psi_padded"] / n <= res["live"] <= 8 * res["psi_padded"] / n + res["buffers"] + 4096, res
+        assert res["stats_buffers"] == res["buffers"] > 0          # stats() reports the buffers apart
     assert not os.listdir(tmp_path)        # the swap files are deleted at exit
 
 
@@ -344,3 +346,22 @@ def test_the_kernel_writes_the_replica_copy_bitwise_as_a_cast(tmp_path, stage):
     assert off[0] == plain[0]
     for key, value in plain[1].items():
         assert torch.equal(off[1][key], value), key
+
+
+@pytest.mark.parametrize("elements, settings, tile", [
+    (3_000_000, {}, 94208),                      # 1/32 of the offloaded elements, in whole pages
+    (100_000, {}, 65536),                        # the floor: a small model's buffers stay small
+    (300_000_000, {}, 4194304),                  # the cap: buffer_size
+    (3_000_000, {"buffer_size": 2048}, 2048),    # a smaller buffer_size wins over the floor
+    (3_000_000, {"buffer_count": 2}, 188416),
+])
+def test_offload_tiles_are_sized_to_the_offloaded_state(tmp_path, elements, settings, tile):
+    """The buffers hold about 1/8 of the offloaded state (buffer_count tiles of 1/(8 buffer_count)
+    of its elements), at least 65536 elements per tile, at most buffer_size."""
+    from zerocompile.runtime.offload_settings import OffloadSettings
+    from zerocompile.runtime.offloaded_adam import OffloadedAdam
+
+    p = torch.zeros(elements, device="meta", requires_grad=True)
+    opt = OffloadedAdam([p], OffloadSettings(device="cpu", **settings), name="t", lr=1e-3)
+    opt._plan()
+    assert opt._tile_elems() == tile

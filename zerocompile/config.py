@@ -142,7 +142,8 @@ class ZeroConfig:
     """Where optimizer state (the moments; the master values are the shards) lives between
     steps, as DeepSpeed's ``zero_optimization.offload_optimizer``: None (on the model's device)
     or a dict ``{"device": "nvme", "nvme_path": DIR}`` with optional ``buffer_count`` (4),
-    ``buffer_size`` (elements per buffer, 4194304), ``ratio`` (1.0: the fraction of the state
+    ``buffer_size`` (the most elements per buffer, 4194304; a tile is sized to 1/(8 x buffer_count)
+    of the offloaded elements within [65536, buffer_size]), ``ratio`` (1.0: the fraction of the state
     offloaded; ``"auto"``: as little as fits ``memory_limit_mb``), ``threads`` (8 I/O threads), ``block_size`` (1 MiB per request), ``pin_memory``
     (True). ``"device": "cpu"`` keeps it in host memory (a logged no-op when the model is on the
     CPU). Needs ``ZeroOptimizer`` with ``torch.optim.Adam``/``AdamW`` (zerocompile's fused

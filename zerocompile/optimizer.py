@@ -209,6 +209,10 @@ class ZeroOptimizer(Optimizer):
         """Bytes of optimizer state held off the device (host memory or swap file), by offload."""
         return self._binding.offloaded_bytes()
 
+    def offload_buffer_bytes(self) -> int:
+        """Bytes of the optimizer offload pipeline's host buffers (0 without ``offload_optimizer``)."""
+        return self._binding.offload_buffer_bytes()
+
     @property
     def offload(self) -> str | None:
         """``"cpu"`` or ``"nvme"`` where the optimizer state is offloaded, else None (also before binding)."""

@@ -146,6 +146,10 @@ class InnerBinding:
         """Bytes of optimizer state held off the device (host memory or swap file), by offload."""
         return self.inner.offloaded_bytes() if isinstance(self.inner, OffloadedAdam) else 0
 
+    def offload_buffer_bytes(self) -> int:
+        """Bytes of the offload pipeline's host buffers (0 without offload)."""
+        return self.inner.buffer_bytes() if isinstance(self.inner, OffloadedAdam) else 0
+
     def offload(self) -> str | None:
         """``"cpu"`` or ``"nvme"`` where the optimizer state is offloaded, else None (also before binding)."""
         return self.inner.settings.device if isinstance(self.inner, OffloadedAdam) else None
