@@ -218,13 +218,20 @@ class ZeroOptimizer(Optimizer):
         """``"cpu"`` or ``"nvme"`` where the optimizer state is offloaded, else None (also before binding)."""
         return self._binding.offload()
 
+    def _step_name(self) -> str:
+        """How the dump's optimizer_steps.json names this optimizer (its classes)."""
+        classes = list(dict.fromkeys(group_class(g, self.optimizer_class).__name__ for g in self.param_groups))
+        return optimizer_name(self, classes)
+
     def holds_whole_state(self, p) -> bool:
         """Whether ``p``'s optimizer state is kept whole, in ``p``'s shape (a whole-parameter
         optimizer's: at ``p``'s owner rank only when ``p`` is sharded), never cut into shards."""
-        for group in self.param_groups:
-            if any(q is p for q in group["params"]):
-                return self._binding.builder.part_of(group)[1]
-        return False
+        return id(p) in self.whole_state_parameters()
+
+    def whole_state_parameters(self) -> set[int]:
+        """``id`` of each parameter whose optimizer state is kept whole (``holds_whole_state``)."""
+        return {id(p) for group in self.param_groups if self._binding.builder.part_of(group)[1]
+                for p in group["params"]}
 
     def owners(self) -> dict[str, int]:
         """``{parameter name: rank}`` of each sharded parameter a whole-parameter optimizer (Muon,
@@ -321,8 +328,7 @@ class ZeroOptimizer(Optimizer):
             scaler.update(overflow)
         self._end_step()
         self._collected_through = update.collect_compile_garbage(self._collected_through)
-        classes = list(dict.fromkeys(group_class(g, self.optimizer_class).__name__ for g in self.param_groups))
-        self._step_record.end(optimizer_name(self, classes), self._layout_group())
+        self._step_record.end(self._step_name, self._layout_group())
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

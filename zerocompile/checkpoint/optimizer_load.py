@@ -64,6 +64,7 @@ class OptimizerLoad:
         sharded parameters, whole tensors otherwise."""
         out = {}
         self.layout = {}            # param -> (sharded, {name: DCP key or tensor})
+        whole = self.optimizer.whole_state_parameters()
         for p in self.optimizer._params():
             fqn = self.fqns[p]
             names = self.state_keys.get(fqn)
@@ -71,7 +72,7 @@ class OptimizerLoad:
                 continue
             sp = is_sharded(p)
             # a whole-parameter optimizer's state is whole: every rank reads it, its owner keeps it
-            sharded = sp is not None and p.dim() > 0 and not self.optimizer.holds_whole_state(p)
+            sharded = sp is not None and p.dim() > 0 and id(p) not in whole
             values = {}
             for name in names:
                 key = f"{OPTIM_STATE}{fqn}.{name}"

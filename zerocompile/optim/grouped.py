@@ -123,9 +123,12 @@ class GroupedOptimizer:
     def __init__(self, parts: list, count: int) -> None:
         self.parts = parts
         self.param_groups: list = [None] * count
+        self._parts_by_target: dict = {}        # id(target) -> the part that steps it
         for inner, indices in parts:
             for j, i in enumerate(indices):
                 self.param_groups[i] = inner.param_groups[j]
+                for t in inner.param_groups[j]["params"]:
+                    self._parts_by_target[id(t)] = inner
         self.defaults: dict = {}
 
     @property
@@ -141,10 +144,7 @@ class GroupedOptimizer:
             inner.step()
 
     def _part_of_target(self, target):
-        for inner, _ in self.parts:
-            if any(t is target for g in inner.param_groups for t in g["params"]):
-                return inner
-        return None
+        return self._parts_by_target.get(id(target))
 
     def holds_whole_state(self, target) -> bool:
         inner = self._part_of_target(target)

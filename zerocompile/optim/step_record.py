@@ -24,11 +24,13 @@ class StepRecord:
         self.roots = dump_roots()
         self.before = comm_counts() if self.roots else {}
 
-    def end(self, name: str, group) -> None:
+    def end(self, name_of, group) -> None:
         """Write the step's collectives (those whose count moved) to every dump root.
-        ``group``: the optimizer's ``CommGroup`` (its rank names the dump's rank directory)."""
+        ``name_of()``: the optimizer's name, asked only when a dump records it; ``group``: the
+        optimizer's ``CommGroup`` (its rank names the dump's rank directory)."""
         if not self.roots:
             return
+        name = name_of()
         after = comm_counts()
         moved = {kind: {"count": count - self.before.get(kind, (0, 0))[0],
                         "bytes": nbytes - self.before.get(kind, (0, 0))[1]}
