@@ -18,6 +18,14 @@ into one collective on a flat bucket of at most ``bucket_mb``:
   each member was), and each parameter's chunk is a slice of the result. The bucket is reduced where its
   last member's gradient is ready.
 
+Buckets follow the model's blocks: a bucket that already holds at least ``1/16`` of
+``bucket_mb`` is closed where the members pass from one numbered block to the next (a
+parameter's block is its name up to its first numeric part: ``blocks.3``, ``model.layers.3``,
+``transformer.h.3``). Without that, one backward bucket could gather most of a small model at
+once (a 25 MiB cap holds six 3 MiB blocks), at the point where the activations peak; FSDP2
+gathers one wrapped block at a time for the same reason. Small blocks still share a bucket, so
+a model of many tiny layers does not pay a collective's latency per layer.
+
 Members keep graph order (in forward that is first-use order, the same on every rank).
 The values are bitwise those of the unbucketed collectives: concatenation and
 slicing copy elements, and each element is reduced over the same ranks.
@@ -26,6 +34,7 @@ slicing copy elements, and each element is reduced over the same ranks.
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +51,22 @@ _PACK_SHARDS = torch.ops.zerocompile.pack_shards.default
 _PACK_GRADIENTS = torch.ops.zerocompile.pack_gradients.default
 _MB = 2**20
 FIRST_BUCKET_FRACTION = 1 / 8
+BLOCK_BUCKET_FRACTION = 1 / 16
+"""A bucket holding at least this fraction of the cap is closed at a block boundary."""
+_NAME_PARTS = re.compile(r"[._]")
+
+
+def block_of(name: str | None) -> str | None:
+    """The numbered block a parameter belongs to: its name up to and including the first
+    all-digit part (``blocks.3.attn.qkv.weight`` -> ``blocks.3``); None when it has none
+    (an embedding, the final norm) or no name."""
+    if not name:
+        return None
+    parts = _NAME_PARTS.split(name)
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return None
 
 
 @dataclass
@@ -52,6 +77,8 @@ class Member:
     inp: torch.fx.Node
     wait: torch.fx.Node
     nbytes: int
+    block: str | None = None
+    """The numbered block of the member's parameter (``block_of``); None: not in one."""
 
     @property
     def key(self) -> tuple:
@@ -74,18 +101,31 @@ def _members(graph: torch.fx.Graph, role: str) -> list[Member]:
         if len(waits) != 1 or len(node.users) != 1:
             continue
         size_of = node if role == "param_gather" else node.args[0]
-        out.append(Member(node, node.args[0], waits[0], tensor_nbytes(size_of.meta["val"])))
+        out.append(Member(node, node.args[0], waits[0], tensor_nbytes(size_of.meta["val"]),
+                          block_of(tag(node).get("param"))))
     return out
 
 
-def plan_buckets(members: list[Member], cap_bytes: int, first_cap_bytes: int | None = None) -> list[Bucket]:
+def _crosses_block(bucket: Bucket, m: Member, block_min_bytes: int | None) -> bool:
+    """Whether ``m`` starts a new numbered block after a bucket already large enough to close."""
+    if block_min_bytes is None or m.block is None or bucket.nbytes < block_min_bytes:
+        return False
+    last = next((b.block for b in reversed(bucket.members) if b.block is not None), None)
+    return last is not None and last != m.block
+
+
+def plan_buckets(members: list[Member], cap_bytes: int, first_cap_bytes: int | None = None,
+                 block_min_bytes: int | None = None) -> list[Bucket]:
     """Group consecutive members with the same key into buckets of at most ``cap_bytes``
-    (the first at most ``first_cap_bytes``); a member larger than the cap is alone."""
+    (the first at most ``first_cap_bytes``); a member larger than the cap is alone. With
+    ``block_min_bytes``, a bucket of at least that many bytes is also closed where a member
+    of another numbered block comes (``Member.block``)."""
     buckets: list[Bucket] = []
     for m in members:
         cur = buckets[-1] if buckets else None
         cap = first_cap_bytes if first_cap_bytes is not None and len(buckets) == 1 else cap_bytes
-        if cur is None or cur.members[-1].key != m.key or cur.nbytes + m.nbytes > cap:
+        if (cur is None or cur.members[-1].key != m.key or cur.nbytes + m.nbytes > cap
+                or _crosses_block(cur, m, block_min_bytes)):
             buckets.append(Bucket())
             cur = buckets[-1]
         cur.members.append(m)
@@ -187,7 +227,7 @@ def bucket_collectives(graph: torch.fx.Graph, cap_bytes: int, prefix: str) -> di
             ("grad_reduce_scatter", None, _bucket_reduce_scatters, "reduce_scatter")):
         members = _members(graph, role)
         first_cap = max(1, int(cap_bytes * first_fraction)) if first_fraction else None
-        buckets = plan_buckets(members, cap_bytes, first_cap)
+        buckets = plan_buckets(members, cap_bytes, first_cap, int(cap_bytes * BLOCK_BUCKET_FRACTION))
         for i, bucket in enumerate(buckets):
             bucket_id = f"{prefix}{kind}.{i}"
             if len(bucket.members) > 1:

@@ -18,7 +18,7 @@ import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from zerocompile.config import ZeroConfig
-from zerocompile.passes.bucketing import Member, bucket_collectives, plan_buckets
+from zerocompile.passes.bucketing import Member, block_of, bucket_collectives, plan_buckets
 from zerocompile.passes.cast_before_gather import cast_before_gather
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.cost_model import CostModel, node_flops
@@ -106,6 +106,37 @@ def test_plan_buckets_keeps_order_caps_size_and_makes_the_first_bucket_small():
     buckets = plan_buckets(ms, cap_bytes=40, first_cap_bytes=15)
     assert [[ms.index(m) for m in b.members] for b in buckets] == [[0], [1, 2, 3], [4], [5], [6]]
     assert [b.nbytes for b in buckets] == [10, 30, 30, 10, 10]
+
+
+@pytest.mark.parametrize("name, block", [
+    ("blocks.3.attn.qkv.weight", "blocks.3"), ("model.layers.12.mlp.up_proj.weight", "model.layers.12"),
+    ("transformer.h.0.ln_1.bias", "transformer.h.0"), ("layers.2.experts.7.w1", "layers.2"),
+    ("l_self_modules_blocks_modules_4_parameters_weight_", "l.self.modules.blocks.modules.4"),
+    ("tok_emb.weight", None), ("lm_head.weight", None), ("", None), (None, None)])
+def test_block_of_is_the_name_up_to_its_first_number(name, block):
+    assert block_of(name) == block
+
+
+def test_plan_buckets_closes_a_large_enough_bucket_at_a_block_boundary():
+    """Blocks of 30 B with a 100 B cap: without blocks three would share a bucket; a bucket of
+    at least ``block_min_bytes`` closes where the next block starts, a smaller one takes the
+    next block too, and members outside any block (None) join the bucket they follow."""
+    def member(nbytes, block):
+        node = torch.fx.Graph().placeholder("x")
+        node.meta["val"] = torch.empty(1)
+        coll = torch.fx.Graph().placeholder("c")
+        coll.args = (node, WORLD, "fake")
+        return Member(coll, node, coll, nbytes, block)
+
+    ms = [member(4, None)] + [member(10, f"b.{i}") for i in range(3) for _ in range(3)] + [member(4, None)]
+    no_blocks = plan_buckets(ms, cap_bytes=100)
+    assert [len(b.members) for b in no_blocks] == [11]
+    by_block = plan_buckets(ms, cap_bytes=100, block_min_bytes=20)
+    assert [[m.block for m in b.members] for b in by_block] == [
+        [None, "b.0", "b.0", "b.0"], ["b.1"] * 3, ["b.2"] * 3 + [None]]
+    small_blocks = plan_buckets(ms, cap_bytes=100, block_min_bytes=40)
+    assert [b.nbytes for b in small_blocks] == [64, 34]
+    assert sum(b.nbytes for b in by_block) == sum(m.nbytes for m in ms)
 
 
 @pytest.mark.parametrize("cap,expected", [(100, 2), (1, 3)])

@@ -61,7 +61,8 @@ class ZeroConfig:
     """Size cap, in MiB, of one fused collective. The ``bucketing`` pass coalesces consecutive
     all-gathers (forward and backward) and reduce-scatters of the compiled graphs into flat
     buckets of at most this size (the first bucket of a graph is smaller, so its wait is
-    short); the optimizer-step collectives (stage 1 reduce-scatter of accumulated gradients,
+    short; a bucket of at least 1/16 of this closes where the model's next numbered block
+    begins, so a bucket does not gather several blocks at once); the optimizer-step collectives (stage 1 reduce-scatter of accumulated gradients,
     stage 1/2 all-gather of updated parameters) are grouped the same way. 0 turns bucketing
     off: one collective per parameter."""
 
