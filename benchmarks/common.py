@@ -19,6 +19,7 @@ import math
 import os
 import socket
 import tempfile
+import sys
 from pathlib import Path
 
 import torch
@@ -37,10 +38,15 @@ log = logging.getLogger("benchmarks.common")
 
 # --------------------------------------------------------------------------- model and passes
 def load_example():
-    """Import ``examples/train_gpt.py`` (the model and the data) as a module."""
-    path = REPO / "examples" / "train_gpt.py"
-    spec = importlib.util.spec_from_file_location("zerocompile_example_train_gpt", path)
+    """Import ``examples/train_gpt.py`` (the model and the data) as a module, registered in
+    ``sys.modules`` (Dynamo imports a function's module by name when it resumes after a graph
+    break)."""
+    name = "zerocompile_example_train_gpt"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / "train_gpt.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
