@@ -51,6 +51,39 @@ def load_example():
     return module
 
 
+def gpt_forward_with_break(model, idx, targets, after: int):
+    """The demo GPT's forward (``examples/train_gpt.py``) with a Dynamo graph break after block
+    ``after`` (0-based): the compiled model runs as two frames, as models with a
+    data-dependent branch or a print in the middle do."""
+    import torch.nn.functional as F
+
+    pos = torch.arange(idx.shape[1], device=idx.device)
+    x = model.tok_emb(idx) + model.pos_emb(pos)
+    for block in model.blocks[:after + 1]:
+        x = block(x)
+    torch._dynamo.graph_break()
+    for block in model.blocks[after + 1:]:
+        x = block(x)
+    logits = model.lm_head(model.ln_f(x))
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def break_graph_after(model, after: int):
+    """Give the demo GPT ``model`` a forward with a graph break after block ``after``."""
+    import types
+
+    if not 0 <= after < len(model.blocks) - 1:
+        raise ValueError(f"--graph-break-after {after}: the model has {len(model.blocks)} blocks; "
+                         f"give 0..{len(model.blocks) - 2}")
+    model.graph_break_after = after
+    model.forward = types.MethodType(_forward_with_break, model)
+    return model
+
+
+def _forward_with_break(model, idx, targets):
+    return gpt_forward_with_break(model, idx, targets, model.graph_break_after)
+
+
 def optional_pass_names() -> tuple[list[str], str | None]:
     """Every optional pass except ``cast_forward_inputs``, from the pass registry, and a note
     if the fallback (``pass_names()`` plus the ``optional`` flags of ``_registry()``) was used."""

@@ -57,7 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_harness as harness  # noqa: E402
-from common import MiB, RESULTS, error_line, load_example, spawn_ranks  # noqa: E402
+from common import MiB, RESULTS, break_graph_after, error_line, load_example, spawn_ranks  # noqa: E402
 
 SYSTEMS = ("zero3", "zero3-profile", "zero3-nopass", "fsdp2")
 LABELS = {"zero3": "zerocompile stage 3", "zero3-profile": "zerocompile stage 3, profile=True",
@@ -109,6 +109,8 @@ def build_system(name: str, args, example, disabled: list[str]) -> System:
     with system.tracker:
         torch.manual_seed(args.seed)
         model = example.GPT(args.vocab, args.seq_len, args.d_model, args.n_layers, args.n_heads)
+        if args.graph_break_after is not None:
+            break_graph_after(model, args.graph_break_after)
         if name == "fsdp2":
             for block in model.blocks:
                 fully_shard(block)
@@ -245,6 +247,9 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, default=None, help="embedding width (default 256, quick 64)")
     p.add_argument("--n-layers", type=int, default=None, help="transformer blocks (default 4, quick 2)")
     p.add_argument("--n-heads", type=int, default=None, help="attention heads (default 4, quick 2)")
+    p.add_argument("--graph-break-after", type=int, default=None, metavar="K",
+                   help="a Dynamo graph break after block K (0-based) in the GPT's forward: "
+                        "zerocompile compiles two frames (FSDP2 runs eager either way)")
     harness.add_training_options(p, reference="FSDP2", timeout_s=300.0,
                                  timeout_note=" (covers one rank compiling while another waits)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
@@ -277,7 +282,9 @@ def main(argv=None) -> int:
     psi = ranks[0]["psi"]
 
     print(f"\nGPT: Psi = {psi} parameters ({psi / 1e6:.2f}M), vocab {args.vocab}, d_model {args.d_model}, "
-          f"{args.n_layers} layers, {args.n_heads} heads, seq {args.seq_len}; {args.world_size} gloo ranks x "
+          f"{args.n_layers} layers"
+          + (f" (graph break after block {args.graph_break_after})" if args.graph_break_after is not None else "")
+          + f", {args.n_heads} heads, seq {args.seq_len}; {args.world_size} gloo ranks x "
           f"{args.threads} thread(s), {args.batch} sequences/rank/step, fp32 AdamW; inner compiler "
           f"{args.inner_compiler}; {args.steps} timed steps after 1 + {args.warmup} warm-up; "
           f"load average before {load_before[0]:.1f} on {os.cpu_count()} CPUs")
