@@ -151,6 +151,19 @@ def pending_collectives() -> int:
     return torch._C._distributed_c10d._get_work_registry_size()
 
 
+def register_pending(tensor: torch.Tensor, future: "torch.futures.Future") -> None:
+    """Make ``torch.ops._c10d_functional.wait_tensor(tensor)`` wait for ``future`` (an
+    ``offload_param`` file read filling ``tensor`` on another thread), as it waits for a
+    functional collective's result.
+
+    Why private: the registry ``wait_tensor`` consults (a tensor's storage -> its pending
+    ``Work``) is written only by ``torch._C._distributed_c10d._register_work``, and a ``Work``
+    that completes with a ``torch.futures.Future`` is made by ``_create_work_from_future``.
+    """
+    c10d = torch._C._distributed_c10d
+    c10d._register_work(tensor, c10d._create_work_from_future(future))
+
+
 def placeholder_source(node: torch.fx.Node):
     """The Dynamo ``Source`` of a placeholder of a Dynamo graph, or None.
 
