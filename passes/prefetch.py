@@ -20,6 +20,10 @@ before the next reduce-scatter starts (or the end), so reduction overlaps the ne
 layer's gradient computation with one reduction in flight (a two-hop qgZ reduction: see
 ``delay_reduce_waits``).
 
+With ``offload_param`` each bucket's file reads (``zerocompile::fetch_shard``, which starts a
+read on a thread and returns what ``wait_tensor`` waits for) then start one bucket ahead: before
+the previous bucket's reads are waited for (``prefetch_fetches``).
+
 Every input to these decisions is the same on every rank, so every rank issues the
 same collectives in the same order.
 """

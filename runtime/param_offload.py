@@ -8,11 +8,13 @@ CPU model ``"cpu"`` changes nothing (the shards are in host memory already) and 
 
 Who reads the values, and how:
 
-- the compiled graphs, through ``fetch_shard`` (the op ``zerocompile::fetch_shard``): a node
-  right before the parameter's all-gather reads the file into a new tensor; the prefetch pass
-  moves it with the all-gather it feeds, and ``reshard_after_forward`` has the backward fetch
-  again rather than keep the fetched shard alive from forward to backward. Its backward passes
-  the gradient to the shard unchanged, so it still lands in ``shard.grad``.
+- the compiled graphs, through ``fetch_shard``: before the parameter's all-gather the op
+  ``zerocompile::fetch_shard`` starts reading the file into a new tensor on a thread of its
+  own, and ``wait_tensor`` waits for the read; the prefetch pass moves the fetch with the
+  all-gather it feeds and then starts each bucket's reads one bucket ahead
+  (``passes/prefetch.py: prefetch_fetches``), and ``reshard_after_forward`` has the backward
+  fetch again rather than keep the fetched shard alive from forward to backward. Its backward
+  passes the gradient to the shard unchanged, so it still lands in ``shard.grad``.
 - everything outside the graphs (the optimizer step, gathering a parameter for eager code,
   ``write_full``, checkpoints) inside ``resident_shards(states)``: the shards are read back
   into their own storage, used, written back to their files if anything changed them (or if
