@@ -256,7 +256,10 @@ def fetch_shard_op(shard: torch.Tensor, number: torch.Tensor, directory: str) ->
         try:
             read_file(path, host)
             if out is not host:
+                # on this thread's stream of the device; the wait may not return before the
+                # copy has landed, whatever stream the graph runs on
                 out.copy_(host)
+                torch.cuda.current_stream(out.device).synchronize()
         except BaseException as err:    # noqa: BLE001 - raised by wait_tensor on the graph's thread
             future.set_exception(err)
             return
