@@ -202,8 +202,9 @@ def prefetch_fetches(graph: torch.fx.Graph) -> int:
     for previous, unit in zip(units, units[1:]):
         anchor = min((_wait_of(f) for f in previous), key=position.__getitem__)
         for fetch in unit:
-            anchor.prepend(fetch)
-            moved += 1
+            if position[fetch] > position[anchor]:       # only ever earlier
+                anchor.prepend(fetch)
+                moved += 1
     return moved
 
 
