@@ -224,6 +224,29 @@ def test_file_reads_are_issued_one_bucket_ahead(tmp_path):
                 assert all(where[("start", n)] < first_wait for n in following), (current, following, events)
 
 
+def test_prefetch_fetches_moves_each_read_one_unit_ahead_at_world_size_one():
+    """Without all-gathers each read is a unit of its own: read k+1 starts right before the
+    wait of read k, the waits and the compute stay where they were, and a second pass moves
+    nothing (reads only ever move earlier)."""
+    from zerocompile.passes.prefetch import prefetch_fetches
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    inputs = [(graph.placeholder(f"s{i}"), graph.placeholder(f"n{i}")) for i in range(3)]
+    names = {}
+    for i, (shard, number) in enumerate(inputs):
+        fetch = graph.call_function(torch.ops.zerocompile.fetch_shard.default, (shard, number, "dir"))
+        wait = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (fetch,))
+        x = graph.call_function(torch.ops.aten.mul.Tensor, (x, wait))
+        names.update({fetch: f"read{i}", wait: f"wait{i}", x: f"use{i}"})
+    graph.output(x)
+    assert prefetch_fetches(graph) == 2
+    order = [names[n] for n in graph.nodes if n in names]
+    assert order == ["read0", "read1", "wait0", "use0", "read2", "wait1", "use1", "wait2", "use2"]
+    assert prefetch_fetches(graph) == 0
+    assert [names[n] for n in graph.nodes if n in names] == order
+
+
 def test_a_read_that_fails_in_the_graph_is_an_error(tmp_path):
     """A parameter file deleted outside zerocompile: the graph's read, on its own thread, fails,
     and the wait for it raises the error naming the file (never garbage values)."""
