@@ -20,6 +20,10 @@ before the next reduce-scatter starts (or the end), so reduction overlaps the ne
 layer's gradient computation with one reduction in flight (a two-hop qgZ reduction: see
 ``delay_reduce_waits``).
 
+With ``offload_param`` each bucket's file reads (``zerocompile::fetch_shard``, which starts a
+read on a thread and returns what ``wait_tensor`` waits for) then start one bucket ahead: before
+the previous bucket's reads are waited for (``prefetch_fetches``).
+
 Every input to these decisions is the same on every rank, so every rank issues the
 same collectives in the same order.
 """
@@ -33,8 +37,10 @@ from zerocompile.passes.context import PassContext
 from zerocompile.passes.cost_model import CostModel
 from zerocompile.passes.graph_utils import stable_topological_sort, tag, tensor_nbytes
 from zerocompile.passes.liveness import simulate
+from zerocompile.runtime import param_offload  # noqa: F401  (registers zerocompile::fetch_shard)
 
 _c10d = torch.ops._c10d_functional
+_FETCH = torch.ops.zerocompile.fetch_shard.default
 _MB = 2**20
 _GATHER_ROLES = ("param_gather", "bucket_gather")
 _REDUCE_ROLES = ("grad_reduce_scatter", "bucket_reduce_scatter")
@@ -154,6 +160,54 @@ def delay_reduce_waits(graph: torch.fx.Graph) -> int:
     return moved
 
 
+def _fetch_units(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
+    """The ``offload_param`` file reads (``zerocompile::fetch_shard`` nodes), grouped by what
+    consumes them together (the all-gather, bucketed or not, that their waits feed; at world
+    size 1, where nothing gathers, each read alone), in the order their first wait runs."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    units: dict[object, list] = {}
+    for fetch in graph.find_nodes(op="call_function", target=_FETCH):
+        wait = _wait_of(fetch)
+        if wait is None:
+            continue
+        consumer, frontier, seen = None, [wait], set()
+        while frontier and consumer is None:           # the first gather downstream of the wait
+            node = frontier.pop()
+            for user in node.users:
+                if tag(user).get("role") in _GATHER_ROLES or user.target is _c10d.all_gather_into_tensor.default:
+                    consumer = user
+                elif user not in seen and (user.target is torch.ops.aten.cat.default or _passes_through(user)):
+                    seen.add(user)
+                    frontier.append(user)
+        units.setdefault(consumer if consumer is not None else fetch, []).append(fetch)
+    return sorted(units.values(), key=lambda fetches: min(position[_wait_of(f)] for f in fetches))
+
+
+def _passes_through(node: torch.fx.Node) -> bool:
+    """A node that only reshapes or casts what it reads on the way to an all-gather."""
+    return node.op == "call_function" and not node.is_impure() and len(node.all_input_nodes) == 1 and \
+        node.target is not _c10d.all_gather_into_tensor.default
+
+
+def prefetch_fetches(graph: torch.fx.Graph) -> int:
+    """``offload_param``: issue the file reads of each bucket one bucket ahead (DeepSpeed's
+    ``stage3_prefetch_bucket_size``): the reads of unit k+1 (``_fetch_units``) start right
+    before the first wait of unit k, so they run on their threads while unit k is waited
+    for, all-gathered and computed with. A read depends on graph inputs only, so moving it up
+    is always legal; its wait stays where it was. Holds one more unit's shards at a time.
+    Returns how many reads moved."""
+    units = _fetch_units(graph)
+    position = {n: i for i, n in enumerate(graph.nodes)}     # the waits never move
+    moved = 0
+    for previous, unit in zip(units, units[1:]):
+        anchor = min((_wait_of(f) for f in previous), key=position.__getitem__)
+        for fetch in unit:
+            if position[fetch] > position[anchor]:       # only ever earlier
+                anchor.prepend(fetch)
+                moved += 1
+    return moved
+
+
 def prefetch(gm: torch.fx.GraphModule, ctx: PassContext, *, prefetch_mb: float, memory_limit_mb: float | None,
              **_) -> torch.fx.GraphModule:
     cost = ctx.cost_model or CostModel()
@@ -161,7 +215,8 @@ def prefetch(gm: torch.fx.GraphModule, ctx: PassContext, *, prefetch_mb: float, 
     records = prefetch_gathers(gm.graph, cost, ctx.group.world, int(prefetch_mb * _MB), memory_cap,
                                count_inputs=ctx.graph_kind == "backward")
     delayed = delay_reduce_waits(gm.graph) if ctx.graph_kind == "backward" else 0
+    fetches = prefetch_fetches(gm.graph)
     ctx.results.setdefault("prefetch", {})[ctx.graph_kind] = {
         "gathers": len(records), "prefetched": sum(r["moved_up"] > 0 for r in records),
-        "reduce_waits_delayed": delayed}
+        "reduce_waits_delayed": delayed, "file_reads_ahead": fetches}
     return gm

@@ -75,15 +75,16 @@ def gather_chain(gather: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def fetch_chain(fetch: torch.fx.Node) -> list[torch.fx.Node]:
-    """An ``offload_param`` fetch (``zerocompile::fetch_shard``) and the views/casts of what it
-    read, up to (not including) an all-gather: the whole parameter at world size 1."""
+    """An ``offload_param`` fetch (``zerocompile::fetch_shard``), the ``wait_tensor`` of its read
+    and the views/casts of what it read, up to (not including) an all-gather: the whole
+    parameter at world size 1."""
     chain, frontier = [], [fetch]
     while frontier:
         node = frontier.pop()
         if node in chain:
             continue
         chain.append(node)
-        frontier.extend(u for u in node.users if is_op(u, PASS_THROUGH_OPS))
+        frontier.extend(u for u in node.users if u.target is _c10d.wait_tensor.default or is_op(u, PASS_THROUGH_OPS))
     return chain
 
 

@@ -8,11 +8,13 @@ CPU model ``"cpu"`` changes nothing (the shards are in host memory already) and 
 
 Who reads the values, and how:
 
-- the compiled graphs, through ``fetch_shard`` (the op ``zerocompile::fetch_shard``): a node
-  right before the parameter's all-gather reads the file into a new tensor; the prefetch pass
-  moves it with the all-gather it feeds, and ``reshard_after_forward`` has the backward fetch
-  again rather than keep the fetched shard alive from forward to backward. Its backward passes
-  the gradient to the shard unchanged, so it still lands in ``shard.grad``.
+- the compiled graphs, through ``fetch_shard``: before the parameter's all-gather the op
+  ``zerocompile::fetch_shard`` starts reading the file into a new tensor on a thread of its
+  own, and ``wait_tensor`` waits for the read; the prefetch pass moves the fetch with the
+  all-gather it feeds and then starts each bucket's reads one bucket ahead
+  (``passes/prefetch.py: prefetch_fetches``), and ``reshard_after_forward`` has the backward
+  fetch again rather than keep the fetched shard alive from forward to backward. Its backward
+  passes the gradient to the shard unchanged, so it still lands in ``shard.grad``.
 - everything outside the graphs (the optimizer step, gathering a parameter for eager code,
   ``write_full``, checkpoints) inside ``resident_shards(states)``: the shards are read back
   into their own storage, used, written back to their files if anything changed them (or if
@@ -40,10 +42,12 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import weakref
 
 import torch
 
+from zerocompile import _torch_compat
 from zerocompile.runtime.offload_settings import OffloadSettings
 from zerocompile.errors import SwapFileError
 from zerocompile.runtime.swap_file import _host_bytes, move_all
@@ -225,8 +229,14 @@ def shard_path(directory: str, number: int) -> str:
 
 
 # ---------------------------------------------------------------------------- the graph op
-# A torch.library op: fake tensors pass through it, inductor calls it as an extern kernel,
-# and its autograd formula (the identity) is registered with it.
+# A torch.library op: fake tensors pass through it, and inductor calls it as an extern kernel.
+# It only *starts* the read: the file is read into the tensor it returns on a thread of its
+# own (``os.preadv`` releases the GIL), and ``torch.ops._c10d_functional.wait_tensor`` of that
+# tensor waits for the read, as it waits for a functional collective (the read is registered
+# in c10d's registry of pending work: ``_torch_compat.register_pending``). Between the two the
+# graph computes: the prefetch pass issues the reads of the next bucket's shards before the
+# current bucket is waited for (``passes/prefetch.py: prefetch_fetches``). No state outlives a
+# read: the thread, the future and the registry entry are the read's own.
 #
 # Which file to read is a graph *input* (the file's number, a 0-dim int64 tensor), never a
 # constant of the graph: Dynamo runs one compiled frame for every block its guards accept
@@ -235,11 +245,29 @@ def shard_path(directory: str, number: int) -> str:
 # a constant: it is the frame's option, the same for every parameter the frame may meet.
 @torch.library.custom_op("zerocompile::fetch_shard", mutates_args=())
 def fetch_shard_op(shard: torch.Tensor, number: torch.Tensor, directory: str) -> torch.Tensor:
-    """A new tensor like ``shard`` (which holds no storage) with the values of shard file
-    ``number`` in ``directory``."""
-    out = torch.empty(shard.shape, dtype=shard.dtype)
-    read_file(shard_path(directory, int(number.item())), out)
-    return out if shard.device.type == "cpu" else out.to(shard.device)
+    """A new tensor like ``shard`` (which holds no storage) that a thread is filling with the
+    values of shard file ``number`` in ``directory``: read it only after ``wait_tensor``."""
+    path = shard_path(directory, int(number.item()))
+    host = torch.empty(shard.shape, dtype=shard.dtype)
+    out = host if shard.device.type == "cpu" else torch.empty(shard.shape, dtype=shard.dtype, device=shard.device)
+    future = torch.futures.Future()
+
+    def read() -> None:
+        try:
+            read_file(path, host)
+            if out is not host:
+                # on this thread's stream of the device; the wait may not return before the
+                # copy has landed, whatever stream the graph runs on
+                out.copy_(host)
+                torch.cuda.current_stream(out.device).synchronize()
+        except BaseException as err:    # noqa: BLE001 - raised by wait_tensor on the graph's thread
+            future.set_exception(err)
+            return
+        future.set_result(None)
+
+    _torch_compat.register_pending(out, future)
+    threading.Thread(target=read, name="zerocompile-param-fetch", daemon=True).start()
+    return out
 
 
 @fetch_shard_op.register_fake
@@ -247,21 +275,23 @@ def _fetch_shard_fake(shard, number, directory):
     return torch.empty_like(shard)
 
 
-def _fetch_setup(ctx, inputs, output):
-    pass
+class _FetchShard(torch.autograd.Function):
+    """The fetch and its wait; the gradient of the result goes to the shard unchanged."""
 
+    @staticmethod
+    def forward(ctx, shard, number, directory):
+        return torch.ops._c10d_functional.wait_tensor(torch.ops.zerocompile.fetch_shard(shard, number, directory))
 
-def _fetch_backward(ctx, grad):
-    return grad, None, None
-
-
-fetch_shard_op.register_autograd(_fetch_backward, setup_context=_fetch_setup)
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
 
 
 def fetch_shard(shard: torch.Tensor, number: torch.Tensor, directory: str) -> torch.Tensor:
     """Stage 3 with ``offload_param``: the shard's values, read from shard file ``number``
-    (a graph input) in ``directory``; the gradient of the result goes to ``shard`` as it is."""
-    return torch.ops.zerocompile.fetch_shard(shard, number, directory)
+    (a graph input) in ``directory``: ``zerocompile::fetch_shard`` starts the read and a
+    ``wait_tensor`` waits for it; the gradient of the result goes to ``shard`` as it is."""
+    return _FetchShard.apply(shard, number, directory)
 
 
 # ---------------------------------------------------------------------------- outside the graphs

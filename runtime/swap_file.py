@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import errno
+import itertools
 import logging
 import os
 import shutil
@@ -117,29 +118,46 @@ class SwapFile:
         except OSError as err:
             raise SwapFileError(err.errno, f"zerocompile offload: cannot create nvme_path {self.directory!r} "
                                            f"({err.strerror}); give a writable directory") from None
-        self.path = os.path.join(self.directory, f"zerocompile-{name}-pid{os.getpid()}.swap")
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
-        self.direct = False
-        fd = None
-        if direct and hasattr(os, "O_DIRECT"):
+        # O_EXCL: a second SwapFile of this process with the same name and directory (two
+        # optimizers offloading to one nvme_path) gets a file of its own (``...-2.swap``); with
+        # O_TRUNC it would have truncated the first's and shared its regions, silently
+        base = os.path.join(self.directory, f"zerocompile-{name}-pid{os.getpid()}")
+        for n in itertools.count(1):
+            self.path = base + (".swap" if n == 1 else f"-{n}.swap")
             try:
-                fd = os.open(self.path, flags | os.O_DIRECT, 0o600)
-                self.direct = True
-            except OSError as err:
-                if err.errno != errno.EINVAL:
-                    raise self._error(err, "create") from None
-                log.info("zerocompile offload: %s does not support O_DIRECT; using buffered I/O", self.directory)
-        if fd is None:
-            try:
-                fd = os.open(self.path, flags, 0o600)
-            except OSError as err:
-                raise self._error(err, "create") from None
+                fd = self._create(direct)
+                break
+            except FileExistsError:
+                continue
         self.fd = fd
         self.block_bytes = block_bytes
         self.size = 0
         self.regions: dict[object, Region] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zerocompile-io")
         self._finalizer = weakref.finalize(self, _cleanup, fd, self.path)
+
+    def _create(self, direct: bool) -> int:
+        """Create ``self.path`` (``FileExistsError`` if it exists), with ``O_DIRECT`` where
+        asked and the filesystem allows it (``self.direct`` says which); its descriptor."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        self.direct = False
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                fd = os.open(self.path, flags | os.O_DIRECT, 0o600)
+                self.direct = True
+                return fd
+            except FileExistsError:
+                raise
+            except OSError as err:
+                if err.errno != errno.EINVAL:
+                    raise self._error(err, "create") from None
+                log.info("zerocompile offload: %s does not support O_DIRECT; using buffered I/O", self.directory)
+        try:
+            return os.open(self.path, flags, 0o600)
+        except FileExistsError:
+            raise
+        except OSError as err:
+            raise self._error(err, "create") from None
 
     def _error(self, err: OSError, what: str, nbytes: int | None = None) -> SwapFileError:
         if err.errno == errno.ENOSPC:

@@ -113,8 +113,11 @@ def _memory_worker(rank, world, path):
                 gc.collect()
                 after_step.append(census.settled_live_bytes())
                 opt.zero_grad()
+                if step == 0:       # AdamW's step counters: 0-dim tensors, one per parameter
+                    counters = sum(s["step"].untyped_storage().nbytes() for s in opt.inner.state.values())
         out[offload] = {"forward": after_forward, "step": after_step, "psi_padded": psi_padded,
-                        "buffers": opt.inner.buffer_bytes(), "stats": zerocompile.stats().as_dict()}
+                        "buffers": opt.inner.buffer_bytes(), "stats": zerocompile.stats().as_dict(),
+                        "counters": counters}
         del compiled, opt, model
         gc.collect()
     return out
@@ -122,8 +125,9 @@ def _memory_worker(rank, world, path):
 
 def test_param_offload_leaves_only_gradients_resident(tmp_path):
     """Stage 3 fp32 on 2 ranks with both offloads, counted by a dispatch mode as the memory tests
-    count: after the step only the gradient shards (4 Psi/N), the optimizer pipeline's buffers
-    and AdamW's step counters are live; after the forward exactly the 4 Psi/N of resident shards
+    count: after the step exactly the formula, the gradient shards (4 Psi/N), plus the buffers
+    ``stats()`` reports apart (the optimizer pipeline's) plus AdamW's step counters are live, no
+    fetched shard or read buffer; after the forward exactly the 4 Psi/N of resident shards
     fewer bytes are live than without parameter offload (the fetched shards are not saved for
     the backward, which fetches again)."""
     for res in run_ranks(_memory_worker, 2, str(tmp_path)):
@@ -133,14 +137,124 @@ def test_param_offload_leaves_only_gradients_resident(tmp_path):
         # built outside any op and only read by the first forward's all-gathers, are counted
         # from the first optimizer step on, so the forwards are compared at the second step
         assert off["forward"][1] == plain["forward"][1] - shards, (plain["forward"], off["forward"])
+        assert off["stats"]["offload_buffer_bytes"] == off["buffers"] > 0
+        assert off["stats"]["offloaded_param_bytes"] == shards
         for step in range(2):
             grads = shards            # the gradient shards, alive until zero_grad()
-            assert grads <= off["step"][step] <= grads + off["buffers"] + 4096, off
+            assert off["step"][step] == grads + off["stats"]["offload_buffer_bytes"] + off["counters"], off
             assert off["step"][step] == plain["step"][step] - shards
     # the ranks end with os._exit (no finalizers): what they left is removed by the next run
     from zerocompile.runtime.param_offload import remove_stale_directories
 
     assert len(remove_stale_directories(str(tmp_path))) == 2 and os.listdir(tmp_path) == []
+
+
+class _ReadEvents(torch.utils._python_dispatch.TorchDispatchMode):
+    """The order in which a step starts file reads (``zerocompile::fetch_shard``, by file
+    number), waits for them (``wait_tensor`` of a read's tensor) and starts all-gathers."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:      # compiled code runs compiled under it
+        return True
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+        self.reading = {}       # storage of a read in flight -> its file number
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.zerocompile.fetch_shard.default:
+            self.reading[out.untyped_storage()._cdata] = int(args[1].item())
+            self.events.append(("start", int(args[1].item())))
+        elif func is torch.ops._c10d_functional.wait_tensor.default and args[0].untyped_storage()._cdata in self.reading:
+            self.events.append(("wait", self.reading.pop(args[0].untyped_storage()._cdata)))
+        elif func in (torch.ops._c10d_functional.all_gather_into_tensor.default,
+                      torch.ops._c10d_functional.all_gather_into_tensor_out.default):
+            self.events.append(("gather", None))
+        return out
+
+
+def _read_order_worker(rank, world, path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    # buckets of about one weight: eight all-gathers, and so eight units of reads; nothing kept
+    # gathered for the backward, which reads every file again
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager", "bucket_mb": 0.02,
+                                                             "unshard_budget_mb": 0, "offload_param": _nvme(path)})
+    compiled(torch.randn(2, 64)).sum().backward()
+    with _ReadEvents() as fwd:
+        loss = compiled(torch.randn(2, 64)).sum()
+    with _ReadEvents() as bwd:
+        loss.backward()
+    files = sorted(get_state(p).shard_file.number for p in model.parameters())
+    report = zerocompile.frame_reports()[-1]["results"]["prefetch"]
+    return fwd.events, bwd.events, files, report
+
+
+def _units(events):
+    """The reads waited for before each all-gather, in order."""
+    units, current = [], []
+    for kind, number in events:
+        if kind == "wait":
+            current.append(number)
+        elif kind == "gather" and current:
+            units.append(current)
+            current = []
+    return units + ([current] if current else [])
+
+
+def test_file_reads_are_issued_one_bucket_ahead(tmp_path):
+    """Each bucket's file reads start before the previous bucket's reads are waited for, so
+    they run (on their threads) while that bucket is waited for, all-gathered and computed
+    with; every read is waited for once, after it started: in forward every parameter's, in
+    backward those of the weights the input gradients need (layers 1-3)."""
+    for fwd, bwd, files, report in run_ranks(_read_order_worker, 2, str(tmp_path)):
+        assert report["forward"]["file_reads_ahead"] == 7 and report["backward"]["file_reads_ahead"] == 2
+        for events, count in ((fwd, 8), (bwd, 3)):
+            starts = [n for kind, n in events if kind == "start"]
+            waits = [n for kind, n in events if kind == "wait"]
+            assert sorted(starts) == sorted(waits) and len(set(starts)) == count and set(starts) <= set(files), events
+            where = {(kind, n): i for i, (kind, n) in enumerate(events) if kind != "gather"}
+            assert all(where[("start", n)] < where[("wait", n)] for n in starts)
+            units = _units(events)
+            assert len(units) == count, events
+            for current, following in zip(units, units[1:]):
+                first_wait = min(where[("wait", n)] for n in current)
+                assert all(where[("start", n)] < first_wait for n in following), (current, following, events)
+
+
+def test_prefetch_fetches_moves_each_read_one_unit_ahead_at_world_size_one():
+    """Without all-gathers each read is a unit of its own: read k+1 starts right before the
+    wait of read k, the waits and the compute stay where they were, and a second pass moves
+    nothing (reads only ever move earlier)."""
+    from zerocompile.passes.prefetch import prefetch_fetches
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    inputs = [(graph.placeholder(f"s{i}"), graph.placeholder(f"n{i}")) for i in range(3)]
+    names = {}
+    for i, (shard, number) in enumerate(inputs):
+        fetch = graph.call_function(torch.ops.zerocompile.fetch_shard.default, (shard, number, "dir"))
+        wait = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (fetch,))
+        x = graph.call_function(torch.ops.aten.mul.Tensor, (x, wait))
+        names.update({fetch: f"read{i}", wait: f"wait{i}", x: f"use{i}"})
+    graph.output(x)
+    assert prefetch_fetches(graph) == 2
+    order = [names[n] for n in graph.nodes if n in names]
+    assert order == ["read0", "read1", "wait0", "use0", "read2", "wait1", "use1", "wait2", "use2"]
+    assert prefetch_fetches(graph) == 0
+    assert [names[n] for n in graph.nodes if n in names] == order
+
+
+def test_a_read_that_fails_in_the_graph_is_an_error(tmp_path):
+    """A parameter file deleted outside zerocompile: the graph's read, on its own thread, fails,
+    and the wait for it raises the error naming the file (never garbage values)."""
+    model, off = _tiny(tmp_path, True)
+    _train(off, steps=1)
+    os.remove(get_state(model[2].weight).shard_file.path)
+    with pytest.raises(Exception, match=r"the parameter file .*shard-.*\.bin' is gone"):
+        off(torch.randn(2, 40))
 
 
 def _tiny(tmp_path, offload, frozen=False, **options):

@@ -99,6 +99,25 @@ def test_file_deleted_when_collected(tmp_path):
     assert not os.path.exists(path)
 
 
+def test_two_swap_files_of_one_name_in_one_directory_keep_their_own_bytes(tmp_path):
+    """Two optimizers of one process offloading to the same nvme_path (same name, same rank):
+    the second gets a file of its own, so neither reads the other's tensors."""
+    a, b = SwapFile(tmp_path, "optimizer-rank0"), SwapFile(tmp_path, "optimizer-rank0")
+    assert a.path != b.path and os.path.basename(b.path).startswith("zerocompile-optimizer-rank0-pid")
+    for swap, value in ((a, 1.0), (b, 2.0)):
+        swap.reserve("m", PAGE)
+        src = aligned_empty(PAGE // 4, torch.float32)
+        src.fill_(value)
+        swap.write("m", src).wait()
+    for swap, value in ((a, 1.0), (b, 2.0)):
+        out = aligned_empty(PAGE // 4, torch.float32)
+        swap.read("m", out).wait()
+        assert torch.equal(out, torch.full((PAGE // 4,), value))
+    a.close()
+    b.close()
+    assert os.listdir(tmp_path) == []
+
+
 def test_bad_path_is_a_clear_error(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")

@@ -3,6 +3,7 @@ changes them, these tests fail first and say which one."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx
 
@@ -237,6 +238,31 @@ def test_collective_backend_pending_collectives_and_traced_tensors():
     seen = []
     make_fx(lambda x: seen.append(_torch_compat.is_traced_tensor(x)) or x + 1)(torch.ones(1))
     assert seen == [True], "make_fx tracing of plain tensors is no longer detected"
+
+
+def test_register_pending_makes_wait_tensor_wait_and_raise():
+    """``wait_tensor`` of a tensor registered with a future returns once another thread has
+    filled it and completed the future, and raises the error the future was set with."""
+    import threading
+    import time
+
+    wait = torch.ops._c10d_functional.wait_tensor
+    t, done = torch.zeros(3), torch.futures.Future()
+    _torch_compat.register_pending(t, done)
+    assert _torch_compat.pending_collectives() >= 1
+
+    def fill():
+        time.sleep(0.1)
+        t.fill_(5.0)
+        done.set_result(None)
+
+    threading.Thread(target=fill).start()
+    assert torch.equal(wait(t), torch.full((3,), 5.0)), "wait_tensor no longer waits for a registered Work"
+    u, failed = torch.zeros(3), torch.futures.Future()
+    _torch_compat.register_pending(u, failed)
+    threading.Thread(target=lambda: failed.set_exception(OSError("the read failed"))).start()
+    with pytest.raises(OSError, match="the read failed"):
+        wait(u)
 
 
 def test_never_a_frame_skips_the_frame_and_keeps_the_inlining():

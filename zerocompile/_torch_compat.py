@@ -151,6 +151,31 @@ def pending_collectives() -> int:
     return torch._C._distributed_c10d._get_work_registry_size()
 
 
+def register_pending(tensor: torch.Tensor, future: "torch.futures.Future") -> None:
+    """Make ``torch.ops._c10d_functional.wait_tensor(tensor)`` wait for ``future`` (an
+    ``offload_param`` file read filling ``tensor`` on another thread), as it waits for a
+    functional collective's result, and raise the error the future was set with.
+
+    Why private: the registry ``wait_tensor`` consults (a tensor's storage -> its pending
+    ``Work``) is written only by ``torch._C._distributed_c10d._register_work``; the ``Work``
+    is a Python subclass of c10d's (``_FutureWork``), whose ``wait`` c10d calls back. (c10d's
+    own ``_create_work_from_future`` would drop the future's error: a read that failed would
+    leave garbage in ``tensor`` without a word.)"""
+    torch._C._distributed_c10d._register_work(tensor, _FutureWork(future))
+
+
+class _FutureWork(torch._C._distributed_c10d.Work):
+    """A c10d ``Work`` done when ``future`` is; ``wait`` raises the future's error."""
+
+    def __init__(self, future: "torch.futures.Future"):
+        super().__init__()
+        self.future = future
+
+    def wait(self, timeout=None) -> bool:
+        self.future.wait()
+        return True
+
+
 def placeholder_source(node: torch.fx.Node):
     """The Dynamo ``Source`` of a placeholder of a Dynamo graph, or None.
 
