@@ -148,3 +148,42 @@ def test_bypass_reasons():
     assert "hpz" in compile_cache.bypass_reason("inductor", False, False, 2)
     with torch._inductor.config.patch(fx_graph_cache=False):
         assert "disabled" in compile_cache.bypass_reason("inductor", False, False, 1)
+
+
+def _step_in_this_process():
+    """Compile the MLP at stage 3 (one process, no process group) and run one step; the loss,
+    the frame's pass results and torch's AOTAutograd cache counters of that compile."""
+    import time
+
+    import zerocompile
+    from models import make_batch, make_model
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    zerocompile.reset_stats()
+    counters.clear()
+    started = time.monotonic_ns()
+    compiled = torch.compile(make_model("mlp"), backend="zero", options={"stage": 3, "inner_compiler": "inductor"})
+    x, y = make_batch("mlp", 0, 8)
+    loss = compiled(x, y)
+    loss.backward()
+    reports = [r["results"] for r in zerocompile.frame_reports() if r["compiled_at_ns"] > started]
+    return loss.item(), reports, dict(counters["aot_autograd"])
+
+
+def test_a_hit_without_zerocompiles_entry_compiles_anew(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    frames = tmp_path / "zerocompile" / "frames"
+    loss, reports, aot = _step_in_this_process()
+    assert aot.get("autograd_cache_miss") == 1 and len(list(frames.glob("*.pkl"))) == 1, aot
+    assert reports and reports[0].get("simulated_peak_bytes", 0) > 0, reports
+    for entry in frames.glob("*.pkl"):
+        entry.unlink()
+    again = _step_in_this_process()
+    # AOTAutograd's cache hit, but with no entry the frame compiled again with the passes (which
+    # wrote the pass results and a new entry)
+    assert again[2].get("autograd_cache_hit") == 1, again[2]
+    assert again[:2] == (loss, reports) and len(list(frames.glob("*.pkl"))) == 1
+    third = _step_in_this_process()                                  # and now from the caches
+    assert third[2].get("autograd_cache_hit") == 1 and third[:2] == (loss, reports), third
+    torch._dynamo.reset()

@@ -36,9 +36,10 @@ def fake_mode_of(inputs):
 def without_autograd_cache():
     """AOTAutograd's cache off for a compile.
 
-    Why private: an AOTAutograd cache hit skips the partitioner, and with it the collective
-    summaries zerocompile.stats() relies on (``torch._functorch.config``). The inductor
-    FX-graph cache underneath still applies."""
+    Why private: ``torch._functorch.config``. For the eager inner compiler, for frames that
+    bypass zerocompile's compile cache, and for a frame compiled again because a hit had no
+    zerocompile entry beside it (a hit skips the partitioner; ``zerocompile/compile_cache.py``).
+    The inductor FX-graph cache underneath still applies."""
     with torch._functorch.config.patch(enable_autograd_cache=False):
         yield
 
