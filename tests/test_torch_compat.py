@@ -478,3 +478,23 @@ def test_rng_higher_order_ops_reach_a_mode_that_supports_them():
     assert seen[0][1][0] is x and seen[0][3] is y and seen[1][1][0] is x
     assert not _torch_compat.is_higher_order_op(torch.ops.aten.add.Tensor)
     assert _torch_compat.op_run_by(torch.ops.higher_order.tag_activation_checkpoint, (), {}, None) is None
+
+
+def test_autograd_cache_refuses_our_functions_unless_vouched_for(tmp_path, monkeypatch):
+    """``autograd_cache`` is how AOTAutograd's cache accepts graphs that call
+    ``runtime/param_ops.py``'s functions (zerocompile/compile_cache.py); if torch renames the
+    config or the check, restarts silently compile cold: this fails instead."""
+    from zerocompile.runtime.param_ops import gather_param
+
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(gather_param, (graph.placeholder("shard"), 6, (2, 3), torch.float32,
+                                                    torch.float32, 2, "0")))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    reason = _torch_compat.autograd_cache_bypass_reason(gm)
+    assert reason is not None and "gather_param" in reason, reason
+    with _torch_compat.autograd_cache({"zerocompile.runtime.param_ops.gather_param": "digest"}):
+        assert _torch_compat.autograd_cache_bypass_reason(gm) is None
+    assert _torch_compat.autograd_cache_bypass_reason(gm) is not None
+    assert _torch_compat.compile_caches_enabled()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "c"))
+    assert _torch_compat.inductor_cache_dir() == str(tmp_path / "c")

@@ -36,11 +36,60 @@ def fake_mode_of(inputs):
 def without_autograd_cache():
     """AOTAutograd's cache off for a compile.
 
-    Why private: an AOTAutograd cache hit skips the partitioner, and with it the collective
-    summaries zerocompile.stats() relies on (``torch._functorch.config``). The inductor
-    FX-graph cache underneath still applies."""
+    Why private: ``torch._functorch.config``. For the eager inner compiler, for frames that
+    bypass zerocompile's compile cache, and for a frame compiled again because a hit had no
+    zerocompile entry beside it (a hit skips the partitioner; ``zerocompile/compile_cache.py``).
+    The inductor FX-graph cache underneath still applies."""
     with torch._functorch.config.patch(enable_autograd_cache=False):
         yield
+
+
+@contextlib.contextmanager
+def autograd_cache(cacheable_functions: dict):
+    """AOTAutograd's cache as torch configures it (on by default) for a compile whose Dynamo
+    graph calls the plain Python functions named in ``cacheable_functions``
+    (``"module.name" -> a digest of their source``), which its cacheability check would
+    otherwise refuse.
+
+    Why private: ``torch._inductor.config.unsafe_marked_cacheable_functions`` is the one way
+    to vouch for a function in the graph; the digests become part of the cache key (inductor
+    hashes its config), so an edited function misses. ``autograd_cache_bypass_reason`` runs
+    the same check, for tests."""
+    with torch._inductor.config.patch(unsafe_marked_cacheable_functions={
+            **torch._inductor.config.unsafe_marked_cacheable_functions, **cacheable_functions}):
+        yield
+
+
+def autograd_cache_bypass_reason(gm: torch.fx.GraphModule) -> str | None:
+    """Why AOTAutograd's cache would refuse ``gm`` (under the current config), or None.
+
+    Why private: ``torch._functorch._aot_autograd.autograd_cache.check_cacheable`` is that check."""
+    from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_cacheable
+
+    try:
+        check_cacheable(gm)
+    except BypassAOTAutogradCache as err:
+        return str(err)
+    return None
+
+
+def compile_caches_enabled() -> bool:
+    """Whether inductor's FX-graph cache and AOTAutograd's cache are both on (the config
+    flags and ``TORCHINDUCTOR_FORCE_DISABLE_CACHES``).
+
+    Why private: ``torch._inductor.config`` and ``torch._functorch.config`` hold the flags."""
+    return bool(torch._inductor.config.fx_graph_cache and torch._functorch.config.enable_autograd_cache
+                and not torch.compiler.config.force_disable_caches)
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``, else a per-user folder in
+    the temporary directory).
+
+    Why private: ``torch._inductor.runtime.cache_dir_utils.cache_dir`` resolves it."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
 
 
 def inductor_compilers():

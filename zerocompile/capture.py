@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 import torch.fx
 
-from zerocompile import _torch_compat, env, inner_compilers, loss_scale
+from zerocompile import _torch_compat, compile_cache, env, inner_compilers, loss_scale
 from zerocompile.config import ZeroConfig
 from zerocompile.dump import recorder_for
 from zerocompile.progress import compile_status
 from zerocompile.passes.collective_summary import summarize_collectives
 from zerocompile.passes.context import PassContext
-from zerocompile.passes.cost_model import cost_model_for
+from zerocompile.passes.cost_model import CostModel, cost_model_for
 from zerocompile.passes.liveness import saved_activation_bytes, simulate
 from zerocompile.passes.manager import pipeline, run_passes
 from zerocompile.passes.profiler import profile_graph
@@ -53,8 +53,11 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         self.backward_summary = CollectiveSummary()
         self.forward_summary: CollectiveSummary | None = None
         self.inference_summary: CollectiveSummary | None = None
+        self.ran = False
+        """Whether AOTAutograd called it (not on a hit in its cache: ``restore`` then)."""
 
     def __call__(self, gm, joint_inputs, **kwargs):
+        self.ran = True
         self.ctx.num_fwd_outputs = kwargs.get("num_fwd_outputs", 0)
         self._profile(gm.graph)
         gm = run_passes(gm, self.ctx, "joint")
@@ -75,11 +78,25 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
     def inference(self, gm):
         """Passes on the graph of a frame run without autograd (AOTAutograd compiles one
         inference graph and calls no partitioner): tagging, then the forward passes."""
+        self.ran = True
         self.ctx.num_fwd_outputs = len(next(iter(gm.graph.find_nodes(op="output"))).args[0])
         self._profile(gm.graph)
         gm = run_passes(gm, self.ctx, "inference")
         self.inference_summary = summarize_collectives(gm.graph, self.ctx.group.world)
         return gm
+
+    def entry(self) -> compile_cache.FrameEntry:
+        """What this partitioner computed besides the graphs, for a restart that hits the caches."""
+        cost_model = self.ctx.cost_model.as_dict() if self.ctx.cost_model is not None else None
+        return compile_cache.FrameEntry(self.forward_summary, self.backward_summary, self.inference_summary,
+                                        dict(self.ctx.results), cost_model)
+
+    def restore(self, entry: compile_cache.FrameEntry) -> None:
+        """Take the summaries and results of a compile that AOTAutograd's cache replays."""
+        self.forward_summary = entry.forward_summary
+        self.backward_summary = entry.backward_summary
+        self.inference_summary = entry.inference_summary
+        self.ctx.results.update(entry.results)
 
     def _profile(self, graph: torch.fx.Graph) -> None:
         """With ``profile=True``: replace the estimated cost model by one measured on this
@@ -367,9 +384,6 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
                  "live in host memory; nothing to offload", frame)
     ctx = PassContext(config=cfg, group=group, frame=frame, recorder=recorder_for(cfg, group),
                       device=_frame_device(plans))
-    if _needs_cost_model(ctx):
-        ctx.cost_model = cost_model_for(cfg.cost_model, group, ctx.device)
-        log.debug("[%s] cost model: %s", frame, ctx.cost_model)
     with compile_status(frame, cfg.stage) as status:
         ctx.progress = status.update
         try:
@@ -408,13 +422,52 @@ def _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx: PassConte
     partitioner = ZeroPartitioner(ctx)
     log.info("[%s] %d parameters (stage %d, world %d) -> %s", frame,
              sum(p is not None for p in plans), cfg.stage, group.world, cfg.inner_compiler)
+    bypass = compile_cache.bypass_reason(cfg.inner_compiler, cfg.profile, ctx.recorder is not None,
+                                         cfg.zero_hpz_partition_size)
+    key = None if bypass else compile_cache.frame_key(gm, new_inputs, group, partitioner.uuid())
+    entry = _reused_entry_and_cost_model(key, ctx, bypass)
     status.compiling(f"AOTAutograd, {cfg.inner_compiler}")
     if cfg.inner_compiler == "eager":
         compiled = inner_compilers.compile_with_aot_eager(gm, new_inputs, partitioner, partitioner.inference,
                                                           debug_checks=cfg.debug_checks)
-    else:
+        return compiled, partitioner
+    cacheable = None if bypass else compile_cache.cacheable_functions(gm, partitioner.uuid())
+    compiled = inner_compilers.compile_with_inductor(gm, new_inputs, partitioner, partitioner.inference,
+                                                     cacheable_functions=cacheable)
+    if not partitioner.ran and entry is not None:
+        partitioner.restore(entry)
+        log.info("[%s] compiled from torch's caches (zerocompile entry %s)", frame, key[:16])
+    elif not partitioner.ran:
+        # AOTAutograd's cache held the graphs but zerocompile's entry is not beside them (removed,
+        # or another rank compiles anew): compile again without that cache, so the passes run
+        log.info("[%s] AOTAutograd cache hit without zerocompile's entry: compiling anew", frame)
         compiled = inner_compilers.compile_with_inductor(gm, new_inputs, partitioner, partitioner.inference)
+    if key is not None and partitioner.ran:
+        compile_cache.FrameCache.in_inductor_cache().save(key, partitioner.entry())
     return compiled, partitioner
+
+
+def _reused_entry_and_cost_model(key: str | None, ctx: PassContext, bypass: str | None):
+    """The frame's ``FrameEntry`` from an earlier compile (``key``), or None; sets the cost model
+    the passes weigh: the entry's where every rank reuses its entry, else what the config asks
+    (a probe is a collective, which every rank reaches, as the agreement before it)."""
+    entry = None if key is None else compile_cache.FrameCache.in_inductor_cache().load(key)
+    if bypass is not None:
+        log.debug("[%s] compile caches not used: %s", ctx.frame, bypass)
+    if not _needs_cost_model(ctx):
+        return entry
+    cfg = ctx.config
+    # with inductor every rank takes part, even one that bypasses the caches (with no entry, so
+    # all probe): whether a rank dumps, or has torch's caches on, is its own environment's
+    if cfg.cost_model == "probe" and cfg.inner_compiler == "inductor" and not compile_cache.agree(
+            entry, ctx.group, ctx.device):
+        entry = None
+    if entry is not None and entry.cost_model is not None:
+        ctx.cost_model = CostModel.from_rates(entry.cost_model)
+    else:
+        ctx.cost_model = cost_model_for(cfg.cost_model, ctx.group, ctx.device)
+    log.debug("[%s] cost model: %s", ctx.frame, ctx.cost_model)
+    return entry
 
 
 def _adopt_parameters(plans, roots, eager_owned: set) -> None:

@@ -16,11 +16,14 @@ from zerocompile.runtime import param_offload
 from zerocompile.runtime.comm import check_collectives_runnable, lower_collectives_for_backend
 
 
-def compile_with_inductor(gm, example_inputs, partitioner, on_inference=None):
+def compile_with_inductor(gm, example_inputs, partitioner, on_inference=None, cacheable_functions=None):
     """Inductor's ``compile_fx`` with our partitioner (its ``custom_partitioner_fn`` config
     hook). ``on_inference(graph_module)`` rewrites an inference graph (a frame run without
     autograd, which no partitioner sees) before inductor compiles it, through
-    ``compile_fx``'s ``inner_compile`` argument."""
+    ``compile_fx``'s ``inner_compile`` argument.
+
+    ``cacheable_functions`` (``compile_cache.cacheable_functions``): AOTAutograd's cache on, with
+    these functions of the graph vouched for; a hit calls no partitioner. None: the cache off."""
     compile_fx, compile_fx_inner = _torch_compat.inductor_compilers()
 
     def inner_compile(graph, inputs, **kwargs):
@@ -28,7 +31,9 @@ def compile_with_inductor(gm, example_inputs, partitioner, on_inference=None):
             graph = on_inference(graph)
         return compile_fx_inner(runnable(graph), inputs, **kwargs)
 
-    with _torch_compat.without_autograd_cache():
+    caching = (_torch_compat.without_autograd_cache() if cacheable_functions is None
+               else _torch_compat.autograd_cache(cacheable_functions))
+    with caching:
         return compile_fx(gm, example_inputs, inner_compile=inner_compile,
                           config_patches={"custom_partitioner_fn": partitioner})
 
