@@ -16,7 +16,8 @@ shapes (``--tensors`` weights of ``--rows`` x ``--cols`` fp32 elements, 16 x 102
   ``memory_floor`` (``p += g; m += g; v += g`` over float32 tensors of the same element count,
   scheduled as the fused kernel is), which reads and writes the 28 bytes per element an fp32
   AdamW step moves. A step cannot run much below it; its ``GB/s`` is the machine's bandwidth
-  for this access pattern (float32 only; absent where the extension does not build).
+  for this access pattern (float32 only; absent where the extension does not build; never
+  clips).
 
 With ``--clip MAX_NORM`` every timed call clips the gradients to that global norm first:
 ``torch.nn.utils.clip_grad_norm_(foreach=True)`` for the plain variants,
