@@ -79,7 +79,8 @@ def _scalar(value) -> float:
 
 
 def _counts_in_float32(step) -> bool:
-    """Whether ``step`` is a float32 CPU tensor, as the kernels count (the C++ kernel checks it has one element)."""
+    """Whether ``step`` is a float32 CPU tensor, as the kernels count (the C++ kernel checks
+    that it has one element)."""
     return isinstance(step, torch.Tensor) and step.dtype is torch.float32 and step.is_cpu
 
 
@@ -238,9 +239,10 @@ def _direct_cpu_kernel(params: list) -> object | None:
     return cpu_extension.load("fused_adam")
 
 
-# A torch.library op rather than a bare call into the extension: dispatch modes (the memory
-# tracker, communication counters) see the tensors it reads and writes, and fake tensors pass
-# through it (no-op fake kernel).
+# A torch.library op rather than a bare call into the extension wherever someone may watch
+# (``_direct_cpu_kernel`` says where not): dispatch modes (the memory tracker, communication
+# counters) see the tensors it reads and writes, and fake tensors pass through it (no-op fake
+# kernel). CUDA tensors always take it.
 @torch.library.custom_op("zerocompile::fused_adam_step",
                          mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps", "copies"))
 def fused_adam_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
