@@ -12,6 +12,12 @@ shapes (``--tensors`` weights of ``--rows`` x ``--cols`` fp32 elements, 16 x 102
   kernel, ``csrc/fused_adam.cpp``, where it builds); ``opt.kernel`` is printed.
 - ``zerocompile stage 3, torch fused``: the same with ``kernel="torch", fused=True`` (the
   wrapper around torch's own fused kernel).
+- ``memory floor``: what the step would cost if its arithmetic were free: the C++ extension's
+  ``memory_floor`` (``p += g; m += g; v += g`` over float32 tensors of the same element count,
+  scheduled as the fused kernel is), which reads and writes the 28 bytes per element an fp32
+  AdamW step moves. A step cannot run much below it; its ``GB/s`` is the machine's bandwidth
+  for this access pattern (float32 only; absent where the extension does not build; never
+  clips).
 
 With ``--clip MAX_NORM`` every timed call clips the gradients to that global norm first:
 ``torch.nn.utils.clip_grad_norm_(foreach=True)`` for the plain variants,
@@ -22,7 +28,9 @@ All variants live side by side and take turns, one step each per round, the firs
 rotating from round to round, so drift in the machine's speed hits all alike. Reported: the
 median ms per step over ``--rounds`` rounds, elements per second, the ratio of medians to
 ``torch fused`` and the paired ratio (median over rounds of the per-round ratio). Issue
-target: ``zerocompile stage 3`` <= 1.0x torch fused (goal 0.7x).
+target: ``zerocompile stage 3`` <= 1.0x torch fused (goal 0.7x). The load average before and
+after the run is printed and recorded: the step is bound by memory bandwidth, which other
+processes on the machine share.
 
     .venv/bin/python benchmarks/optimizer_step.py                 # ~1 min here
     .venv/bin/python benchmarks/optimizer_step.py --threads 1 --rounds 5
@@ -90,12 +98,38 @@ def _stage3(args, **opt_kw):
     return opt, model
 
 
+class MemoryFloor:
+    """A stand-in optimizer whose ``step`` is the extension's ``memory_floor`` over float32
+    tensors of the benchmark's element count: the step's memory traffic, no arithmetic."""
+
+    kernel = "floor"
+
+    def __init__(self, args):
+        from zerocompile.runtime import cpu_extension
+
+        self.module = cpu_extension.load("fused_adam")
+        numel = args.tensors * args.rows * args.cols
+        g = torch.Generator().manual_seed(0)
+        self.tensors = [torch.randn(numel, generator=g) * 1e-3 for _ in range(4)]
+
+    def step(self):
+        self.module.memory_floor(*self.tensors)
+
+
+def _floor(args):
+    if args.dtype != "float32":
+        return None, None
+    floor = MemoryFloor(args)
+    return (floor, None) if floor.module is not None else (None, None)
+
+
 VARIANTS = {
     "torch fused": lambda a: _plain(a, fused=True),
     "torch foreach": lambda a: _plain(a, foreach=True),
     "torch for-loop": lambda a: _plain(a, foreach=False),
     "zerocompile stage 3": lambda a: _stage3(a),
     "zerocompile stage 3, torch fused": lambda a: _stage3(a, kernel="torch", fused=True),
+    "memory floor": _floor,
 }
 
 
@@ -120,10 +154,13 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     names = [n for n in VARIANTS if not args.variants or n in args.variants]
     opts = {}
-    for name in names:
+    for name in list(names):
         opt, _model = VARIANTS[name](args)
+        if opt is None:                               # memory floor: bfloat16, or no extension
+            names.remove(name)
+            continue
         opt.step()                                    # creates the state; binds ZeroOptimizer
-        opts[name] = (opt, _model, _one_step(opt, args.clip))
+        opts[name] = (opt, _model, _one_step(opt, args.clip) if name != "memory floor" else opt.step)
     times = {name: [] for name in names}
     for r in range(args.rounds):
         order = names[r % len(names):] + names[: r % len(names)]
@@ -161,16 +198,20 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS / "optimizer_step.json")
     args = p.parse_args(argv)
     numel = args.tensors * args.rows * args.cols
+    load_before = os.getloadavg()[0]
     print(f"optimizer step{f' with clipping to {args.clip}' if args.clip else ''}, AdamW, "
           f"{numel / 1e6:.1f}M {args.dtype} elements in {args.tensors} tensors, "
-          f"{args.threads} thread(s), {args.rounds} rounds; load average {os.getloadavg()[0]:.2f}")
+          f"{args.threads} thread(s), {args.rounds} rounds; load average {load_before:.2f}")
     results = run(args)
-    print(f"{'variant':<36}{'kernel':>14}{'ms/step':>10}{'Gelem/s':>10}{'x ' + PEER:>15}{'paired':>9}")
+    load_after = os.getloadavg()[0]
+    moved = 7 * DTYPES[args.dtype].itemsize       # reads p, g, m, v; writes p, m, v
+    print(f"{'variant':<36}{'kernel':>14}{'ms/step':>10}{'Gelem/s':>10}{'GB/s':>8}{'x ' + PEER:>15}{'paired':>9}")
     for name, e in results.items():
         ratio = f"{e['x_peer']:.2f}" if "x_peer" in e else "-"
         paired = f"{e['x_peer_paired']:.2f}" if "x_peer_paired" in e else "-"
         print(f"{name:<36}{e['kernel'] or '-':>14}{e['ms_per_step']:>10.1f}{e['elements_per_s'] / 1e9:>10.2f}"
-              f"{ratio:>15}{paired:>9}")
+              f"{e['elements_per_s'] * moved / 1e9:>8.1f}{ratio:>15}{paired:>9}")
+    print(f"load average after the run {load_after:.2f}")
     if "zerocompile stage 3" in results and "x_peer" in results["zerocompile stage 3"]:
         x = results["zerocompile stage 3"]["x_peer"]
         print(f"target: zerocompile stage 3 <= 1.0x {PEER} (goal 0.7x): {x:.2f}x, "
@@ -180,7 +221,9 @@ def main(argv=None) -> int:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0],
                     "platform": platform.platform(), "cpu_capability": torch.backends.cpu.get_cpu_capability()},
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv, "results": results}, indent=1))
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv,
+        "load_average": {"before": load_before, "after": load_after}, "bytes_per_element": moved,
+        "results": results}, indent=1))
     print(f"wrote {args.out}")
     return 0
 

@@ -13,8 +13,21 @@
 //
 // The vector width is the compiler's: built with -O3 -march=native, the loop is
 // auto-vectorized for the build machine (AVX-512, AVX2 or SSE); vector_isa() says which.
-// Work is split into blocks of kBlock elements across all tensors and run with
-// at::parallel_for (OpenMP, torch's thread count).
+// Every operation is an IEEE one (multiply, add, fma, sqrt, divide), so the vector body and
+// the scalar tail give each element the same bits: an element's result does not depend on
+// where it lies in a tensor, how the tensors are cut into work items or how many threads run.
+//
+// Scheduling: the tensors of a call are one virtual flat range (their elements end to end);
+// it is cut into work items of kBlock elements, which may span several small tensors, so a
+// call over thousands of small shards costs what one flat buffer of their size costs. The
+// threads (torch's intra-op count, fewer for a small call) take items from a shared counter
+// rather than a fixed half each: on a machine shared with other processes a thread that is
+// descheduled delays the step by the item it holds, not by its whole half.
+//
+// The step is bound by memory bandwidth, not arithmetic: it moves 28 bytes per float32
+// element (reads p, g, m, v; writes p, m, v), and on the machines measured a kernel that
+// moves the same bytes with no arithmetic (p += g, m += g, v += g) is no faster
+// (benchmarks/README.md, optimizer_step.py).
 
 #include <torch/extension.h>
 
@@ -23,6 +36,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -32,7 +46,8 @@
 
 namespace {
 
-constexpr int64_t kBlock = 1 << 15;  // elements per parallel work item (128 KiB of fp32)
+constexpr int64_t kBlock = 1 << 15;         // elements per work item (128 KiB of each float32 stream)
+constexpr int64_t kMinPerThread = 1 << 16;  // a call of fewer elements per thread runs on fewer threads
 
 struct Coefficients {
   float lr_decay;       // AdamW: parameter multiplier 1 - lr * weight_decay
@@ -141,19 +156,39 @@ void check_tensor(const at::Tensor& t, const at::Tensor& like, const char* what,
 
 }  // namespace
 
+// The step's coefficients for a tensor at step `step` (already incremented).
+Coefficients coefficients(double step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                          bool decoupled, double grad_scale) {
+  const double bc1 = 1.0 - std::pow(beta1, step);
+  const double bc2 = 1.0 - std::pow(beta2, step);
+  Coefficients c;
+  c.lr_decay = static_cast<float>(decoupled ? 1.0 - lr * weight_decay : 1.0);
+  c.l2 = static_cast<float>(decoupled ? 0.0 : weight_decay);
+  c.one_minus_b1 = static_cast<float>(1.0 - beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_b2 = static_cast<float>(1.0 - beta2);
+  c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  c.eps = static_cast<float>(eps);
+  c.neg_step_size = static_cast<float>(-lr / bc1);
+  c.grad_scale = static_cast<float>(grad_scale);
+  return c;
+}
+
 // One Adam/AdamW step on every tensor of the lists (all the same length; copies may be empty).
 // Each steps[i] is a 0-dim float32 tensor: incremented here, then used for bias correction.
+// bump_versions: increment the autograd version counter of every tensor written (what an
+// in-place torch op does); the torch.library op that wraps this call does it itself.
 void adam_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
                std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
                std::vector<at::Tensor> steps, std::vector<at::Tensor> copies, double lr,
                double beta1, double beta2, double eps, double weight_decay, bool decoupled,
-               bool maximize, double grad_scale) {
+               bool maximize, double grad_scale, bool bump_versions) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n,
               "fused_adam: params, grads, exp_avgs, exp_avg_sqs and steps must have the same length");
   TORCH_CHECK(copies.empty() || copies.size() == n, "fused_adam: copies must be empty or one per parameter");
   std::vector<Coefficients> coef(n);
-  std::vector<int64_t> first_block(n + 1, 0);
+  std::vector<int64_t> offset(n + 1, 0);   // tensor i's first element in the virtual flat range
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
     const auto dtype = p.scalar_type();
@@ -167,49 +202,109 @@ void adam_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
     TORCH_CHECK(grads[i].scalar_type() == dtype && exp_avgs[i].scalar_type() == dtype &&
                     exp_avg_sqs[i].scalar_type() == dtype,
                 "fused_adam: grads, exp_avgs and exp_avg_sqs [", i, "] must have the parameter's dtype");
-    if (!copies.empty()) check_tensor(copies[i], p, "copies", i);
+    if (!copies.empty()) {
+      check_tensor(copies[i], p, "copies", i);
+      const auto copy_dtype = copies[i].scalar_type();
+      TORCH_CHECK(copy_dtype == at::kFloat || copy_dtype == at::kBFloat16 || copy_dtype == at::kHalf,
+                  "fused_adam: copy dtype must be float32, bfloat16 or float16");
+    }
     at::Tensor& step_t = steps[i];
     TORCH_CHECK(step_t.numel() == 1 && step_t.scalar_type() == at::kFloat && step_t.device().is_cpu(),
                 "fused_adam: steps[", i, "] must be a 1-element float32 CPU tensor");
     float* step_ptr = step_t.data_ptr<float>();
     *step_ptr += 1.0f;
-    const double step = *step_ptr;
-    const double bc1 = 1.0 - std::pow(beta1, step);
-    const double bc2 = 1.0 - std::pow(beta2, step);
-    Coefficients& c = coef[i];
-    c.lr_decay = static_cast<float>(decoupled ? 1.0 - lr * weight_decay : 1.0);
-    c.l2 = static_cast<float>(decoupled ? 0.0 : weight_decay);
-    c.one_minus_b1 = static_cast<float>(1.0 - beta1);
-    c.beta2 = static_cast<float>(beta2);
-    c.one_minus_b2 = static_cast<float>(1.0 - beta2);
-    c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-    c.eps = static_cast<float>(eps);
-    c.neg_step_size = static_cast<float>(-lr / bc1);
-    c.grad_scale = static_cast<float>(grad_scale);
-    first_block[i + 1] = first_block[i] + (p.numel() + kBlock - 1) / kBlock;
+    const float step = *step_ptr;
+    // the tensors of a group are usually at the same step: two pow() per tensor add up over thousands
+    const bool same_step = i > 0 && step == *steps[i - 1].data_ptr<float>();
+    coef[i] = same_step ? coef[i - 1]
+                        : coefficients(step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale);
+    offset[i + 1] = offset[i] + p.numel();
   }
-  const int64_t total_blocks = first_block[n];
-  at::parallel_for(0, total_blocks, 1, [&](int64_t block_begin, int64_t block_end) {
-    size_t t = std::upper_bound(first_block.begin(), first_block.end(), block_begin) - first_block.begin() - 1;
-    for (int64_t b = block_begin; b < block_end; ++b) {
-      while (b >= first_block[t + 1]) ++t;
-      const int64_t numel = params[t].numel();
-      const int64_t begin = (b - first_block[t]) * kBlock;
-      const int64_t end = std::min(begin + kBlock, numel);
-      const at::Tensor* copy = copies.empty() ? nullptr : &copies[t];
-      switch (params[t].scalar_type()) {
-        case at::kFloat:
-          update_tensor_range<float>(params[t], grads[t], exp_avgs[t], exp_avg_sqs[t], copy, begin, end,
-                                     coef[t], maximize);
-          break;
-        case at::kBFloat16:
-          update_tensor_range<c10::BFloat16>(params[t], grads[t], exp_avgs[t], exp_avg_sqs[t], copy, begin,
-                                             end, coef[t], maximize);
-          break;
-        default:
-          update_tensor_range<c10::Half>(params[t], grads[t], exp_avgs[t], exp_avg_sqs[t], copy, begin, end,
-                                         coef[t], maximize);
+
+  // Update elements [begin, end) of tensor t.
+  auto update_piece = [&](size_t t, int64_t begin, int64_t end) {
+    const at::Tensor* copy = copies.empty() ? nullptr : &copies[t];
+    switch (params[t].scalar_type()) {
+      case at::kFloat:
+        update_tensor_range<float>(params[t], grads[t], exp_avgs[t], exp_avg_sqs[t], copy, begin, end, coef[t],
+                                   maximize);
+        break;
+      case at::kBFloat16:
+        update_tensor_range<c10::BFloat16>(params[t], grads[t], exp_avgs[t], exp_avg_sqs[t], copy, begin, end,
+                                           coef[t], maximize);
+        break;
+      default:
+        update_tensor_range<c10::Half>(params[t], grads[t], exp_avgs[t], exp_avg_sqs[t], copy, begin, end,
+                                       coef[t], maximize);
+    }
+  };
+  const int64_t total = offset[n];
+  const int64_t items = (total + kBlock - 1) / kBlock;
+  // Work item `item`: elements [item * kBlock, (item + 1) * kBlock) of the flat range, in
+  // however many tensors they lie.
+  auto run_item = [&](int64_t item) {
+    const int64_t lo = item * kBlock;
+    const int64_t hi = std::min(lo + kBlock, total);
+    // the last tensor starting at or before lo (offset[n] = total > lo): the one holding lo
+    size_t t = std::upper_bound(offset.begin(), offset.end(), lo) - offset.begin() - 1;
+    for (; t < n && offset[t] < hi; ++t) {
+      const int64_t begin = std::max(lo, offset[t]) - offset[t];
+      const int64_t end = std::min(hi, offset[t + 1]) - offset[t];
+      if (begin < end) update_piece(t, begin, end);
+    }
+  };
+  const int64_t threads = std::min<int64_t>({static_cast<int64_t>(at::get_num_threads()), items,
+                                             std::max<int64_t>(1, total / kMinPerThread)});
+  if (threads <= 1 || at::in_parallel_region()) {
+    for (int64_t item = 0; item < items; ++item) run_item(item);
+  } else {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t item = next.fetch_add(1, std::memory_order_relaxed); item < items;
+           item = next.fetch_add(1, std::memory_order_relaxed)) {
+        run_item(item);
       }
+    });
+  }
+  if (bump_versions) {
+    for (const auto* list : {&params, &exp_avgs, &exp_avg_sqs, &steps, &copies}) {
+      for (const at::Tensor& t : *list) torch::autograd::impl::bump_version(t);
+    }
+  }
+}
+
+// The memory traffic of adam_step with no arithmetic to speak of: p += g, m += g, v += g on
+// float32 tensors (reads four streams, writes three: 28 bytes per element), scheduled as
+// adam_step is. benchmarks/optimizer_step.py times it as the floor of the step on the machine.
+void memory_floor(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v) {
+  for (const at::Tensor* t : {&p, &g, &m, &v}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat &&
+                    t->numel() == p.numel(),
+                "memory_floor: four contiguous float32 CPU tensors of one size");
+  }
+  float* __restrict__ P = p.data_ptr<float>();
+  const float* __restrict__ G = g.data_ptr<float>();
+  float* __restrict__ M = m.data_ptr<float>();
+  float* __restrict__ V = v.data_ptr<float>();
+  const int64_t total = p.numel();
+  const int64_t items = (total + kBlock - 1) / kBlock;
+  auto run_item = [&](int64_t item) {
+    const int64_t end = std::min((item + 1) * kBlock, total);
+#pragma omp simd
+    for (int64_t i = item * kBlock; i < end; ++i) {
+      const float x = G[i];
+      P[i] += x;
+      M[i] += x;
+      V[i] += x;
+    }
+  };
+  const int64_t threads = std::min<int64_t>({static_cast<int64_t>(at::get_num_threads()), items,
+                                             std::max<int64_t>(1, total / kMinPerThread)});
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::max<int64_t>(threads, 1), 1, [&](int64_t, int64_t) {
+    for (int64_t item = next.fetch_add(1, std::memory_order_relaxed); item < items;
+         item = next.fetch_add(1, std::memory_order_relaxed)) {
+      run_item(item);
     }
   });
 }
@@ -230,6 +325,11 @@ std::string vector_isa() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("adam_step", &adam_step, "Fused Adam/AdamW step over lists of contiguous CPU tensors");
+  m.def("adam_step", &adam_step, "Fused Adam/AdamW step over lists of contiguous CPU tensors",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("steps"),
+        py::arg("copies"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("decoupled"), py::arg("maximize"), py::arg("grad_scale"),
+        py::arg("bump_versions") = false);
+  m.def("memory_floor", &memory_floor, "p += g, m += g, v += g: the step's memory traffic, no arithmetic");
   m.def("vector_isa", &vector_isa, "The vector instruction set this build targets");
 }

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch.optim import Optimizer
 
+from zerocompile import _torch_compat
 from zerocompile.runtime import cpu_extension
 
 SUPPORTED_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
@@ -77,6 +78,12 @@ def _scalar(value) -> float:
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
+def _counts_in_float32(step) -> bool:
+    """Whether ``step`` is a float32 CPU tensor, as the kernels count (the C++ kernel checks
+    that it has one element)."""
+    return isinstance(step, torch.Tensor) and step.dtype is torch.float32 and step.is_cpu
+
+
 class FusedAdam(Optimizer):
     """Adam (``decoupled_weight_decay=False``) or AdamW (``True``) with fused kernels.
 
@@ -112,25 +119,36 @@ class FusedAdam(Optimizer):
         return loss
 
     def _step_group(self, group: dict, grad_scale: float, copies: dict | None = None) -> None:
-        """Update the parameters of ``group`` (a param group dict, checked) that have gradients."""
-        by_device: dict[torch.device, list] = {}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            self._ensure_state(p, moments=True)
-            by_device.setdefault(p.device, []).append(p)
-        hyper = hyperparameters(group, grad_scale)
+        """Update the parameters of ``group`` (a param group dict, checked) that have gradients:
+        one kernel call per device (two where only some parameters have ``copies``)."""
+        # One pass over the parameters, reading each attribute once: at thousands of shards
+        # this loop, not the kernel, is most of a step of small tensors.
+        calls: dict[tuple, tuple] = {}
+        state_of = self.state
         copies = copies or {}
-        for params in by_device.values():
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            state = state_of.get(p)
+            if not state or grad.is_sparse or not _counts_in_float32(state["step"]):
+                state = self._ensure_state(p, moments=True)
+            copy = copies.get(id(p)) if copies else None
             # the kernel writes copies for all tensors of a call or for none
-            for part in ([p for p in params if id(p) in copies], [p for p in params if id(p) not in copies]):
-                if not part:
-                    continue
-                states = [self.state[p] for p in part]
-                tensors = (part, [p.grad.contiguous() for p in part], [s["exp_avg"] for s in states],
-                           [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
-                           [copies[id(p)] for p in part if id(p) in copies])
-                _run_kernel(tensors, hyper)
+            key = (None if p.is_cpu else p.device, copy is not None)
+            lists = calls.get(key)
+            if lists is None:
+                lists = calls[key] = ([], [], [], [], [], [])
+            lists[0].append(p)
+            lists[1].append(grad if grad.is_contiguous() else grad.contiguous())
+            lists[2].append(state["exp_avg"])
+            lists[3].append(state["exp_avg_sq"])
+            lists[4].append(state["step"])
+            if copy is not None:
+                lists[5].append(copy)
+        hyper = hyperparameters(group, grad_scale)
+        for tensors in calls.values():
+            _run_kernel(tensors, hyper)
 
     def _ensure_state(self, p: torch.Tensor, moments: bool) -> dict:
         """``p``'s state, created on its first update (with zero moments when ``moments``), its
@@ -145,7 +163,7 @@ class FusedAdam(Optimizer):
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         step = state["step"]
-        if not (isinstance(step, torch.Tensor) and step.dtype == torch.float32 and step.device.type == "cpu"):
+        if not _counts_in_float32(step):
             state["step"] = torch.tensor(_scalar(step), dtype=torch.float32)
         return state
 
@@ -192,15 +210,39 @@ def _groups_of(groups: list[dict], only) -> list[dict]:
 
 
 def _run_kernel(tensors: tuple, hyper: dict) -> None:
+    """One kernel call over the lists ``tensors`` (params, grads, exp_avgs, exp_avg_sqs, steps,
+    copies) with the scalars ``hyper`` (``hyperparameters``)."""
     params, grads, exp_avgs, exp_avg_sqs, steps, copies = tensors
-    torch.ops.zerocompile.fused_adam_step(
-        params, grads, exp_avgs, exp_avg_sqs, steps, copies, hyper["lr"], hyper["beta1"], hyper["beta2"],
-        hyper["eps"], hyper["weight_decay"], hyper["decoupled"], hyper["maximize"], hyper["grad_scale"])
+    args = (params, grads, exp_avgs, exp_avg_sqs, steps, copies, hyper["lr"], hyper["beta1"], hyper["beta2"],
+            hyper["eps"], hyper["weight_decay"], hyper["decoupled"], hyper["maximize"], hyper["grad_scale"])
+    module = _direct_cpu_kernel(params)
+    if module is not None:
+        module.adam_step(*args, bump_versions=True)
+    else:
+        torch.ops.zerocompile.fused_adam_step(*args)
 
 
-# A torch.library op rather than a bare call into the extension: dispatch modes (the memory
-# tracker, communication counters) see the tensors it reads and writes, and fake tensors pass
-# through it (no-op fake kernel).
+def _direct_cpu_kernel(params: list) -> object | None:
+    """The C++ extension when a call with these ``params`` may go to it directly, else None.
+
+    Through the ``torch.library`` op every call converts each tensor of the five lists from
+    C++ to Python and back (about 3 us per parameter: 6 ms a step for 2000 shards, more than
+    the update of 8M elements). Nothing is lost by skipping it for plain CPU tensors outside
+    any dispatch mode and any tracing: no mode to see the call, no fake tensor, nothing to
+    record; the kernel then bumps the version counters the op's wrapper would have bumped.
+    The memory tracker, the communication counters, fake tensors and compiled code go
+    through the op."""
+    if not params or type(params[0]) not in (torch.Tensor, torch.nn.Parameter) or params[0].device.type != "cpu":
+        return None
+    if torch.compiler.is_compiling() or _torch_compat.active_dispatch_modes():
+        return None
+    return cpu_extension.load("fused_adam")
+
+
+# A torch.library op rather than a bare call into the extension wherever someone may watch
+# (``_direct_cpu_kernel`` says where not): dispatch modes (the memory tracker, communication
+# counters) see the tensors it reads and writes, and fake tensors pass through it (no-op fake
+# kernel). CUDA tensors always take it.
 @torch.library.custom_op("zerocompile::fused_adam_step",
                          mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps", "copies"))
 def fused_adam_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],

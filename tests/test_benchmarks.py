@@ -105,8 +105,8 @@ def test_optimizer_step_benchmark_small(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"torch fused", "torch foreach", "torch for-loop", "zerocompile stage 3",
-                            "zerocompile stage 3, torch fused"}
-    assert results["zerocompile stage 3"]["kernel"] == "cpp"
+                            "zerocompile stage 3, torch fused", "memory floor"}
+    assert results["zerocompile stage 3"]["kernel"] == "cpp" and results["memory floor"]["kernel"] == "floor"
     assert results["zerocompile stage 3, torch fused"]["kernel"] == "torch_fused"
     assert results["torch fused"]["x_peer"] == 1.0
     for entry in results.values():
