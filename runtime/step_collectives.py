@@ -50,12 +50,14 @@ def _slots(count: int, numel: int, like: torch.Tensor, dtype: torch.dtype | None
 
 
 def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup, bucket_bytes: int,
-                        reduce_dtype: torch.dtype) -> list[torch.Tensor]:
+                        reduce_dtype: torch.dtype, choose: Callable[[int], str] | None = None) -> list[torch.Tensor]:
     """Average over ranks each ``(gradient, padded_numel)``; return this rank's chunks.
 
     Each gradient is cast to ``reduce_dtype`` and zero-padded to ``padded_numel`` (a multiple
     of the world size) into a bucket buffer: two buffers, allocated once per call, take turns,
-    so the next bucket's reduce-scatter is in flight while the previous one is averaged."""
+    so the next bucket's reduce-scatter is in flight while the previous one is averaged.
+    ``choose(bucket bytes)``: ``"all_reduce"`` to all-reduce the bucket in its buffer and keep
+    this rank's row instead (the same sums: ``runtime/reduction_choice.py``); None: reduce-scatter."""
     world = group.world
     elem = torch.empty((), dtype=reduce_dtype).element_size()
     results: list[torch.Tensor] = [None] * len(grads)
@@ -79,11 +81,17 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
                 g = pad_flat(g.to(reduce_dtype), world * chunk)
             rows[:, offset : offset + chunk].copy_(g.view(world, chunk))   # casts to reduce_dtype
             offset += chunk
+        if choose is not None and choose(n * elem) == "all_reduce":
+            ACCOUNTING.record("all_reduce", n * elem)
+            return bucket, rows, _c10d.all_reduce_(rows, "sum", group.name)
         ACCOUNTING.record("reduce_scatter", n * elem)
-        return bucket, _c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", world, group.name)
+        return bucket, None, _c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", world, group.name)
 
-    def finish(bucket, out):
-        mine = _c10d.wait_tensor(out).div_(world)
+    def finish(bucket, rows, out):
+        if rows is not None:       # all-reduced in the buffer, which the bucket after next reuses: copied out
+            mine = _c10d.wait_tensor(out)[group.rank].div(world)
+        else:
+            mine = _c10d.wait_tensor(out).div_(world)
         offset = 0
         for i in bucket:
             chunk = grads[i][1] // world

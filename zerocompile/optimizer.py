@@ -10,11 +10,12 @@ Per optimizer step, by stage:
 
 - stage 0 (and parameters no compiled frame has used): full gradients, all-reduced
   (averaged) once per step; the inner optimizer updates full parameters.
-- stage 1: full gradients accumulated locally are reduce-scattered into the shards;
-  the shards are updated and all-gathered into the replicas; the shard gradients are
-  dropped (the full gradients stay until ``zero_grad``).
-- stage 2: shard gradients come reduce-scattered from the backward graph; the shards
-  are updated and all-gathered into the replicas.
+- stage 1: full gradients accumulated locally are reduce-scattered into the shards (or
+  all-reduced, each rank keeping its slice, where the ``gradient_reduction`` option chooses
+  that: ``runtime/reduction_choice.py``); the shards are updated and all-gathered into the
+  replicas; the shard gradients are dropped (the full gradients stay until ``zero_grad``).
+- stage 2: shard gradients come reduce-scattered (or all-reduced and sliced, as at stage 1)
+  from the backward graph; the shards are updated and all-gathered into the replicas.
 - stage 3: shard gradients come from the backward graph; the shards are updated; the
   next forward gathers them.
 
