@@ -103,9 +103,13 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
 
 
 def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes: int,
-                      write: Callable[[int, torch.Tensor], None]) -> None:
+                      write: Callable[[int, torch.Tensor], None],
+                      prepare: Callable[[list[int]], None] | None = None) -> None:
     """All-gather each shard; call ``write(i, rows)`` with shard ``i`` of every rank as a
     ``(world, numel_i)`` view, rank order (read it inside the call: the buffer is reused).
+    ``prepare(indices)``, called for each bucket right before its shards are read, may still
+    change their values in place (the optimizer step of that bucket, done while the previous
+    bucket's gather is in flight).
 
     The shards (one dtype and device) travel in buckets through two pairs of buffers allocated
     once per call: the next bucket's gather is in flight while the previous one is written
@@ -114,6 +118,8 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
     world = group.world
     if world == 1:
         for i, t in enumerate(shards):
+            if prepare is not None:
+                prepare([i])
             write(i, t.reshape(1, -1))
         return
     buckets = bucket_indices([t.numel() * t.element_size() * world for t in shards], bucket_bytes)
@@ -124,6 +130,8 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
     mines, gathers = _slots(len(buckets), cap, first), _slots(len(buckets), world * cap, first)
 
     def start(k, bucket):
+        if prepare is not None:
+            prepare(bucket)
         n = sum(shards[i].numel() for i in bucket)
         mine = torch.cat([shards[i].reshape(-1) for i in bucket], out=mines[k % len(mines)][:n])
         ACCOUNTING.record("all_gather", world * n * first.element_size())

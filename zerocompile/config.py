@@ -75,7 +75,8 @@ class ZeroConfig:
     bucket's size on the process group, timed once per group and process when the first stage
     1/2 frame compiles (the slowest rank's times, so every rank chooses the same); where nothing
     can be timed (world size 1, ``zerocompile plan``'s fake ranks: the hardware profile's
-    choice) ``"reduce_scatter"``. See ``runtime/reduction_choice.py``."""
+    choice) ``"reduce_scatter"``. Stages 0 and 3 ignore it (stage 0 all-reduces whole gradients,
+    stage 3 reduce-scatters them). See ``runtime/reduction_choice.py``."""
 
     inner_compiler: str = "inductor"
     """What compiles the rewritten forward/backward graphs: ``"inductor"`` (C++ on CPUs,
@@ -271,9 +272,6 @@ class ZeroConfig:
             check_gradient_reduction(self.gradient_reduction)
         except ValueError as err:
             raise ZeroConfigError(str(err)) from None
-        if self.gradient_reduction == "all_reduce" and self.stage == 3:
-            raise ZeroConfigError("option 'gradient_reduction' = 'all_reduce' needs stage 1 or 2 (stage 3 "
-                                  "reduce-scatters its gradients); use stage=1 or 2, or leave it 'auto'")
         if self.inner_compiler not in INNER_COMPILERS:
             raise ZeroConfigError(
                 f"option 'inner_compiler' = {self.inner_compiler!r} is invalid; "

@@ -322,9 +322,11 @@ class ZeroOptimizer(Optimizer):
             max_norm = self._clipper.configured_bound()   # the gradient_clipping option
             if max_norm is not None:
                 self.clip_grad_norm_(max_norm)
-            copies = {}     # id(shard) -> the updated shard in the compute dtype, written by the kernel
-            update.step_inner(self._binding.inner, self._params_view, self._clipper, copies)
-            update.after_step(self._params_view, copies)
+            # each all-gather bucket stepped while the previous one travels, where that applies
+            if not update.step_pipelined(self._binding.inner, self._params_view, self._clipper):
+                copies = {}     # id(shard) -> the updated shard in the compute dtype, written by the kernel
+                update.step_inner(self._binding.inner, self._params_view, self._clipper, copies)
+                update.after_step(self._params_view, copies)
         if scaler is not None:
             scaler.update(overflow)
         self._end_step()
