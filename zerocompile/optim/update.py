@@ -85,9 +85,10 @@ def step_pipelined(inner, params, clipper) -> bool:
     in flight (each parameter's update depends on nothing else: the numbers of one step of
     all). The other targets are stepped first. Only for zerocompile's fused Adam on shards that
     are views of their replicas' buffers (the compute dtype is the master dtype, no
-    ``offload_param``); returns False, having done nothing, elsewhere (then ``step_inner`` and
-    ``after_step``). ``params``: the optimizer's ``OptimizerParams``; ``clipper``: its ``GradClipper``."""
-    if not isinstance(inner, fused_adam.FusedAdam):
+    ``offload_param``; not ``OffloadedAdam``, which streams its state per call); returns False,
+    having done nothing, elsewhere (then ``step_inner`` and ``after_step``). ``params``: the
+    optimizer's ``OptimizerParams``; ``clipper``: its ``GradClipper``."""
+    if type(inner) is not fused_adam.FusedAdam:
         return False
     states = {id(target_of(p)): sp for p in params if (sp := get_state(p)) is not None}
     gathered = {id(sp.shard): sp for sp in states.values()
@@ -104,6 +105,9 @@ def step_pipelined(inner, params, clipper) -> bool:
         stepped.update(id(t) for t in todo)
         if todo:
             _fused_step(inner, todo, states, clipper, {})
+        # stage 1: a stepped bucket's shard gradients go before the bucket is packed, as they
+        # went before the gathers unpipelined (the step's peak stays that of one bucket)
+        _drop_shard_gradients([sp for sp in part if sp.rules.reduces_in_step])
 
     # after_step gathers exactly the shards of ``gathered`` (trainable, with a replica): each
     # is stepped once, by its bucket
