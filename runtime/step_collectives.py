@@ -127,11 +127,14 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
         return
     cap = max(sum(shards[i].numel() for i in b) for b in buckets)
     first = shards[buckets[0][0]]
-    mines, gathers = _slots(len(buckets), cap, first), _slots(len(buckets), world * cap, first)
+    mines, gathers = [], []     # allocated after the first bucket's prepare: not alive during it
 
     def start(k, bucket):
         if prepare is not None:
             prepare(bucket)
+        if not mines:
+            mines.extend(_slots(len(buckets), cap, first))
+            gathers.extend(_slots(len(buckets), world * cap, first))
         n = sum(shards[i].numel() for i in bucket)
         mine = torch.cat([shards[i].reshape(-1) for i in bucket], out=mines[k % len(mines)][:n])
         ACCOUNTING.record("all_gather", world * n * first.element_size())
