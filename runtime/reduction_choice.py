@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -43,8 +44,10 @@ tensors): the ZeRO papers' collective, which moves half an all-reduce's bytes on
 PROBE_BYTES = (256 * 1024, 4 * 2**20, 16 * 2**20)
 """Full-buffer sizes the ``"auto"`` probe times both collectives at (float32 elements)."""
 PROBE_REPEATS = 3
-"""Timed runs of each collective per size (after one warm-up), taking turns; the fastest counts
-(the least disturbed by other work on the machine)."""
+"""Timed runs of each collective per size (after one warm-up), taking turns; their median counts:
+the typical time, other work on the machine included (the fastest runs of gloo's two
+collectives are about equal on a loaded 2-core machine, while its reduce-scatter's typical time
+there is up to 2x its all-reduce's)."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,7 @@ def _measured(process_group, group_name: str, world: int, device: str) -> Reduct
 def probe_times(group_name: str, world: int, device: torch.device,
                 sizes: tuple[int, ...] = PROBE_BYTES, repeats: int = PROBE_REPEATS) -> tuple[tuple[float, float], ...]:
     """``(reduce-scatter ms, all-reduce ms)`` of a float32 buffer of each of ``sizes`` bytes
-    on the group: the fastest of ``repeats`` runs on this rank, then the maximum over ranks
+    on the group: the median of ``repeats`` runs on this rank, then the maximum over ranks
     (an all-reduce), so every rank returns the same figures. A collective: every rank calls it."""
     mine = []
     for nbytes in sizes:
@@ -149,7 +152,7 @@ def probe_times(group_name: str, world: int, device: torch.device,
                 _sync(device)
                 if rep:
                     times[kind].append((time.perf_counter() - start) * 1e3)
-        mine += [min(times["reduce_scatter"]), min(times["all_reduce"])]
+        mine += [statistics.median(times["reduce_scatter"]), statistics.median(times["all_reduce"])]
     worst = _c10d.wait_tensor(_c10d.all_reduce(torch.tensor(mine, dtype=torch.float64, device=device), "max",
                                                group_name)).cpu().tolist()
     return tuple((worst[2 * i], worst[2 * i + 1]) for i in range(len(sizes)))
