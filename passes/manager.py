@@ -68,6 +68,7 @@ class GraphPass:
 
 def _registry() -> list[GraphPass]:
     from zerocompile.passes.align_compute_dtypes import align_compute_dtypes
+    from zerocompile.passes.all_reduce_gradients import all_reduce_gradients
     from zerocompile.passes.bucketing import bucketing
     from zerocompile.passes.cast_before_gather import cast_before_gather
     from zerocompile.passes.cast_forward_inputs import cast_forward_inputs
@@ -150,6 +151,12 @@ def _registry() -> list[GraphPass]:
                   enabled=lambda config: config.prefetch,
                   bind=lambda config: {"prefetch_mb": config.prefetch_mb, "memory_limit_mb": config.memory_limit_mb},
                   summary="issue all-gathers early and wait late, within the memory budget"),
+        GraphPass("all_reduce_gradients", all_reduce_gradients, ("backward",), stages=(2,), requires=("tags",),
+                  optional=False, enabled=lambda config: config.gradient_reduction != "reduce_scatter",
+                  summary="gradient reduce-scatters become all-reduces (each rank keeps its slice) where "
+                          "gradient_reduction chooses them as faster",
+                  required_because="it is what gradient_reduction asks for (set gradient_reduction="
+                                   "'reduce_scatter' instead)"),
     ]
 
 

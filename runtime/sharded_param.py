@@ -105,6 +105,9 @@ class ShardedParam:
         self.allow_unsharded = allow_unsharded
         """The frame's ``allow_unsharded`` option: at stage 3, ``ZeroOptimizer`` accepts
         parameters no frame sharded next to this one."""
+        self.gradient_reduction = None
+        """Stages 1/2: the ``ReductionChoice`` of the frame that sharded it
+        (``runtime/reduction_choice.py``): which collective reduces its gradient's bucket."""
         self.storage_freed = False
         self.materialized = False
         self.grad_synced = False

@@ -47,7 +47,9 @@ class Stage:
     all-gather after each optimizer step."""
     reduces_in_step: bool
     """Full gradients accumulate locally and the optimizer step reduce-scatters them into the
-    shard (stage 1); stage 0 all-reduces them instead; stages 2/3 reduce inside the backward."""
+    shard (stage 1; or all-reduces their buckets and keeps this rank's slice, as the
+    ``gradient_reduction`` option chooses); stage 0 all-reduces them instead; stages 2/3
+    reduce inside the backward."""
     reduces_in_backward: bool
     """The backward graph reduce-scatters the gradient into ``shard.grad`` (stages 2, 3)."""
     op_role: str | None

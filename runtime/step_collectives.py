@@ -50,12 +50,14 @@ def _slots(count: int, numel: int, like: torch.Tensor, dtype: torch.dtype | None
 
 
 def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup, bucket_bytes: int,
-                        reduce_dtype: torch.dtype) -> list[torch.Tensor]:
+                        reduce_dtype: torch.dtype, choose: Callable[[int], str] | None = None) -> list[torch.Tensor]:
     """Average over ranks each ``(gradient, padded_numel)``; return this rank's chunks.
 
     Each gradient is cast to ``reduce_dtype`` and zero-padded to ``padded_numel`` (a multiple
     of the world size) into a bucket buffer: two buffers, allocated once per call, take turns,
-    so the next bucket's reduce-scatter is in flight while the previous one is averaged."""
+    so the next bucket's reduce-scatter is in flight while the previous one is averaged.
+    ``choose(bucket bytes)``: ``"all_reduce"`` to all-reduce the bucket in its buffer and keep
+    this rank's row instead (the same sums: ``runtime/reduction_choice.py``); None: reduce-scatter."""
     world = group.world
     elem = torch.empty((), dtype=reduce_dtype).element_size()
     results: list[torch.Tensor] = [None] * len(grads)
@@ -79,11 +81,17 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
                 g = pad_flat(g.to(reduce_dtype), world * chunk)
             rows[:, offset : offset + chunk].copy_(g.view(world, chunk))   # casts to reduce_dtype
             offset += chunk
+        if choose is not None and choose(n * elem) == "all_reduce":
+            ACCOUNTING.record("all_reduce", n * elem)
+            return bucket, rows, _c10d.all_reduce_(rows, "sum", group.name)
         ACCOUNTING.record("reduce_scatter", n * elem)
-        return bucket, _c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", world, group.name)
+        return bucket, None, _c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", world, group.name)
 
-    def finish(bucket, out):
-        mine = _c10d.wait_tensor(out).div_(world)
+    def finish(bucket, rows, out):
+        if rows is not None:       # all-reduced in the buffer, which the bucket after next reuses: copied out
+            mine = _c10d.wait_tensor(out)[group.rank].div(world)
+        else:
+            mine = _c10d.wait_tensor(out).div_(world)
         offset = 0
         for i in bucket:
             chunk = grads[i][1] // world
@@ -95,9 +103,13 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
 
 
 def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes: int,
-                      write: Callable[[int, torch.Tensor], None]) -> None:
+                      write: Callable[[int, torch.Tensor], None],
+                      prepare: Callable[[list[int]], None] | None = None) -> None:
     """All-gather each shard; call ``write(i, rows)`` with shard ``i`` of every rank as a
     ``(world, numel_i)`` view, rank order (read it inside the call: the buffer is reused).
+    ``prepare(indices)``, called for each bucket right before its shards are read, may still
+    change their values in place (the optimizer step of that bucket, done while the previous
+    bucket's gather is in flight).
 
     The shards (one dtype and device) travel in buckets through two pairs of buffers allocated
     once per call: the next bucket's gather is in flight while the previous one is written
@@ -106,6 +118,8 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
     world = group.world
     if world == 1:
         for i, t in enumerate(shards):
+            if prepare is not None:
+                prepare([i])
             write(i, t.reshape(1, -1))
         return
     buckets = bucket_indices([t.numel() * t.element_size() * world for t in shards], bucket_bytes)
@@ -113,9 +127,14 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
         return
     cap = max(sum(shards[i].numel() for i in b) for b in buckets)
     first = shards[buckets[0][0]]
-    mines, gathers = _slots(len(buckets), cap, first), _slots(len(buckets), world * cap, first)
+    mines, gathers = [], []     # allocated after the first bucket's prepare: not alive during it
 
     def start(k, bucket):
+        if prepare is not None:
+            prepare(bucket)
+        if not mines:
+            mines.extend(_slots(len(buckets), cap, first))
+            gathers.extend(_slots(len(buckets), world * cap, first))
         n = sum(shards[i].numel() for i in bucket)
         mine = torch.cat([shards[i].reshape(-1) for i in bucket], out=mines[k % len(mines)][:n])
         ACCOUNTING.record("all_gather", world * n * first.element_size())

@@ -108,6 +108,24 @@ def test_show_prints_one_table_per_graph_with_the_index_figures(dump, capsys):
     assert code == 0 and "rank 1 | frame 0/0 | forward graph" in out and len(_rows(out)) == 1
 
 
+def test_show_prints_the_gradient_reduction_a_frame_recorded(tmp_path, capsys):
+    from zerocompile.runtime.reduction_choice import ReductionChoice
+
+    choice = ReductionChoice(sizes=(1 << 18, 1 << 24), kinds=("all_reduce", "reduce_scatter"), source="measured",
+                             ms=((0.5, 0.25), (4.0, 6.0)))
+    rec = DumpRecorder(tmp_path, 0, 2, {"stage": 2})
+    rec.note("frame 0/0", "gradient_reduction", choice.as_dict())
+    rec.record("frame 0/0", "backward", "input", _gather_graph(), 0.0)
+    rec.record("frame 1/0", "backward", "input", _gather_graph(), 0.0)     # no choice recorded: no line
+    assert _index(tmp_path)["frames"]["frame 0/0"]["notes"]["gradient_reduction"]["kinds"] == [
+        "all_reduce", "reduce_scatter"]
+    code, out, err = _run(capsys, "show", tmp_path)
+    assert code == 0, err
+    lines = [line for line in out.splitlines() if "gradient reduction" in line]
+    assert lines == ["frame 0/0: gradient reduction (stages 1-2): measured; 256 KiB all_reduce: reduce_scatter "
+                     "0.50 ms, all_reduce 0.25 ms; 16 MiB reduce_scatter: reduce_scatter 4.00 ms, all_reduce 6.00 ms"]
+
+
 @pytest.mark.parametrize("frame", ["frame 0/0", "frame_0_0", "0/0"])
 def test_show_after_prints_that_steps_code(dump, capsys, frame):
     code, out, err = _run(capsys, "show", dump, "--frame", frame, "--graph", "fw", "--after", "input")

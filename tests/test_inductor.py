@@ -10,7 +10,10 @@ from harness import Run, assert_matches, reference, zero_train_many
 
 
 def test_inductor_stage2_and_stage3_with_tied_weights_and_graph_break():
-    runs = [Run(model="tied", stage=stage, opt="adamw", steps=3, accum=2, clip=1.0, inner="inductor")
+    # stage 2 with its reduce-scatters made all-reduces (passes/all_reduce_gradients.py): the
+    # reduce-scatter path is the one stage 3 runs
+    runs = [Run(model="tied", stage=stage, opt="adamw", steps=3, accum=2, clip=1.0, inner="inductor",
+                options=(("gradient_reduction", "all_reduce"),) if stage == 2 else ())
             for stage in (2, 3)]
     results = run_ranks(zero_train_many, 2, runs)
     for run, res in zip(runs, results[0]):
@@ -18,6 +21,8 @@ def test_inductor_stage2_and_stage3_with_tied_weights_and_graph_break():
         # the forward and backward graphs' collectives were summarised from inductor's partition
         if run.stage == 3:
             assert res["stats"]["all_gather"]["count"] > 0 and res["stats"]["reduce_scatter"]["count"] > 0
+        else:
+            assert res["stats"]["reduce_scatter"]["count"] == 0 and res["stats"]["all_reduce"]["count"] > 6
 
 
 @pytest.mark.parametrize("stage", [3])

@@ -14,12 +14,15 @@ from dist_utils import run_ranks
 from models import make_batch, make_model
 
 
-def _worker(rank, world, stage):
+def _worker(rank, world, stage, reduction="reduce_scatter"):
     census = StorageCensus()
     with census:
         model = make_model("gpt")
         sizes = [p.numel() for p in model.parameters()]  # tied weight counted once
-        compiled = torch.compile(model, backend="zero", options={"stage": stage, "inner_compiler": "eager"})
+        options = {"stage": stage, "inner_compiler": "eager"}
+        if stage in (1, 2):
+            options["gradient_reduction"] = reduction
+        compiled = torch.compile(model, backend="zero", options=options)
         opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
         for step in range(3):
             x, y = make_batch("gpt", step, 8)
@@ -45,10 +48,13 @@ def _formula(stage, psi, n):
     return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]
 
 
-# every stage on 2 ranks; the replicated and fully sharded extremes on 4 as well
-@pytest.mark.parametrize("stage,world", [(0, 2), (1, 2), (2, 2), (3, 2), (0, 4), (3, 4)])
-def test_memory_and_communication_match_formulas(stage, world):
-    results = run_ranks(_worker, world, stage)
+# every stage on 2 ranks; the replicated and fully sharded extremes on 4 as well; stages 1 and 2
+# with each gradient_reduction (the all-reduced bucket is a transient: the same model state)
+@pytest.mark.parametrize("stage,world,reduction", [
+    (0, 2, None), (1, 2, "reduce_scatter"), (2, 2, "reduce_scatter"), (3, 2, None), (0, 4, None), (3, 4, None),
+    (1, 2, "all_reduce"), (2, 2, "all_reduce")])
+def test_memory_and_communication_match_formulas(stage, world, reduction):
+    results = run_ranks(_worker, world, stage, reduction)
     for rank, res in enumerate(results):
         sizes = res["sizes"]
         psi = sum(sizes)
@@ -71,6 +77,9 @@ def test_memory_and_communication_match_formulas(stage, world):
         if stage == 0:
             assert (ag, rs, ar) == (0, 0, 4 * psi + agree)
             assert res["wire"] == pytest.approx(2 * ring * (4 * psi + agree))
+        elif stage in (1, 2) and reduction == "all_reduce":
+            assert (ag, rs, ar) == (4 * psi_padded, 0, 4 * psi_padded + agree)
+            assert res["wire"] == pytest.approx(ring * 4 * psi_padded + 2 * ring * (4 * psi_padded + agree))
         elif stage in (1, 2):
             assert (ag, rs, ar) == (4 * psi_padded, 4 * psi_padded, agree)
             assert res["wire"] == pytest.approx(2 * ring * (4 * psi_padded + agree))

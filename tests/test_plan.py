@@ -18,7 +18,8 @@ import torch
 from dist_utils import run_cli, run_script_ranks
 from zerocompile.cli import main
 from zerocompile.passes.cost_model import CostModel
-from zerocompile.plan import HARDWARE, ScalarReadsAreZero, StepTimer, hardware_from, node_local_groups
+from zerocompile.plan import (HARDWARE, ScalarReadsAreZero, StepTimer, gradient_reduction_line, hardware_from,
+                              node_local_groups, plan_options)
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 600
@@ -116,7 +117,8 @@ def _real_run(script: Path, kind: str, options: dict, out: Path) -> dict:
 
 @pytest.mark.parametrize("kind, options", [
     ("mlp", {"stage": 3}),
-    ("mlp", {"stage": 1, "param_dtype": "bfloat16"}),
+    # the real run's "auto" would time the collectives; the plan's takes the cpu profile's all_reduce
+    ("mlp", {"stage": 1, "param_dtype": "bfloat16", "gradient_reduction": "all_reduce"}),
     ("llama", {"stage": 3, "recompute": "full"}),
 ], ids=["mlp-stage3", "mlp-stage1-bf16", "llama-bf16-stage3-recompute"])
 def test_plan_equals_a_real_two_rank_run(tmp_path, kind, options):
@@ -244,7 +246,9 @@ def test_plan_prints_tables(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     out = done.stdout
     assert "on 8 ranks, stage 2" in out and "hardware h100" in out
-    for text in ("model state: params", "peak live bytes in a step", "reduce-scatter", "estimated step:"):
+    for text in ("model state: params", "peak live bytes in a step", "reduce-scatter", "estimated step:",
+                 "gradient reduction (stages 1-2): reduce_scatter (gradient_reduction 'auto': the choice of "
+                 "hardware profile h100)"):
         assert text in out, text
 
 
@@ -307,7 +311,15 @@ def test_hardware_profiles_and_files(tmp_path):
             "intra_node_gbps": 300}
     good.write_text(json.dumps(node))
     assert (hardware_from(str(good)).ranks_per_node, hardware_from(str(good)).intra_node_gbps) == (4, 300.0)
-    for body, message in [("{", "cannot read it as JSON"), ('{"flops_per_s": 1}', "needs exactly the keys"),
+    # what gradient_reduction "auto" takes in a plan: the profile's (gloo for cpu), or the option
+    assert (mine.gradient_reduction, HARDWARE["cpu"].gradient_reduction) == ("reduce_scatter", "all_reduce")
+    good.write_text(json.dumps({**node, "gradient_reduction": "all_reduce"}))
+    assert hardware_from(str(good)).gradient_reduction == "all_reduce"
+    assert plan_options({"stage": 1}, HARDWARE["cpu"])["gradient_reduction"] == "all_reduce"
+    assert plan_options({"stage": 1, "gradient_reduction": "reduce_scatter"},
+                        HARDWARE["cpu"])["gradient_reduction"] == "reduce_scatter"
+    assert gradient_reduction_line({}, HARDWARE["cpu"]).startswith("all_reduce (gradient_reduction 'auto'")
+    for body, message in [(json.dumps({**node, "gradient_reduction": "ring"}), "gradient_reduction = 'ring'"),("{", "cannot read it as JSON"), ('{"flops_per_s": 1}', "needs exactly the keys"),
                           (json.dumps({"flops_per_s": -1, "memory_gbps": 1, "bandwidth_gbps": 1, "alpha_us": 1}),
                            "flops_per_s = -1; it must be a finite number > 0"),
                           (json.dumps({**node, "ranks_per_node": 0}), "ranks_per_node = 0; it must be an integer"),

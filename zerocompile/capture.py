@@ -36,6 +36,7 @@ from zerocompile.passes.manager import pipeline, run_passes
 from zerocompile.passes.profiler import profile_graph
 from zerocompile.runtime.accounting import ACCOUNTING, CollectiveSummary
 from zerocompile.runtime.comm import CommGroup, resolve_group
+from zerocompile.runtime.reduction_choice import gradient_reduction
 from zerocompile.runtime.eager_fallback import eager_only_parameters, install_eager_fallback
 from zerocompile.runtime.fingerprint import check_same_on_all_ranks, fingerprint
 from zerocompile.runtime.leaf_modules import leaf_modules
@@ -133,6 +134,11 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         cfg = self.ctx.config
         # not the probed cost model: what it decides is in the graphs inductor hashes anyway
         digest.update(repr(sorted((k, v) for k, v in vars(cfg).items() if k != "process_group")).encode())
+        # the gradient reduction chosen (not its timings): AOTAutograd keys on the Dynamo graph,
+        # before the backward pass that writes the choice into the graph
+        choice = self.ctx.gradient_reduction
+        if choice is not None:
+            digest.update(repr((choice.sizes, choice.kinds)).encode())
         return digest.hexdigest()
 
 
@@ -384,6 +390,11 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
                  "live in host memory; nothing to offload", frame)
     ctx = PassContext(config=cfg, group=group, frame=frame, recorder=recorder_for(cfg, group),
                       device=_frame_device(plans))
+    ctx.gradient_reduction = _gradient_reduction(cfg, group, plans, frame)
+    if ctx.gradient_reduction is not None:
+        ctx.results["gradient_reduction"] = ctx.gradient_reduction.as_dict()
+        if ctx.recorder is not None:
+            ctx.recorder.note(frame, "gradient_reduction", ctx.gradient_reduction.as_dict())
     with compile_status(frame, cfg.stage) as status:
         ctx.progress = status.update
         try:
@@ -395,10 +406,27 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
         # a parameter first seen at run time, in the place of one traced like it (same shape,
         # dtype and requires_grad: Dynamo's guards checked them); named after that one
         loss_scale.register(param, cfg.loss_scale, plan.name)
-        return _shard_parameter(param, plan.name, cfg, group, keep_full=id(param) in eager_owned)
+        state = _shard_parameter(param, plan.name, cfg, group, keep_full=id(param) in eager_owned)
+        state.gradient_reduction = ctx.gradient_reduction
+        return state
 
     _adopt_parameters(plans, roots, eager_owned)
     return FrameRunner(compiled, plans, partitioner, frame, roots, new_state)
+
+
+def _gradient_reduction(cfg: ZeroConfig, group: CommGroup, plans: list, frame: str):
+    """Stages 1/2: the frame's ``ReductionChoice`` (``runtime/reduction_choice.py``; with
+    ``"auto"`` timed on the group by the first such frame of the process, on every rank at the
+    same point of its compile), also given to its parameters' shard states that have none; else
+    None."""
+    if cfg.stage not in (1, 2):
+        return None
+    choice = gradient_reduction(cfg.gradient_reduction, group, _frame_device(plans))
+    for sp in plans:
+        if sp is not None and sp.gradient_reduction is None:
+            sp.gradient_reduction = choice
+    log.info("[%s] gradient reduction: %s", frame, choice.describe())
+    return choice
 
 
 def _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx: PassContext, cfg: ZeroConfig, status):

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field, fields
+from typing import Literal
 
 import torch
 
@@ -20,6 +21,7 @@ from zerocompile.errors import ZeroConfigError, unknown_key_message
 from zerocompile.loss_scale import parse_loss_scale
 from zerocompile.passes.manager import check_disabled_passes, check_pipeline, check_stages
 from zerocompile.runtime.offload_settings import parse_offload
+from zerocompile.runtime.reduction_choice import check_gradient_reduction
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -65,6 +67,17 @@ class ZeroConfig:
     begins, so a bucket does not gather several blocks at once); the optimizer-step collectives (stage 1 reduce-scatter of accumulated gradients,
     stage 1/2 all-gather of updated parameters) are grouped the same way. 0 turns bucketing
     off: one collective per parameter."""
+
+    gradient_reduction: Literal["auto", "reduce_scatter", "all_reduce"] = "auto"
+    """Stages 1 and 2: the collective that reduces the gradients (the eager step's buckets at
+    stage 1, the backward graph's buckets at stage 2). ``"reduce_scatter"``; ``"all_reduce"``:
+    each rank keeps its slice of the summed bucket (the same values; the full result is a
+    transient, so the model state is the same); ``"auto"``: whichever is faster for the
+    bucket's size on the process group, timed once per group and process when the first stage
+    1/2 frame compiles (the slowest rank's times, so every rank chooses the same); where nothing
+    can be timed (world size 1, ``zerocompile plan``'s fake ranks: the hardware profile's
+    choice) ``"reduce_scatter"``. Stages 0 and 3 ignore it (stage 0 all-reduces whole gradients,
+    stage 3 reduce-scatters them). See ``runtime/reduction_choice.py``."""
 
     inner_compiler: str = "inductor"
     """What compiles the rewritten forward/backward graphs: ``"inductor"`` (C++ on CPUs,
@@ -256,6 +269,10 @@ class ZeroConfig:
         if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not 0 <= bucket < math.inf:
             raise ZeroConfigError(
                 f"option 'bucket_mb' = {bucket!r} is invalid; allowed: a finite number of MiB >= 0 (0 = off)")
+        try:
+            check_gradient_reduction(self.gradient_reduction)
+        except ValueError as err:
+            raise ZeroConfigError(str(err)) from None
         if self.inner_compiler not in INNER_COMPILERS:
             raise ZeroConfigError(
                 f"option 'inner_compiler' = {self.inner_compiler!r} is invalid; "

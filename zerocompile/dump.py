@@ -195,13 +195,28 @@ class DumpRecorder:
             else:
                 logger.debug("zerocompile: dump write failed again: %s", exc)
 
-    def _record(self, frame: str, graph_kind: str, pass_name: str, gm: torch.fx.GraphModule,
-                time_s: float) -> None:
-        index = self._load_index()
+    def note(self, frame: str, key: str, value) -> None:
+        """Record ``value`` (JSON) as ``key`` of ``frame``'s index entry, under ``"notes"``
+        (``zerocompile show`` prints them: e.g. the gradient reduction chosen). Never raises."""
+        try:
+            index = self._load_index()
+            self._entry(str(frame), index).setdefault("notes", {})[str(key)] = json_safe(value)
+            self._write_index(index)
+        except Exception as exc:  # noqa: BLE001 - a dump must never break a user's compile
+            logger.debug("zerocompile: dump note failed: %s", exc)
+
+    def _entry(self, frame: str, index: dict) -> dict:
+        """This recorder's entry for ``frame`` (made on first use)."""
         entry = self._frames.get(frame)
         if entry is None:
             entry = {"dir": self._frame_dir(frame, index), "options": self.options, "graphs": {}}
             self._frames[frame] = entry
+        return entry
+
+    def _record(self, frame: str, graph_kind: str, pass_name: str, gm: torch.fx.GraphModule,
+                time_s: float) -> None:
+        index = self._load_index()
+        entry = self._entry(frame, index)
         steps = entry["graphs"].setdefault(graph_kind, [])
         number = len(steps)
         stem = f"{number:02d}_{safe_name(pass_name, 'pass')}"
@@ -266,6 +281,8 @@ class DumpRecorder:
             if not isinstance(entry, dict) or entry.get("dir") != mine["dir"]:
                 entry = {"dir": mine["dir"], "options": mine["options"], "graphs": {}}
             entry["graphs"] = {**entry.get("graphs", {}), **mine["graphs"]}
+            if mine.get("notes"):
+                entry["notes"] = {**entry.get("notes", {}), **mine["notes"]}
             index["frames"][frame] = entry
         _write_text_atomic(self.rank_dir / INDEX_FILE, json.dumps(index, indent=1) + "\n")
 

@@ -10,11 +10,12 @@ Per optimizer step, by stage:
 
 - stage 0 (and parameters no compiled frame has used): full gradients, all-reduced
   (averaged) once per step; the inner optimizer updates full parameters.
-- stage 1: full gradients accumulated locally are reduce-scattered into the shards;
-  the shards are updated and all-gathered into the replicas; the shard gradients are
-  dropped (the full gradients stay until ``zero_grad``).
-- stage 2: shard gradients come reduce-scattered from the backward graph; the shards
-  are updated and all-gathered into the replicas.
+- stage 1: full gradients accumulated locally are reduce-scattered into the shards (or
+  all-reduced, each rank keeping its slice, where the ``gradient_reduction`` option chooses
+  that: ``runtime/reduction_choice.py``); the shards are updated and all-gathered into the
+  replicas; the shard gradients are dropped (the full gradients stay until ``zero_grad``).
+- stage 2: shard gradients come reduce-scattered (or all-reduced and sliced, as at stage 1)
+  from the backward graph; the shards are updated and all-gathered into the replicas.
 - stage 3: shard gradients come from the backward graph; the shards are updated; the
   next forward gathers them.
 
@@ -321,9 +322,11 @@ class ZeroOptimizer(Optimizer):
             max_norm = self._clipper.configured_bound()   # the gradient_clipping option
             if max_norm is not None:
                 self.clip_grad_norm_(max_norm)
-            copies = {}     # id(shard) -> the updated shard in the compute dtype, written by the kernel
-            update.step_inner(self._binding.inner, self._params_view, self._clipper, copies)
-            update.after_step(self._params_view, copies)
+            # each all-gather bucket stepped while the previous one travels, where that applies
+            if not update.step_pipelined(self._binding.inner, self._params_view, self._clipper):
+                copies = {}     # id(shard) -> the updated shard in the compute dtype, written by the kernel
+                update.step_inner(self._binding.inner, self._params_view, self._clipper, copies)
+                update.after_step(self._params_view, copies)
         if scaler is not None:
             scaler.update(overflow)
         self._end_step()

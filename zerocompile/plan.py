@@ -69,6 +69,11 @@ class Hardware:
     world group when the job fits in a node, hpZ's groups of ``k`` consecutive ranks when ``k``
     divides ``ranks_per_node``. 0: ``bandwidth_gbps`` for every collective. The passes decide
     with ``bandwidth_gbps`` only."""
+    gradient_reduction: str = "reduce_scatter"
+    """What the ``gradient_reduction`` option ``"auto"`` chooses on this machine (plan's fake
+    ranks time nothing): ``"reduce_scatter"`` where the collectives are rings (NCCL), whose
+    reduce-scatter moves half an all-reduce's bytes; ``"all_reduce"`` over gloo, whose
+    reduce-scatter costs about 1.5x its all-reduce (``benchmarks/results/collectives.json``)."""
 
     def cost_model(self) -> dict:
         """The ``cost_model`` option with these rates."""
@@ -90,12 +95,12 @@ HARDWARE = MappingProxyType({
                  flops_per_s=220e12, memory_gbps=1800.0, bandwidth_gbps=22.0, alpha_us=30.0, ranks_per_node=8,
                  intra_node_gbps=240.0),
         Hardware("cpu", "the cost model's defaults: a small CPU machine over gloo",
-                 **DEFAULT_RATES),
+                 **DEFAULT_RATES, gradient_reduction="all_reduce"),
     )
 })
 """Built-in ``--hardware`` profiles (a JSON file with the four rates gives any other)."""
 
-_OPTIONAL_HARDWARE_KEYS = ("name", "description", "ranks_per_node", "intra_node_gbps")
+_OPTIONAL_HARDWARE_KEYS = ("name", "description", "ranks_per_node", "intra_node_gbps", "gradient_reduction")
 
 
 def hardware_from(value: str) -> Hardware:
@@ -123,9 +128,13 @@ def hardware_from(value: str) -> Hardware:
     per_node = rates.get("ranks_per_node", 1)
     if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
         raise ValueError(f"hardware file {path}: ranks_per_node = {per_node!r}; it must be an integer >= 1")
+    reduction = rates.get("gradient_reduction", "reduce_scatter")
+    if reduction not in ("reduce_scatter", "all_reduce"):
+        raise ValueError(f"hardware file {path}: gradient_reduction = {reduction!r}; it must be 'reduce_scatter' "
+                         "or 'all_reduce'")
     return Hardware(name=str(rates.get("name", path.stem)), description=str(rates.get("description", str(path))),
                     **{k: float(rates[k]) for k in needed}, ranks_per_node=per_node,
-                    intra_node_gbps=float(rates.get("intra_node_gbps", 0.0)))
+                    intra_node_gbps=float(rates.get("intra_node_gbps", 0.0)), gradient_reduction=reduction)
 
 
 # ------------------------------------------------------------------------------- dispatch modes
@@ -303,6 +312,8 @@ class PlanReport:
     """Trainable parameters no compiled frame used, kept whole on every rank (stage 3 refuses
     them unless ``allow_unsharded``): ``{"count", "elements", "names"}``; their bytes and their
     gradients' are in ``model_state_bytes``."""
+    gradient_reduction: str = ""
+    """The collective stages 1/2 reduce gradients with, and where the choice comes from."""
     replay_mismatch: str | None = None
     """Why a replay could not vouch for its figures (``plan_script`` then raises)."""
 
@@ -344,16 +355,29 @@ class PlanReport:
             "exit_code": self.exit_code,
             "graph_runs": dict(self.graph_runs),
             "unsharded_params": dict(self.unsharded_params),
+            "gradient_reduction": self.gradient_reduction,
         }
 
 
 def plan_options(options: dict | None, hardware: Hardware) -> dict:
     """The options plan runs the script with: the user's, over which the eager inner compiler
-    and (unless given) the hardware's rates as ``cost_model``."""
+    and (unless given) the hardware's rates as ``cost_model`` and its ``gradient_reduction`` for
+    ``"auto"`` (fake ranks time nothing)."""
     out = dict(options or {})
     out["inner_compiler"] = "eager"
     out.setdefault("cost_model", hardware.cost_model())
+    if out.get("gradient_reduction", "auto") == "auto":
+        out["gradient_reduction"] = hardware.gradient_reduction
     return out
+
+
+def gradient_reduction_line(options: dict | None, hardware: Hardware) -> str:
+    """Where the planned stage 1/2 gradient reduction comes from: the user's option, else the
+    hardware profile's choice for ``"auto"``."""
+    given = (options or {}).get("gradient_reduction", "auto")
+    if given != "auto":
+        return f"{given} (option gradient_reduction)"
+    return f"{hardware.gradient_reduction} (gradient_reduction 'auto': the choice of hardware profile {hardware.name})"
 
 
 def plan_script(script: Path, script_args: list, world_size: int, options: dict | None = None,
@@ -382,8 +406,9 @@ def _plan_once(script, script_args, world_size, options, hardware, stdout, repla
     from zerocompile.graph_replay import GraphReplay
     from zerocompile.script_runner import run_script
 
+    reduction = gradient_reduction_line(options, hardware)
     options = plan_options(options, hardware)
-    report = PlanReport(world_size=world_size, hardware=hardware, options=options)
+    report = PlanReport(world_size=world_size, hardware=hardware, options=options, gradient_reduction=reduction)
     timer = StepTimer(CostModel.from_rates(hardware.cost_model()), world_size, hardware.intra_node_gbps * 1e9)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     # incremental peak: the resizes of a step are ops the tracker sees (resize_storage_bytes_)

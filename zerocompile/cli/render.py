@@ -257,6 +257,8 @@ def print_plan(report, script: Path, console: Console) -> None:
     comm.add_row("total", "", f"{r['comm_bytes_per_rank_per_step']:,}", human_bytes(r["comm_bytes_per_rank_per_step"]),
                  human_bytes(r["wire_bytes_per_rank_per_step"]))
     console.print(comm)
+    if {1, 2} & set(report.stages):
+        console.print(f"gradient reduction (stages 1-2): {report.gradient_reduction}")
     exposed = max(0.0, report.step_s - report.compute_s)
     console.print(f"estimated step: {report.step_s * 1e3:,.1f} ms = compute {report.compute_s * 1e3:,.1f} ms "
                   f"+ exposed communication {exposed * 1e3:,.1f} ms (communication {report.comm_s * 1e3:,.1f} ms "

@@ -194,6 +194,10 @@ def cmd_show(args) -> int:
         return 0
     for frame, kind, steps in selected:
         console.print(steps_table(args.rank, frame, kind, steps))
+    for frame in dict.fromkeys(f for f, _, _ in selected):
+        reduction = (index["frames"][frame].get("notes") or {}).get("gradient_reduction")
+        if isinstance(reduction, dict):
+            console.print(f"{frame}: gradient reduction (stages 1-2): {reduction.get('description', '?')}")
     if args.frame is None and args.graph is None and (rank_dir / OPTIMIZER_STEPS_FILE).exists():
         console.print(optimizer_steps_table(args.rank, read_json(rank_dir / OPTIMIZER_STEPS_FILE,
                                                                  "optimizer steps file")))

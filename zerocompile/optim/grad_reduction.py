@@ -115,7 +115,8 @@ class GradReducer:
                     sp.grad_synced = True    # p.grad is now the averaged gradient: readable
         for (group, rd), items in to_scatter.items():
             shards = reduce_scatter_mean([(item[1], item[0].padded_numel) for item in items], group,
-                                         bucket_bytes([item[0] for item in items]), rd)
+                                         bucket_bytes([item[0] for item in items]), rd,
+                                         _reduction_chooser([item[0] for item in items]))
             for (sp, _, accumulate, scaled), shard_grad in zip(items, shards):
                 shard_grad = shard_grad.to(sp.dtype)
                 if scaled is not None:
@@ -219,6 +220,14 @@ def clear_gradients(params, set_to_none: bool) -> None:
             else:
                 grad.detach_()
                 grad.zero_()
+
+
+def _reduction_chooser(states):
+    """``choose(bucket bytes)`` of the step's reduction of gradients of ``states`` (one group):
+    their frames' ``ReductionChoice`` (the same per group: ``runtime/reduction_choice.py``), or
+    None (reduce-scatter) where none has one (stage 3)."""
+    choice = next((sp.gradient_reduction for sp in states if sp.gradient_reduction is not None), None)
+    return choice.kind_for if choice is not None else None
 
 
 def _check_unchanged_since_reduced(sp) -> None:

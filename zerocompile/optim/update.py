@@ -79,11 +79,50 @@ def _fused_step(inner, targets: list, states: dict, clipper, copies: dict) -> No
     copies.update(written)
 
 
-def after_step(params, copies: dict) -> None:
+def step_pipelined(inner, params, clipper) -> bool:
+    """The update and the replicas' refresh together, bucket by bucket: each all-gather bucket's
+    shards are stepped right before the bucket is packed, while the previous bucket's gather is
+    in flight (each parameter's update depends on nothing else: the numbers of one step of
+    all). The other targets are stepped first. Only for zerocompile's fused Adam on shards that
+    are views of their replicas' buffers (the compute dtype is the master dtype, no
+    ``offload_param``; not ``OffloadedAdam``, which streams its state per call); returns False,
+    having done nothing, elsewhere (then ``step_inner`` and ``after_step``). ``params``: the
+    optimizer's ``OptimizerParams``; ``clipper``: its ``GradClipper``."""
+    if type(inner) is not fused_adam.FusedAdam:
+        return False
+    states = {id(target_of(p)): sp for p in params if (sp := get_state(p)) is not None}
+    gathered = {id(sp.shard): sp for sp in states.values()
+                if sp.rules.keeps_replica and sp.requires_grad and not sp.separate_full_param}
+    if not gathered or any(sp.shard_file is not None or sp.compute_dtype != sp.dtype or sp.separate_full_param
+                           for sp in states.values()):
+        return False
+    targets = {id(t): t for g in inner.param_groups for t in g["params"]}
+    _fused_step(inner, [t for i, t in targets.items() if i not in gathered], states, clipper, {})
+    stepped = set()
+
+    def step_part(part: list) -> None:
+        todo = [sp.shard for sp in part if id(sp.shard) in targets and id(sp.shard) not in stepped]
+        stepped.update(id(t) for t in todo)
+        if todo:
+            _fused_step(inner, todo, states, clipper, {})
+        # stage 1: a stepped bucket's shard gradients go before the bucket is packed, as they
+        # went before the gathers unpipelined (the step's peak stays that of one bucket)
+        _drop_shard_gradients([sp for sp in part if sp.rules.reduces_in_step])
+
+    # after_step gathers exactly the shards of ``gathered`` (trainable, with a replica): each
+    # is stepped once, by its bucket
+    after_step(params, {}, step_part)
+    return True
+
+
+def after_step(params, copies: dict, step_part=None) -> None:
     """Refresh the replicas (and separate full parameters) from the updated shards, drop the
     shard gradients reduced in the step, release eager-gathered copies. ``copies``: what
-    ``step_inner`` wrote in the compute dtype."""
+    ``step_inner`` wrote in the compute dtype. ``step_part(states)``: called with the shard
+    states of each all-gather bucket right before the bucket reads their shards
+    (``step_pipelined``: their update)."""
     replicas = defaultdict(list)
+    dropped = []
     for p in params:
         sp = get_state(p)
         if sp is None or not sp.rules.shards_master:
@@ -93,15 +132,27 @@ def after_step(params, copies: dict) -> None:
         if sp.separate_full_param and sp.requires_grad:
             replicas[(sp.group, sp.dtype)].append((sp, sp.refresh_param))
         if sp.rules.reduces_in_step:
-            sp.shard.grad = None     # the full gradients stay until zero_grad()
-            sp.forget_reduction()
+            dropped.append(sp)
         sp.release()                 # eager-gathered copies are stale now
+    if step_part is None:
+        _drop_shard_gradients(dropped)
     for (group, dtype), items in replicas.items():
         with resident_shards([sp for sp, _ in items]):     # offload_param: shards read back
             shards = [copies.get(id(sp.shard)) if dtype == sp.compute_dtype else None for sp, _ in items]
             shards = [c if c is not None else sp.shard.detach().to(dtype) for c, (sp, _) in zip(shards, items)]
+            prepare = None if step_part is None else (lambda bucket: step_part([items[i][0] for i in bucket]))
             all_gather_concat(shards, group, bucket_bytes([sp for sp, _ in items]),
-                              lambda i, rows: items[i][1](rows))
+                              lambda i, rows: items[i][1](rows), prepare)
+    if step_part is not None:       # the buckets' updates read them: dropped once all are stepped
+        _drop_shard_gradients(dropped)
+
+
+def _drop_shard_gradients(states) -> None:
+    """Stage 1 after a step: the shard gradients the step reduced are dropped (the full
+    gradients stay until ``zero_grad()``)."""
+    for sp in states:
+        sp.shard.grad = None
+        sp.forget_reduction()
 
 
 def skip_update(params) -> None:

@@ -1,0 +1,167 @@
+"""Which collective reduces the gradients at stages 1 and 2: a reduce-scatter, or an
+all-reduce of which each rank keeps its own slice.
+
+Both give each rank the sum over ranks of its slice of the padded flat gradient bucket; on
+two ranks the two sums are the same single addition, so the values are bitwise equal (on more
+ranks both sum the same terms, in an order the backend chooses). What differs is the time:
+NCCL's ring reduce-scatter moves half an all-reduce's bytes, while gloo's reduce-scatter costs
+about 1.5x its all-reduce of the same buffer (``benchmarks/collectives.py``). The all-reduce's
+full result is a transient: at stage 1 the eager step reads its slice out of the bucket buffer
+it reuses anyway, at stage 2 the backward graph slices it and frees it, so the model state each
+rank keeps between steps is the same either way.
+
+``gradient_reduction(option, group, device)`` answers per process group and message size:
+
+- ``"reduce_scatter"`` / ``"all_reduce"``: that collective at every size (the option forced);
+- ``"auto"``: measured once per process group (and device) in the process, the first time a
+  stage 1/2 frame compiles: a short timing of both collectives at ``PROBE_BYTES`` on the real
+  group, each rank's times max-reduced over the group, so every rank holds the same figures and
+  makes the same choice; a bucket takes the choice of the probed size nearest to its own (in
+  ratio). Where nothing can be measured (world size 1, torch's fake process group of
+  ``zerocompile plan`` / ``dump --world-size``, meta tensors) it is ``DEFAULT_KIND``, without
+  any collective.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from zerocompile.runtime.comm import CommGroup, is_fake_group
+
+_c10d = torch.ops._c10d_functional
+
+GRADIENT_REDUCTIONS = ("auto", "reduce_scatter", "all_reduce")
+"""Values of the ``gradient_reduction`` option."""
+DEFAULT_KIND = "reduce_scatter"
+"""What ``"auto"`` takes where nothing is measured (world size 1, a fake process group, meta
+tensors): the ZeRO papers' collective, which moves half an all-reduce's bytes on a ring."""
+PROBE_BYTES = (256 * 1024, 4 * 2**20, 16 * 2**20)
+"""Full-buffer sizes the ``"auto"`` probe times both collectives at (float32 elements)."""
+PROBE_REPEATS = 3
+"""Timed runs of each collective per size (after one warm-up), taking turns; their median counts:
+the typical time, other work on the machine included (the fastest runs of gloo's two
+collectives are about equal on a loaded 2-core machine, while its reduce-scatter's typical time
+there is up to 2x its all-reduce's)."""
+
+
+@dataclass(frozen=True)
+class ReductionChoice:
+    """The collective that reduces a gradient bucket of each size on one process group (the
+    same on every rank of it)."""
+
+    sizes: tuple[int, ...]
+    """Bucket sizes in bytes the choice was made at (ascending); one entry for a fixed choice."""
+    kinds: tuple[str, ...]
+    """``"reduce_scatter"`` or ``"all_reduce"`` at each of ``sizes``."""
+    source: str
+    """How it was chosen: ``"option"``, ``"measured"``, or why it was not measured."""
+    ms: tuple[tuple[float, float], ...] = ()
+    """Measured: ``(reduce-scatter ms, all-reduce ms)`` at each of ``sizes`` (the slowest rank's)."""
+
+    def kind_for(self, nbytes: int) -> str:
+        """The collective for a bucket of ``nbytes``: that of the nearest size in ratio."""
+        if len(self.kinds) == 1:
+            return self.kinds[0]
+        distance = [abs(math.log(max(nbytes, 1) / size)) for size in self.sizes]
+        return self.kinds[distance.index(min(distance))]
+
+    def uses_all_reduce(self) -> bool:
+        """Whether some bucket size is all-reduced."""
+        return "all_reduce" in self.kinds
+
+    def describe(self) -> str:
+        """One line for ``zerocompile show`` / ``plan``: the choice per size and why."""
+        if len(set(self.kinds)) == 1 and not self.ms:
+            return f"{self.kinds[0]} ({self.source})"
+        parts = []
+        for size, kind, ms in zip(self.sizes, self.kinds, self.ms or [None] * len(self.sizes)):
+            timing = f": reduce_scatter {ms[0]:.2f} ms, all_reduce {ms[1]:.2f} ms" if ms else ""
+            parts.append(f"{_size(size)} {kind}{timing}")
+        return f"{self.source}; " + "; ".join(parts)
+
+    def as_dict(self) -> dict:
+        """JSON-serialisable form (the dump's frame summary)."""
+        return {"source": self.source, "sizes": list(self.sizes), "kinds": list(self.kinds),
+                "ms": [list(m) for m in self.ms], "description": self.describe()}
+
+
+def fixed_choice(kind: str, source: str) -> ReductionChoice:
+    """``kind`` at every size."""
+    return ReductionChoice(sizes=(PROBE_BYTES[0],), kinds=(kind,), source=source)
+
+
+def check_gradient_reduction(value) -> str:
+    """``value`` if it is a valid ``gradient_reduction`` option, else ``ValueError`` naming the choices."""
+    if value not in GRADIENT_REDUCTIONS:
+        raise ValueError(f"option 'gradient_reduction' = {value!r} is invalid; allowed: "
+                         f"{', '.join(repr(v) for v in GRADIENT_REDUCTIONS)}")
+    return value
+
+
+def gradient_reduction(option: str, group: CommGroup, device=None) -> ReductionChoice:
+    """The ``ReductionChoice`` for option ``option`` on ``group``, whose gradients live on
+    ``device`` (default CPU). With ``"auto"`` on a real group of several ranks this is a
+    collective the first time per group and device (every rank must call it at the same point:
+    the first stage 1/2 frame's compile), then cached."""
+    check_gradient_reduction(option)
+    if option != "auto":
+        return fixed_choice(option, "option")
+    if group.world == 1:
+        return fixed_choice(DEFAULT_KIND, "not measured: world size 1")
+    if is_fake_group(group):
+        return fixed_choice(DEFAULT_KIND, "not measured: fake process group")
+    device = torch.device(device or "cpu")
+    if device.type == "meta":
+        return fixed_choice(DEFAULT_KIND, "not measured: meta tensors")
+    return _measured(group.group, group.name, group.world, str(device))
+
+
+@functools.cache
+def _measured(process_group, group_name: str, world: int, device: str) -> ReductionChoice:
+    # once per process group object and device for the process's life (keyed by the object:
+    # a group destroyed and made anew is measured anew)
+    ms = probe_times(group_name, world, torch.device(device))
+    kinds = tuple("all_reduce" if ar < rs else "reduce_scatter" for rs, ar in ms)
+    return ReductionChoice(sizes=PROBE_BYTES, kinds=kinds, source="measured", ms=ms)
+
+
+def probe_times(group_name: str, world: int, device: torch.device,
+                sizes: tuple[int, ...] = PROBE_BYTES, repeats: int = PROBE_REPEATS) -> tuple[tuple[float, float], ...]:
+    """``(reduce-scatter ms, all-reduce ms)`` of a float32 buffer of each of ``sizes`` bytes
+    on the group: the median of ``repeats`` runs on this rank, then the maximum over ranks
+    (an all-reduce), so every rank returns the same figures. A collective: every rank calls it."""
+    mine = []
+    for nbytes in sizes:
+        n = max(world, nbytes // 4 // world * world)
+        buf = torch.zeros(n, device=device)
+        times = {"reduce_scatter": [], "all_reduce": []}
+        for rep in range(repeats + 1):             # the first round warms up
+            for kind in times:
+                _sync(device)
+                start = time.perf_counter()
+                if kind == "reduce_scatter":
+                    _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buf, "sum", world, group_name))
+                else:
+                    _c10d.wait_tensor(_c10d.all_reduce(buf, "sum", group_name))
+                _sync(device)
+                if rep:
+                    times[kind].append((time.perf_counter() - start) * 1e3)
+        mine += [statistics.median(times["reduce_scatter"]), statistics.median(times["all_reduce"])]
+    worst = _c10d.wait_tensor(_c10d.all_reduce(torch.tensor(mine, dtype=torch.float64, device=device), "max",
+                                               group_name)).cpu().tolist()
+    return tuple((worst[2 * i], worst[2 * i + 1]) for i in range(len(sizes)))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:g} KiB"

@@ -1,0 +1,120 @@
+"""The ``gradient_reduction`` option (runtime/reduction_choice.py, passes/all_reduce_gradients.py):
+at stages 1 and 2 a reduce-scatter or an all-reduce of which each rank keeps its slice, the same
+training as one process on the whole batch, bitwise the same on 2 ranks, the bytes counted as
+the collective that ran, and ``"auto"`` the same choice on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from dist_utils import run_ranks
+from harness import Run, assert_matches, reference, zero_train_many
+from zerocompile.config import ZeroConfig
+from zerocompile.errors import ZeroConfigError
+from zerocompile.passes.all_reduce_gradients import reduce_scatters_as_all_reduces
+from zerocompile.passes.graph_utils import set_tag
+from zerocompile.runtime.comm import CommGroup
+from zerocompile.runtime.reduction_choice import ReductionChoice, fixed_choice, gradient_reduction
+
+_c10d = torch.ops._c10d_functional
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_each_mode_trains_as_one_process_and_the_modes_agree_bitwise(stage):
+    """Tied weights over two frames, 2 micro-batches per step, clipping, 2 KiB buckets (many
+    buckets: each stepped while the previous one's gather travels, update.step_pipelined):
+    each forced mode matches the single-process reference; on 2 ranks the two modes give
+    bitwise equal losses and parameters; stats() counts the gradient bytes as the collective
+    that ran."""
+    runs = [Run(model="tied", stage=stage, opt="adamw", steps=3, accum=2, clip=0.5,
+                options=(("gradient_reduction", mode), ("bucket_mb", 2 / 1024)))
+            for mode in ("reduce_scatter", "all_reduce")]
+    scattered, reduced = run_ranks(zero_train_many, 2, runs)[0]
+    ref = reference(runs[0])
+    assert_matches(scattered, ref)
+    assert_matches(reduced, ref)
+    assert scattered["losses"] == reduced["losses"]
+    for key, value in scattered["state"].items():
+        assert torch.equal(value, reduced["state"][key]), key
+    rs, ar = scattered["stats"], reduced["stats"]
+    # the same gradient bytes move, as a reduce-scatter in one run and as an all-reduce in the other
+    assert rs["reduce_scatter"]["bytes"] > 0 and ar["reduce_scatter"]["bytes"] == 0, (rs, ar)
+    assert ar["all_reduce"]["bytes"] - rs["all_reduce"]["bytes"] == rs["reduce_scatter"]["bytes"]
+    assert ar["all_gather"] == rs["all_gather"]
+    for res, mode in ((scattered, "reduce_scatter"), (reduced, "all_reduce")):
+        chosen = {r["results"]["gradient_reduction"]["kinds"][0] for r in res["reports"]}
+        assert chosen == {mode}
+        if stage == 2:
+            replaced = [r["results"].get("all_reduce_gradients", {}).get("replaced", 0) for r in res["reports"]]
+            assert (sum(replaced) > 0) == (mode == "all_reduce"), replaced
+
+
+def _probe_twice(rank, world):
+    from zerocompile.runtime.comm import resolve_group
+
+    group = resolve_group()
+    first = gradient_reduction("auto", group)
+    again = gradient_reduction("auto", group)
+    return {"choice": first.as_dict(), "cached": again is first}
+
+
+def test_auto_is_measured_once_and_the_same_on_every_rank():
+    results = run_ranks(_probe_twice, 2)
+    assert results[0]["choice"] == results[1]["choice"]      # the max-reduced times, so the same kinds
+    for res in results:
+        choice = res["choice"]
+        assert res["cached"] and choice["source"] == "measured"
+        assert len(choice["ms"]) == len(choice["sizes"]) and all(t > 0 for pair in choice["ms"] for t in pair)
+        # the faster of the two at each size
+        assert choice["kinds"] == ["all_reduce" if ar < rs else "reduce_scatter" for rs, ar in choice["ms"]]
+
+
+def test_auto_measures_nothing_on_one_rank_and_the_options_are_checked():
+    one = gradient_reduction("auto", CommGroup(rank=0, world=1, name=""))
+    assert one.kinds == ("reduce_scatter",) and "world size 1" in one.source
+    assert gradient_reduction("all_reduce", CommGroup(rank=0, world=1, name="")).kind_for(1 << 30) == "all_reduce"
+    assert ZeroConfig.from_options({"stage": 2}).gradient_reduction == "auto"
+    with pytest.raises(ZeroConfigError, match="'gradient_reduction' = 'allreduce' is invalid; allowed: 'auto', "
+                                              "'reduce_scatter', 'all_reduce'"):
+        ZeroConfig.from_options({"stage": 2, "gradient_reduction": "allreduce"})
+    with pytest.raises(ZeroConfigError, match="'gradient_reduction' = None is invalid"):
+        ZeroConfig.from_options({"stage": 1, "gradient_reduction": None})
+
+
+def test_a_bucket_takes_the_choice_of_the_nearest_probed_size():
+    choice = ReductionChoice(sizes=(1 << 18, 1 << 22, 1 << 24), kinds=("reduce_scatter", "all_reduce", "all_reduce"),
+                             source="measured", ms=((1.0, 2.0), (3.0, 2.0), (9.0, 6.0)))
+    assert [choice.kind_for(n) for n in (1, 1 << 18, 1 << 20, 1 << 21, 1 << 22, 1 << 30)] == [
+        "reduce_scatter", "reduce_scatter", "reduce_scatter", "all_reduce", "all_reduce", "all_reduce"]
+    assert "256 KiB reduce_scatter: reduce_scatter 1.00 ms, all_reduce 2.00 ms" in choice.describe()
+
+
+def _bucket_graph(world: int, numel: int):
+    """A backward-like graph: one tagged bucket reduce-scatter, its wait, the division by the world."""
+    graph = torch.fx.Graph()
+    flat = graph.placeholder("flat")
+    with FakeTensorMode():
+        flat.meta["val"] = torch.empty(numel)
+    rs = graph.call_function(_c10d.reduce_scatter_tensor.default, (flat, "sum", world, "g"))
+    set_tag(rs, role="bucket_reduce_scatter", params=["a", "b"], bucket="bw.reduce_scatter.0")
+    wait = graph.call_function(_c10d.wait_tensor.default, (rs,))
+    div = graph.call_function(torch.ops.aten.div.Tensor, (wait, world))
+    graph.output(div)
+    return graph
+
+
+def test_the_pass_replaces_a_bucket_the_choice_all_reduces_by_an_all_reduce_and_this_ranks_slice():
+    graph = _bucket_graph(world=4, numel=64)
+    assert reduce_scatters_as_all_reduces(graph, fixed_choice("all_reduce", "option"), rank=2) == [256]
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert _c10d.reduce_scatter_tensor.default not in targets
+    assert targets[:3] == [_c10d.all_reduce.default, _c10d.wait_tensor.default, torch.ops.aten.slice.Tensor]
+    sliced = next(n for n in graph.nodes if n.target is torch.ops.aten.slice.Tensor)
+    assert sliced.args[1:] == (0, 32, 48) and tuple(sliced.meta["val"].shape) == (16,)   # rank 2's chunk of 16
+    assert sliced.meta["zerocompile"]["bucket"] == "bw.reduce_scatter.0"
+    kept = _bucket_graph(world=4, numel=64)
+    assert reduce_scatters_as_all_reduces(kept, fixed_choice("reduce_scatter", "option"), rank=2) == []
+    assert _c10d.reduce_scatter_tensor.default in [n.target for n in kept.nodes]
