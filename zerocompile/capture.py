@@ -139,6 +139,11 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         choice = self.ctx.gradient_reduction
         if choice is not None:
             digest.update(repr((choice.sizes, choice.kinds)).encode())
+        # the rank and group: a backward graph can be rank-specific (all_reduce_gradients slices
+        # this rank's rows), and AOTAutograd's key is otherwise the same on every rank, so one
+        # rank would load another's graphs from a shared cache directory
+        group = self.ctx.group
+        digest.update(repr((group.rank, group.world, group.name)).encode())
         return digest.hexdigest()
 
 
