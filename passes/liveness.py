@@ -28,7 +28,7 @@ from zerocompile.passes.graph_utils import COLLECTIVE_OPS, tag, tensor_nbytes
 
 _c10d = torch.ops._c10d_functional
 _ALIASING = {_c10d.wait_tensor.default, operator.getitem}
-_GATHER_ROLES = ("param_gather", "bucket_gather", "bucket_unpack")
+_GATHER_ROLES = ("param_gather", "bucket_gather", "bucket_unpack", "param_fetch")
 
 
 @dataclass

@@ -176,7 +176,8 @@ def _fetch_units(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
             for user in node.users:
                 if tag(user).get("role") in _GATHER_ROLES or user.target is _c10d.all_gather_into_tensor.default:
                     consumer = user
-                elif user not in seen and (user.target is torch.ops.aten.cat.default or _passes_through(user)):
+                elif user not in seen and (user.target is torch.ops.aten.cat.default or _passes_through(user)
+                                           or tag(user).get("role") == "bucket_pack"):
                     seen.add(user)
                     frontier.append(user)
         units.setdefault(consumer if consumer is not None else fetch, []).append(fetch)

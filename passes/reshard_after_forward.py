@@ -6,7 +6,8 @@ all-gather, its wait, and every view or cast of the gathered tensor downstream)
 ``CheckpointPolicy.MUST_RECOMPUTE``. The min-cut partitioner then saves only the
 shard for backward and re-gathers there. Without the tags the partitioner saves the
 gathered parameter (or a view of it) from forward to backward, which is not ZeRO-3.
-With ``offload_param`` the fetch that reads each shard from its file is tagged as well.
+With ``offload_param`` the fetch that reads each shard from its file is tagged as well (role
+``param_fetch``: bucketing and prefetch treat it as part of the gather it feeds, not as one).
 The partitioner never decides about collectives on its own: every rank sees the same
 graph and the same tags, so every rank issues the same collectives.
 """
@@ -94,13 +95,15 @@ def tag_parameter_gathers(graph: torch.fx.Graph, policy=CheckpointPolicy.MUST_RE
     ``offload_param`` fetches are tagged too, so the backward reads the file again rather
     than keep the fetched shard (or, at world size 1, the whole parameter) alive."""
     gathers = [g for g in parameter_gathers(graph) if not g.meta.get("zerocompile", {}).get("keep_gathered")]
-    chains = [gather_chain(g) for g in gathers]
-    chains += [fetch_chain(f) for f in graph.find_nodes(op="call_function", target=_FETCH)]
-    for chain in chains:
+    chains = [(gather_chain(g), "param_gather") for g in gathers]
+    # a fetch chain's own role: tagged as a gather, a fetch (which has a wait of its own)
+    # would be bucketed and prefetched as an all-gather of its own
+    chains += [(fetch_chain(f), "param_fetch") for f in graph.find_nodes(op="call_function", target=_FETCH)]
+    for chain, role in chains:
         for node in chain:
             node.meta["recompute"] = policy
             node.meta["ac_graph_id"] = GATHER_AC_GRAPH_ID
-            node.meta.setdefault("zerocompile", {"role": "param_gather"})
+            node.meta.setdefault("zerocompile", {"role": role})
     return len(gathers)
 
 

@@ -178,8 +178,9 @@ class _ReadEvents(torch.utils._python_dispatch.TorchDispatchMode):
 def _read_order_worker(rank, world, path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
-    # buckets of about one weight: eight all-gathers, and so eight units of reads; nothing kept
-    # gathered for the backward, which reads every file again
+    # buckets of about one weight and a bias (the first smaller): a few all-gathers, each the
+    # unit of the reads that feed it; nothing kept gathered for the backward, which reads every
+    # file again
     compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager", "bucket_mb": 0.02,
                                                              "unshard_budget_mb": 0, "offload_param": _nvme(path)})
     compiled(torch.randn(2, 64)).sum().backward()
@@ -188,8 +189,9 @@ def _read_order_worker(rank, world, path):
     with _ReadEvents() as bwd:
         loss.backward()
     files = sorted(get_state(p).shard_file.number for p in model.parameters())
-    report = zerocompile.frame_reports()[-1]["results"]["prefetch"]
-    return fwd.events, bwd.events, files, report
+    results = zerocompile.frame_reports()[-1]["results"]
+    gathers = {kind: results["bucketing"][kind]["all_gather"] for kind in ("forward", "backward")}
+    return fwd.events, bwd.events, files, results["prefetch"], gathers
 
 
 def _units(events):
@@ -208,17 +210,22 @@ def test_file_reads_are_issued_one_bucket_ahead(tmp_path):
     """Each bucket's file reads start before the previous bucket's reads are waited for, so
     they run (on their threads) while that bucket is waited for, all-gathered and computed
     with; every read is waited for once, after it started: in forward every parameter's, in
-    backward those of the weights the input gradients need (layers 1-3)."""
-    for fwd, bwd, files, report in run_ranks(_read_order_worker, 2, str(tmp_path)):
-        assert report["forward"]["file_reads_ahead"] == 7 and report["backward"]["file_reads_ahead"] == 2
-        for events, count in ((fwd, 8), (bwd, 3)):
+    backward those of the weights the input gradients need (layers 1-3). The reads of a
+    bucket are one unit: the fetches are bucketed with the all-gathers they feed (they once
+    were taken for all-gathers themselves, and every parameter was gathered alone)."""
+    for fwd, bwd, files, report, gathers in run_ranks(_read_order_worker, 2, str(tmp_path)):
+        assert gathers["forward"]["before"] == 8 and gathers["backward"]["before"] == 3
+        assert 1 < gathers["forward"]["after"] < 8, gathers      # weights and biases share buckets
+        for events, count, kind in ((fwd, 8, "forward"), (bwd, 3, "backward")):
             starts = [n for kind, n in events if kind == "start"]
             waits = [n for kind, n in events if kind == "wait"]
             assert sorted(starts) == sorted(waits) and len(set(starts)) == count and set(starts) <= set(files), events
             where = {(kind, n): i for i, (kind, n) in enumerate(events) if kind != "gather"}
             assert all(where[("start", n)] < where[("wait", n)] for n in starts)
             units = _units(events)
-            assert len(units) == count, events
+            assert len(units) == gathers[kind]["after"], events
+            # every read after the first unit's started ahead of its place
+            assert report[kind]["file_reads_ahead"] == count - len(units[0]), (report, units)
             for current, following in zip(units, units[1:]):
                 first_wait = min(where[("wait", n)] for n in current)
                 assert all(where[("start", n)] < first_wait for n in following), (current, following, events)
