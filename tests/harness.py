@@ -17,6 +17,19 @@ OPTIMIZERS = {
 }
 
 
+def torch_optimizer_steps(cls, params, grads, steps: int, **hyper):
+    """The reference for optimizer kernels: ``steps`` steps of torch optimizer ``cls`` on
+    copies of ``params`` with the same ``grads`` every step; returns the stepped copies (the
+    keys of ``opt.state``) and the optimizer."""
+    ref = [p.clone().requires_grad_() for p in params]
+    opt = cls(ref, **hyper)
+    for _ in range(steps):
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        opt.step()
+    return ref, opt
+
+
 @dataclass(frozen=True)
 class Run:
     model: str = "mlp"

@@ -21,6 +21,7 @@ import torch
 import zerocompile
 from zerocompile import env
 from zerocompile.runtime import cpu_extension, fused_adam
+from harness import torch_optimizer_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = (1, 7, 2 * 32768 + 5, 1000)       # one element, odd sizes, a tensor spanning 3 work blocks
@@ -40,16 +41,6 @@ def _tensors(dtype, seed=0):
     params = [torch.randn(n, generator=g).to(dtype) for n in SIZES]
     grads = [((torch.rand(n, generator=g) + 0.5) * torch.randn(n, generator=g).sign()).to(dtype) for n in SIZES]
     return params, grads
-
-
-def _torch_reference(cls, params, grads, steps, **hyper):
-    ref = [p.clone().requires_grad_() for p in params]
-    opt = cls(ref, **hyper)
-    for _ in range(steps):
-        for r, g in zip(ref, grads):
-            r.grad = g.clone()
-        opt.step()
-    return [r.detach() for r in ref], opt
 
 
 def _kernel_run(run, params, grads, steps, *, decoupled, lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
@@ -74,7 +65,7 @@ def _cpp(*args):
                                               (torch.optim.Adam, 0.0)])
 def test_cpp_kernel_matches_torch_fused(dtype, cls, weight_decay):
     params, grads = _tensors(dtype)
-    ref, opt = _torch_reference(cls, params, grads, 3, lr=1e-2, weight_decay=weight_decay, fused=True)
+    ref, opt = torch_optimizer_steps(cls, params, grads, 3, lr=1e-2, weight_decay=weight_decay, fused=True)
     ps, ms, vs, st, _ = _kernel_run(_cpp, params, grads, 3, decoupled=cls is torch.optim.AdamW,
                                     weight_decay=weight_decay)
     for p, r, m, v, s, ref_p in zip(ps, ref, ms, vs, st, opt.param_groups[0]["params"]):
@@ -87,7 +78,7 @@ def test_cpp_kernel_matches_torch_fused(dtype, cls, weight_decay):
 def test_cpp_kernel_matches_torch_default_float32_path_maximize_and_betas():
     params, grads = _tensors(torch.float32, seed=1)
     hyper = dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05, maximize=True)
-    ref, _ = _torch_reference(torch.optim.AdamW, params, grads, 4, foreach=False, **hyper)
+    ref, _ = torch_optimizer_steps(torch.optim.AdamW, params, grads, 4, foreach=False, **hyper)
     ps, *_ = _kernel_run(_cpp, params, grads, 4, decoupled=True, **hyper)
     for p, r in zip(ps, ref):
         torch.testing.assert_close(p, r, **TOL[torch.float32])
@@ -108,7 +99,7 @@ def test_cpp_kernel_grad_scale_and_copy_out():
 
 def test_cpp_kernel_non_finite_gradient_propagates_as_in_torch():
     p, g = torch.ones(5), torch.tensor([1.0, float("inf"), float("nan"), -1.0, 0.0])
-    ref, _ = _torch_reference(torch.optim.AdamW, [p], [g], 1, lr=1e-2, fused=True)
+    ref, _ = torch_optimizer_steps(torch.optim.AdamW, [p], [g], 1, lr=1e-2, fused=True)
     ps, *_ = _kernel_run(_cpp, [p], [g], 1, decoupled=True, weight_decay=0.01)
     torch.testing.assert_close(ps[0], ref[0], equal_nan=True)
     assert ps[0][1:3].isnan().all() and ps[0][[0, 3, 4]].isfinite().all()
@@ -165,7 +156,7 @@ def test_triton_kernel_under_the_interpreter_matches_cpp_and_torch(triton_interp
     tp, tm, tv, tst, tc = _kernel_run(triton_run, params, grads, 3, **hyper)
     cp, cm, cv, _, cc = _kernel_run(_cpp, params, grads, 3, **hyper)
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    ref, _ = _torch_reference(cls, params, [g * 0.5 for g in grads], 3, lr=1e-2, weight_decay=0.05,
+    ref, _ = torch_optimizer_steps(cls, params, [g * 0.5 for g in grads], 3, lr=1e-2, weight_decay=0.05,
                               maximize=not decoupled, fused=True)
     for a, b, r in zip(tp, cp, ref):
         torch.testing.assert_close(a, b, **TOL[dtype])

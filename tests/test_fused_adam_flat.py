@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from zerocompile.runtime import cpu_extension, fused_adam
+from harness import torch_optimizer_steps
 
 BLOCK = 1 << 15                 # the kernel's work item (kBlock)
 # odd sizes (tails not a multiple of any vector width), empty tensors, tensors that cross
@@ -58,16 +59,6 @@ def _kernel(params, grads, steps, *, copy_dtype=None, **hyper):
     return ps, ms, vs, st, copies
 
 
-def _torch(cls, params, grads, steps, **hyper):
-    ref = [p.clone().requires_grad_() for p in params]
-    opt = cls(ref, **hyper)
-    for _ in range(steps):
-        for r, g in zip(ref, grads):
-            r.grad = g.clone()
-        opt.step()
-    return ref, opt
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
@@ -83,7 +74,7 @@ def test_one_call_over_many_tensors_matches_torch(threads, dtype, cls, hyper):
     """All tensors of a group in one call (work items spanning tensors, threads taking items
     as they come) give torch's numbers for every tensor, whatever its size."""
     params, grads = _random(SIZES, dtype, seed=threads)
-    ref, opt = _torch(cls, params, grads, 3, lr=1e-2, fused=True, **hyper)
+    ref, opt = torch_optimizer_steps(cls, params, grads, 3, lr=1e-2, fused=True, **hyper)
     kernel_hyper = dict(weight_decay=hyper["weight_decay"], decoupled=cls is torch.optim.AdamW,
                         maximize=hyper.get("maximize", False), eps=hyper.get("eps", 1e-8))
     if "betas" in hyper:
@@ -96,7 +87,7 @@ def test_one_call_over_many_tensors_matches_torch(threads, dtype, cls, hyper):
         assert s.item() == 3.0
     # float32: also the default single-tensor path, which rounds each operation as the kernel does
     if dtype == torch.float32:
-        single, _ = _torch(cls, params, grads, 3, lr=1e-2, foreach=False, **hyper)
+        single, _ = torch_optimizer_steps(cls, params, grads, 3, lr=1e-2, foreach=False, **hyper)
         for p, r in zip(ps, single):
             torch.testing.assert_close(p, r.detach(), **TOL[dtype])
 
