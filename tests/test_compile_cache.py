@@ -66,6 +66,22 @@ def test_restart_hits_the_caches_and_trains_bitwise_alike_a_changed_option_misse
     _same_training(cold[0], other[0])
 
 
+def test_rank_specific_graphs_are_cached_per_rank(tmp_path):
+    """Stage 2 with all-reduced gradients: each rank's backward graph keeps its own rows of the
+    gradients. With one cache key for every rank (as once), the ranks' entries overwrote each
+    other and a restart trained one rank with the other's graph: a silent wrong answer, here
+    the warm run's losses against the cold run's and the single-process reference."""
+    cache = str(tmp_path / "inductor")
+    run = Run(model="mlp", stage=2, steps=2, inner="inductor", options=(("gradient_reduction", "all_reduce"),))
+    cold = run_ranks(_train_in, 2, cache, run)
+    assert_matches(cold[0], reference(run))
+    assert cold[0]["reports"][0]["results"]["all_reduce_gradients"]["replaced"] > 0, cold[0]["reports"][0]["results"]
+    warm = run_ranks(_train_in, 2, cache, run)
+    for c, w in zip(cold, warm):
+        assert w["aot"].get("autograd_cache_hit") == c["aot"]["autograd_cache_miss"], w["aot"]
+        _same_training(c, w)
+
+
 def _graph(fn) -> torch.fx.GraphModule:
     return torch.fx.symbolic_trace(fn)
 
@@ -98,6 +114,12 @@ def test_options_and_sources_change_the_partitioner_uuid():
     assert uuid() == uuid()
     assert uuid() != uuid(bucket_mb=1.0)
     assert uuid() != uuid(prefetch=False)
+
+    def uuid_of(rank, world, name="0"):
+        cfg = ZeroConfig.from_options({"stage": 2})
+        return ZeroPartitioner(PassContext(config=cfg, group=CommGroup(rank, world, name), frame="f")).uuid()
+
+    assert len({uuid_of(0, 2), uuid_of(1, 2), uuid_of(0, 4), uuid_of(0, 2, "1")}) == 4
 
 
 def _gathering_graph() -> torch.fx.GraphModule:
