@@ -11,7 +11,9 @@ barrier, median of ``--reps``::
     python benchmarks/collectives.py                  # 2 gloo ranks, 42M fp32 elements
     python benchmarks/collectives.py --numel 4200000 --world-size 4
 
-It prints ms per collective kind and the ratio to the all-reduce, and writes
+It also times the point-to-point gather ``step_gather="point_to_point"`` runs in its place (each
+rank's shard sent to every other rank). It prints ms per collective kind and the ratio to the
+all-reduce, and writes
 ``results/collectives.json``.
 """
 
@@ -50,7 +52,23 @@ def rank_main(rank: int, world: int, args) -> dict:
         for b, s in zip(buckets, shards):
             dist.all_gather_single(b, s)
 
-    kinds = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather}
+    from zerocompile.runtime.comm import resolve_group, start_point_to_point_gather
+
+    group = resolve_group()
+
+    def point_to_point_gather():       # step_gather="point_to_point": two buckets in flight, as the step
+        pending = []
+        for b, s in zip(buckets, shards):
+            pending.append(start_point_to_point_gather(s, group, b))
+            if len(pending) == 2:
+                for work in pending.pop(0):
+                    work.wait()
+        for works in pending:
+            for work in works:
+                work.wait()
+
+    kinds = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather,
+             "point_to_point_gather": point_to_point_gather}
     times = {k: [] for k in kinds}
     for rep in range(args.reps + 1):                  # the first round warms up
         for name, fn in kinds.items():
@@ -83,6 +101,8 @@ def main(argv=None) -> int:
     stages = slowest["reduce_scatter"] + slowest["all_gather"]
     print(f"ZeRO stages 1-2 (reduce-scatter + all-gather): {stages:.1f} ms = ×{stages / slowest['all_reduce']:.2f} "
           "DDP's all-reduce (a ring implementation of both: ×1.00)")
+    print(f"point-to-point gather (step_gather='point_to_point') ×{slowest['point_to_point_gather'] / slowest['all_gather']:.2f} "
+          "the all-gather")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                                     "torch": torch.__version__, "cpu_count": os.cpu_count(),

@@ -20,10 +20,17 @@ rank keeps between steps is the same either way.
   ratio). Where nothing can be measured (world size 1, torch's fake process group of
   ``zerocompile plan`` / ``dump --world-size``, meta tensors) it is ``DEFAULT_KIND``, without
   any collective.
+
+The same probe times the all-gather that refreshes the replicas after the optimizer step at
+stages 1 and 2 (``step_gather``): the all-gather collective, or point-to-point transfers of
+each rank's shard to every other rank (``comm.start_point_to_point_gather``: the same bytes,
+copied, so the same result bit for bit; gloo's all-gather costs 2-3x that at 16-64 MiB, a
+large part of the stage 1-2 step's time against DDP's). ``"auto"`` takes the faster per size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import statistics
@@ -32,12 +39,16 @@ from dataclasses import dataclass
 
 import torch
 
-from zerocompile.runtime.comm import CommGroup, is_fake_group
+from zerocompile.runtime.comm import CommGroup, is_fake_group, start_all_gather_flat, start_point_to_point_gather
 
 _c10d = torch.ops._c10d_functional
 
 GRADIENT_REDUCTIONS = ("auto", "reduce_scatter", "all_reduce")
 """Values of the ``gradient_reduction`` option."""
+STEP_GATHERS = ("auto", "all_gather", "point_to_point")
+"""Values of the ``step_gather`` option."""
+DEFAULT_GATHER = "all_gather"
+"""What ``"auto"`` takes for the step's gathers where nothing is measured."""
 DEFAULT_KIND = "reduce_scatter"
 """What ``"auto"`` takes where nothing is measured (world size 1, a fake process group, meta
 tensors): the ZeRO papers' collective, which moves half an all-reduce's bytes on a ring."""
@@ -63,13 +74,28 @@ class ReductionChoice:
     """How it was chosen: ``"option"``, ``"measured"``, or why it was not measured."""
     ms: tuple[tuple[float, float], ...] = ()
     """Measured: ``(reduce-scatter ms, all-reduce ms)`` at each of ``sizes`` (the slowest rank's)."""
+    gather_kinds: tuple[str, ...] = (DEFAULT_GATHER,)
+    """How the step's all-gather buckets travel: ``"all_gather"`` or ``"point_to_point"``, at
+    each of ``sizes`` (one entry: at every size)."""
+    gather_ms: tuple[tuple[float, float], ...] = ()
+    """Measured: ``(all-gather ms, point-to-point ms)`` at each of ``sizes`` (the slowest rank's)."""
+    gather_source: str = ""
+    """How ``gather_kinds`` was chosen, where not as ``kinds`` (``source``)."""
 
     def kind_for(self, nbytes: int) -> str:
         """The collective for a bucket of ``nbytes``: that of the nearest size in ratio."""
-        if len(self.kinds) == 1:
-            return self.kinds[0]
+        return self._nearest(self.kinds, nbytes)
+
+    def gather_kind_for(self, nbytes: int) -> str:
+        """How the step gathers a bucket of ``nbytes`` (the gathered size): that of the
+        nearest size in ratio."""
+        return self._nearest(self.gather_kinds, nbytes)
+
+    def _nearest(self, kinds: tuple[str, ...], nbytes: int) -> str:
+        if len(kinds) == 1:
+            return kinds[0]
         distance = [abs(math.log(max(nbytes, 1) / size)) for size in self.sizes]
-        return self.kinds[distance.index(min(distance))]
+        return kinds[distance.index(min(distance))]
 
     def uses_all_reduce(self) -> bool:
         """Whether some bucket size is all-reduced."""
@@ -77,23 +103,33 @@ class ReductionChoice:
 
     def describe(self) -> str:
         """One line for ``zerocompile show`` / ``plan``: the choice per size and why."""
-        if len(set(self.kinds)) == 1 and not self.ms:
-            return f"{self.kinds[0]} ({self.source})"
+        return self._describe(self.kinds, self.ms, self.source, "reduce_scatter", "all_reduce")
+
+    def describe_gather(self) -> str:
+        """The same for the step's all-gathers."""
+        return self._describe(self.gather_kinds, self.gather_ms, self.gather_source or self.source,
+                              "all_gather", "point_to_point")
+
+    def _describe(self, kinds, ms_list, source: str, first: str, second: str) -> str:
+        if len(set(kinds)) == 1 and not ms_list:
+            return f"{kinds[0]} ({source})"
         parts = []
-        for size, kind, ms in zip(self.sizes, self.kinds, self.ms or [None] * len(self.sizes)):
-            timing = f": reduce_scatter {ms[0]:.2f} ms, all_reduce {ms[1]:.2f} ms" if ms else ""
+        for size, kind, ms in zip(self.sizes, kinds, ms_list or [None] * len(self.sizes)):
+            timing = f": {first} {ms[0]:.2f} ms, {second} {ms[1]:.2f} ms" if ms else ""
             parts.append(f"{_size(size)} {kind}{timing}")
-        return f"{self.source}; " + "; ".join(parts)
+        return f"{source}; " + "; ".join(parts)
 
     def as_dict(self) -> dict:
         """JSON-serialisable form (the dump's frame summary)."""
         return {"source": self.source, "sizes": list(self.sizes), "kinds": list(self.kinds),
-                "ms": [list(m) for m in self.ms], "description": self.describe()}
+                "ms": [list(m) for m in self.ms], "description": self.describe(),
+                "step_gather": {"kinds": list(self.gather_kinds), "ms": [list(m) for m in self.gather_ms],
+                                "description": self.describe_gather()}}
 
 
-def fixed_choice(kind: str, source: str) -> ReductionChoice:
-    """``kind`` at every size."""
-    return ReductionChoice(sizes=(PROBE_BYTES[0],), kinds=(kind,), source=source)
+def fixed_choice(kind: str, source: str, gather: str = DEFAULT_GATHER) -> ReductionChoice:
+    """``kind`` at every size, and ``gather`` for the step's all-gathers."""
+    return ReductionChoice(sizes=(PROBE_BYTES[0],), kinds=(kind,), source=source, gather_kinds=(gather,))
 
 
 def check_gradient_reduction(value) -> str:
@@ -104,22 +140,39 @@ def check_gradient_reduction(value) -> str:
     return value
 
 
-def gradient_reduction(option: str, group: CommGroup, device=None) -> ReductionChoice:
-    """The ``ReductionChoice`` for option ``option`` on ``group``, whose gradients live on
-    ``device`` (default CPU). With ``"auto"`` on a real group of several ranks this is a
-    collective the first time per group and device (every rank must call it at the same point:
-    the first stage 1/2 frame's compile), then cached."""
+def check_step_gather(value) -> str:
+    """``value`` if it is a valid ``step_gather`` option, else ``ValueError`` naming the choices."""
+    if value not in STEP_GATHERS:
+        raise ValueError(f"option 'step_gather' = {value!r} is invalid; allowed: "
+                         f"{', '.join(repr(v) for v in STEP_GATHERS)}")
+    return value
+
+
+def gradient_reduction(option: str, group: CommGroup, device=None, step_gather: str = "auto") -> ReductionChoice:
+    """The ``ReductionChoice`` for options ``gradient_reduction=option`` and ``step_gather`` on
+    ``group``, whose gradients live on ``device`` (default CPU). Where either is ``"auto"`` on a
+    real group of several ranks this is a collective the first time per group and device (every
+    rank must call it at the same point: the first stage 1/2 frame's compile), then cached."""
     check_gradient_reduction(option)
-    if option != "auto":
-        return fixed_choice(option, "option")
+    check_step_gather(step_gather)
+    gather = DEFAULT_GATHER if step_gather == "auto" else step_gather
+    if option != "auto" and step_gather != "auto":
+        return fixed_choice(option, "option", gather)
+    kind = DEFAULT_KIND if option == "auto" else option
     if group.world == 1:
-        return fixed_choice(DEFAULT_KIND, "not measured: world size 1")
+        return fixed_choice(kind, "not measured: world size 1", gather)
     if is_fake_group(group):
-        return fixed_choice(DEFAULT_KIND, "not measured: fake process group")
+        return fixed_choice(kind, "not measured: fake process group", gather)
     device = torch.device(device or "cpu")
     if device.type == "meta":
-        return fixed_choice(DEFAULT_KIND, "not measured: meta tensors")
-    return _measured(group.group, group.name, group.world, str(device))
+        return fixed_choice(kind, "not measured: meta tensors", gather)
+    measured = _measured(group.group, group.name, group.world, str(device))
+    # an option given keeps its value at every size, the other is what was measured
+    if option != "auto":
+        return dataclasses.replace(measured, kinds=(option,), ms=(), source="option", gather_source="measured")
+    if step_gather != "auto":
+        return dataclasses.replace(measured, gather_kinds=(step_gather,), gather_ms=(), gather_source="option")
+    return measured
 
 
 @functools.cache
@@ -127,8 +180,11 @@ def _measured(process_group, group_name: str, world: int, device: str) -> Reduct
     # once per process group object and device for the process's life (keyed by the object:
     # a group destroyed and made anew is measured anew)
     ms = probe_times(group_name, world, torch.device(device))
+    gather_ms = probe_gather_times(process_group, group_name, world, torch.device(device))
     kinds = tuple("all_reduce" if ar < rs else "reduce_scatter" for rs, ar in ms)
-    return ReductionChoice(sizes=PROBE_BYTES, kinds=kinds, source="measured", ms=ms)
+    gather_kinds = tuple("point_to_point" if p2p < ag else "all_gather" for ag, p2p in gather_ms)
+    return ReductionChoice(sizes=PROBE_BYTES, kinds=kinds, source="measured", ms=ms, gather_kinds=gather_kinds,
+                           gather_ms=gather_ms)
 
 
 def probe_times(group_name: str, world: int, device: torch.device,
@@ -153,6 +209,37 @@ def probe_times(group_name: str, world: int, device: torch.device,
                 if rep:
                     times[kind].append((time.perf_counter() - start) * 1e3)
         mine += [statistics.median(times["reduce_scatter"]), statistics.median(times["all_reduce"])]
+    worst = _c10d.wait_tensor(_c10d.all_reduce(torch.tensor(mine, dtype=torch.float64, device=device), "max",
+                                               group_name)).cpu().tolist()
+    return tuple((worst[2 * i], worst[2 * i + 1]) for i in range(len(sizes)))
+
+
+def probe_gather_times(process_group, group_name: str, world: int, device: torch.device,
+                       sizes: tuple[int, ...] = PROBE_BYTES,
+                       repeats: int = PROBE_REPEATS) -> tuple[tuple[float, float], ...]:
+    """``(all-gather ms, point-to-point ms)`` of gathering a float32 buffer of each of
+    ``sizes`` bytes (the gathered size) on the group, as ``probe_times`` measures: the median
+    of ``repeats`` runs here, then the maximum over ranks. A collective: every rank calls it."""
+    group = CommGroup(rank=torch.distributed.get_rank(process_group), world=world, name=group_name,
+                      group=process_group)
+    mine = []
+    for nbytes in sizes:
+        n = max(1, nbytes // 4 // world)
+        shard, out = torch.zeros(n, device=device), torch.empty(n * world, device=device)
+        times = {"all_gather": [], "point_to_point": []}
+        for rep in range(repeats + 1):             # the first round warms up
+            for kind in times:
+                _sync(device)
+                start = time.perf_counter()
+                if kind == "all_gather":
+                    _c10d.wait_tensor(start_all_gather_flat(shard, world, group_name, out=out))
+                else:
+                    for work in start_point_to_point_gather(shard, group, out):
+                        work.wait()
+                _sync(device)
+                if rep:
+                    times[kind].append((time.perf_counter() - start) * 1e3)
+        mine += [statistics.median(times["all_gather"]), statistics.median(times["point_to_point"])]
     worst = _c10d.wait_tensor(_c10d.all_reduce(torch.tensor(mine, dtype=torch.float64, device=device), "max",
                                                group_name)).cpu().tolist()
     return tuple((worst[2 * i], worst[2 * i + 1]) for i in range(len(sizes)))

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime.comm import CommGroup, pad_flat, start_all_gather_flat
+from zerocompile.runtime.comm import CommGroup, pad_flat, start_all_gather_flat, start_point_to_point_gather
 
 _c10d = torch.ops._c10d_functional
 
@@ -104,7 +104,8 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
 
 def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes: int,
                       write: Callable[[int, torch.Tensor], None],
-                      prepare: Callable[[list[int]], None] | None = None) -> None:
+                      prepare: Callable[[list[int]], None] | None = None,
+                      choose: Callable[[int], str] | None = None) -> None:
     """All-gather each shard; call ``write(i, rows)`` with shard ``i`` of every rank as a
     ``(world, numel_i)`` view, rank order (read it inside the call: the buffer is reused).
     ``prepare(indices)``, called for each bucket right before its shards are read, may still
@@ -114,7 +115,10 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
     The shards (one dtype and device) travel in buckets through two pairs of buffers allocated
     once per call: the next bucket's gather is in flight while the previous one is written
     out, and no bucket allocates memory the system must fault in afresh (on the CPU a fresh
-    large allocation costs about as much as a copy of it)."""
+    large allocation costs about as much as a copy of it). ``choose(gathered bytes)``:
+    ``"point_to_point"`` to send the bucket to each rank and receive theirs instead of the
+    all-gather collective (``comm.start_point_to_point_gather``: the same bytes and values);
+    None: the all-gather."""
     world = group.world
     if world == 1:
         for i, t in enumerate(shards):
@@ -137,11 +141,21 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
             gathers.extend(_slots(len(buckets), world * cap, first))
         n = sum(shards[i].numel() for i in bucket)
         mine = torch.cat([shards[i].reshape(-1) for i in bucket], out=mines[k % len(mines)][:n])
-        ACCOUNTING.record("all_gather", world * n * first.element_size())
-        return bucket, n, start_all_gather_flat(mine, world, group.name, out=gathers[k % len(gathers)][: world * n])
+        nbytes = world * n * first.element_size()
+        ACCOUNTING.record("all_gather", nbytes)
+        out = gathers[k % len(gathers)][: world * n]
+        if choose is not None and choose(nbytes) == "point_to_point":
+            return bucket, n, (out, start_point_to_point_gather(mine, group, out))
+        return bucket, n, start_all_gather_flat(mine, world, group.name, out=out)
 
     def finish(bucket, n, out):
-        rows = _c10d.wait_tensor(out).view(world, n)
+        if isinstance(out, tuple):        # point to point: the buffer and its transfers
+            out, works = out
+            for work in works:
+                work.wait()
+            rows = out.view(world, n)
+        else:
+            rows = _c10d.wait_tensor(out).view(world, n)
         offset = 0
         for i in bucket:
             chunk = shards[i].numel()

@@ -52,6 +52,9 @@ _KINDS = {
 
 
 class CollectiveCounter(_RuntimeMode):
+    """Counts by kind; point-to-point sends (``torch.distributed.isend``, c10d's ``send``:
+    ``step_gather="point_to_point"``) as kind ``"send"``, with the bytes sent."""
+
     def __init__(self):
         super().__init__()
         self.count = defaultdict(int)
@@ -64,6 +67,9 @@ class CollectiveCounter(_RuntimeMode):
             t = out if which == "out" else args[0]
             self.count[kind] += 1
             self.bytes[kind] += t.numel() * t.element_size()
+        elif func is torch.ops.c10d.send.default:
+            self.count["send"] += 1
+            self.bytes["send"] += sum(t.numel() * t.element_size() for t in args[0])
         return out
 
 

@@ -112,7 +112,8 @@ def test_show_prints_the_gradient_reduction_a_frame_recorded(tmp_path, capsys):
     from zerocompile.runtime.reduction_choice import ReductionChoice
 
     choice = ReductionChoice(sizes=(1 << 18, 1 << 24), kinds=("all_reduce", "reduce_scatter"), source="measured",
-                             ms=((0.5, 0.25), (4.0, 6.0)))
+                             ms=((0.5, 0.25), (4.0, 6.0)), gather_kinds=("all_gather", "point_to_point"),
+                             gather_ms=((0.3, 0.4), (9.0, 3.0)))
     rec = DumpRecorder(tmp_path, 0, 2, {"stage": 2})
     rec.note("frame 0/0", "gradient_reduction", choice.as_dict())
     rec.record("frame 0/0", "backward", "input", _gather_graph(), 0.0)
@@ -124,6 +125,9 @@ def test_show_prints_the_gradient_reduction_a_frame_recorded(tmp_path, capsys):
     lines = [line for line in out.splitlines() if "gradient reduction" in line]
     assert lines == ["frame 0/0: gradient reduction (stages 1-2): measured; 256 KiB all_reduce: reduce_scatter "
                      "0.50 ms, all_reduce 0.25 ms; 16 MiB reduce_scatter: reduce_scatter 4.00 ms, all_reduce 6.00 ms"]
+    lines = [line for line in out.splitlines() if "step gather" in line]
+    assert lines == ["frame 0/0: step gather (stages 1-2): measured; 256 KiB all_gather: all_gather 0.30 ms, "
+                     "point_to_point 0.40 ms; 16 MiB point_to_point: all_gather 9.00 ms, point_to_point 3.00 ms"]
 
 
 @pytest.mark.parametrize("frame", ["frame 0/0", "frame_0_0", "0/0"])

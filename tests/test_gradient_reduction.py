@@ -28,10 +28,11 @@ def test_each_mode_trains_as_one_process_and_the_modes_agree_bitwise(stage):
     buckets: each stepped while the previous one's gather travels, update.step_pipelined):
     each forced mode matches the single-process reference; on 2 ranks the two modes give
     bitwise equal losses and parameters; stats() counts the gradient bytes as the collective
-    that ran."""
+    that ran. The second run also gathers the updated shards point to point (``step_gather``):
+    the same parameters, the same bytes."""
     runs = [Run(model="tied", stage=stage, opt="adamw", steps=3, accum=2, clip=0.5,
-                options=(("gradient_reduction", mode), ("bucket_mb", 2 / 1024)))
-            for mode in ("reduce_scatter", "all_reduce")]
+                options=(("gradient_reduction", mode), ("step_gather", gather), ("bucket_mb", 2 / 1024)))
+            for mode, gather in (("reduce_scatter", "all_gather"), ("all_reduce", "point_to_point"))]
     scattered, reduced = run_ranks(zero_train_many, 2, runs)[0]
     ref = reference(runs[0])
     assert_matches(scattered, ref)
@@ -44,9 +45,10 @@ def test_each_mode_trains_as_one_process_and_the_modes_agree_bitwise(stage):
     assert rs["reduce_scatter"]["bytes"] > 0 and ar["reduce_scatter"]["bytes"] == 0, (rs, ar)
     assert ar["all_reduce"]["bytes"] - rs["all_reduce"]["bytes"] == rs["reduce_scatter"]["bytes"]
     assert ar["all_gather"] == rs["all_gather"]
-    for res, mode in ((scattered, "reduce_scatter"), (reduced, "all_reduce")):
+    for res, mode, gather in ((scattered, "reduce_scatter", "all_gather"), (reduced, "all_reduce", "point_to_point")):
         chosen = {r["results"]["gradient_reduction"]["kinds"][0] for r in res["reports"]}
         assert chosen == {mode}
+        assert {r["results"]["gradient_reduction"]["step_gather"]["kinds"][0] for r in res["reports"]} == {gather}
         if stage == 2:
             replaced = [r["results"].get("all_reduce_gradients", {}).get("replaced", 0) for r in res["reports"]]
             assert (sum(replaced) > 0) == (mode == "all_reduce"), replaced
@@ -58,7 +60,9 @@ def _probe_twice(rank, world):
     group = resolve_group()
     first = gradient_reduction("auto", group)
     again = gradient_reduction("auto", group)
-    return {"choice": first.as_dict(), "cached": again is first}
+    return {"choice": first.as_dict(), "cached": again is first,
+            "forced": gradient_reduction("all_reduce", group, step_gather="auto").as_dict(),
+            "forced_gather": gradient_reduction("auto", group, step_gather="all_gather").as_dict()}
 
 
 def test_auto_is_measured_once_and_the_same_on_every_rank():
@@ -70,6 +74,49 @@ def test_auto_is_measured_once_and_the_same_on_every_rank():
         assert len(choice["ms"]) == len(choice["sizes"]) and all(t > 0 for pair in choice["ms"] for t in pair)
         # the faster of the two at each size
         assert choice["kinds"] == ["all_reduce" if ar < rs else "reduce_scatter" for rs, ar in choice["ms"]]
+        gather = choice["step_gather"]
+        assert len(gather["ms"]) == len(choice["sizes"]) and all(t > 0 for pair in gather["ms"] for t in pair)
+        assert gather["kinds"] == ["point_to_point" if p2p < ag else "all_gather" for ag, p2p in gather["ms"]]
+    # an option given is kept, the other measured
+    forced = results[0]["forced"]
+    assert forced["kinds"] == ["all_reduce"] and forced["source"] == "option"
+    assert forced["step_gather"]["kinds"] == results[0]["choice"]["step_gather"]["kinds"]
+    assert results[0]["forced_gather"]["step_gather"]["kinds"] == ["all_gather"]
+    assert results[0]["forced_gather"]["kinds"] == results[0]["choice"]["kinds"]
+
+
+def _gather_both_ways(rank, world):
+    from census import CollectiveCounter
+    from zerocompile.runtime.comm import resolve_group
+    from zerocompile.runtime.step_collectives import all_gather_concat
+
+    group = resolve_group()
+    torch.manual_seed(rank)
+    shards = [torch.randn(n) for n in (5, 1, 700, 33, 4096)]
+    out = {}
+    for how in ("all_gather", "point_to_point"):
+        rows = {}
+        with CollectiveCounter() as counter:
+            # 4 KiB buckets: several buckets, two in flight at a time
+            all_gather_concat(shards, group, 4096, lambda i, r: rows.__setitem__(i, r.clone()),
+                              choose=lambda nbytes: how)
+        out[how] = (rows, dict(counter.count))
+    return out, shards
+
+
+def test_point_to_point_gathers_give_the_all_gathers_values():
+    """``all_gather_concat`` with ``"point_to_point"`` buckets: every rank's shards, rank order,
+    bit for bit those of the all-gather, and no all-gather collective ran."""
+    results = run_ranks(_gather_both_ways, 2)
+    shards = [s for _, s in results]
+    for res, _ in results:
+        (gathered, counts), (sent, p2p_counts) = res["all_gather"], res["point_to_point"]
+        assert counts.get("all_gather", 0) >= 2 and not p2p_counts.get("all_gather"), (counts, p2p_counts)
+        assert sorted(gathered) == sorted(sent) == list(range(5))
+        for i in gathered:
+            for rank in (0, 1):
+                assert torch.equal(sent[i][rank].view(torch.int32), shards[rank][i].view(torch.int32))
+                assert torch.equal(gathered[i][rank].view(torch.int32), shards[rank][i].view(torch.int32))
 
 
 def test_auto_measures_nothing_on_one_rank_and_the_options_are_checked():
@@ -82,6 +129,13 @@ def test_auto_measures_nothing_on_one_rank_and_the_options_are_checked():
         ZeroConfig.from_options({"stage": 2, "gradient_reduction": "allreduce"})
     with pytest.raises(ZeroConfigError, match="'gradient_reduction' = None is invalid"):
         ZeroConfig.from_options({"stage": 1, "gradient_reduction": None})
+    assert one.gather_kinds == ("all_gather",) and one.gather_kind_for(1 << 30) == "all_gather"
+    assert gradient_reduction("auto", CommGroup(rank=0, world=1, name=""), step_gather="point_to_point").gather_kinds \
+        == ("point_to_point",)
+    assert ZeroConfig.from_options({"stage": 2}).step_gather == "auto"
+    with pytest.raises(ZeroConfigError, match="'step_gather' = 'p2p' is invalid; allowed: 'auto', 'all_gather', "
+                                              "'point_to_point'"):
+        ZeroConfig.from_options({"stage": 2, "step_gather": "p2p"})
 
 
 def test_a_bucket_takes_the_choice_of_the_nearest_probed_size():

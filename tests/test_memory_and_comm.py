@@ -14,14 +14,14 @@ from dist_utils import run_ranks
 from models import make_batch, make_model
 
 
-def _worker(rank, world, stage, reduction="reduce_scatter"):
+def _worker(rank, world, stage, reduction="reduce_scatter", gather="all_gather"):
     census = StorageCensus()
     with census:
         model = make_model("gpt")
         sizes = [p.numel() for p in model.parameters()]  # tied weight counted once
         options = {"stage": stage, "inner_compiler": "eager"}
         if stage in (1, 2):
-            options["gradient_reduction"] = reduction
+            options.update(gradient_reduction=reduction, step_gather=gather)
         compiled = torch.compile(model, backend="zero", options=options)
         opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
         for step in range(3):
@@ -40,7 +40,8 @@ def _worker(rank, world, stage, reduction="reduce_scatter"):
             opt.zero_grad()
     return {"sizes": sizes, "live": live, "stats": stats.as_dict(), "wire": stats.wire_bytes,
             "held": stats.param_bytes + stats.grad_bytes + stats.optimizer_state_bytes,
-            "counted": {k: (counter.count[k], counter.bytes[k]) for k in ("all_gather", "reduce_scatter", "all_reduce")}}
+            "counted": {k: (counter.count[k], counter.bytes[k]) for k in ("all_gather", "reduce_scatter", "all_reduce")},
+            "sent": (counter.count["send"], counter.bytes["send"])}
 
 
 def _formula(stage, psi, n):
@@ -49,12 +50,14 @@ def _formula(stage, psi, n):
 
 
 # every stage on 2 ranks; the replicated and fully sharded extremes on 4 as well; stages 1 and 2
-# with each gradient_reduction (the all-reduced bucket is a transient: the same model state)
-@pytest.mark.parametrize("stage,world,reduction", [
-    (0, 2, None), (1, 2, "reduce_scatter"), (2, 2, "reduce_scatter"), (3, 2, None), (0, 4, None), (3, 4, None),
-    (1, 2, "all_reduce"), (2, 2, "all_reduce")])
-def test_memory_and_communication_match_formulas(stage, world, reduction):
-    results = run_ranks(_worker, world, stage, reduction)
+# with each gradient_reduction (the all-reduced bucket is a transient: the same model state), and
+# the step's gathers point to point
+@pytest.mark.parametrize("stage,world,reduction,gather", [
+    (0, 2, None, None), (1, 2, "reduce_scatter", "all_gather"), (2, 2, "reduce_scatter", "all_gather"),
+    (3, 2, None, None), (0, 4, None, None), (3, 4, None, None), (1, 2, "all_reduce", "all_gather"),
+    (2, 2, "all_reduce", "point_to_point")])
+def test_memory_and_communication_match_formulas(stage, world, reduction, gather):
+    results = run_ranks(_worker, world, stage, reduction, gather)
     for rank, res in enumerate(results):
         sizes = res["sizes"]
         psi = sum(sizes)
@@ -67,6 +70,14 @@ def test_memory_and_communication_match_formulas(stage, world, reduction):
         # zerocompile's own figure agrees with the census
         assert res["held"] <= res["live"] <= res["held"] + 8 * len(sizes) + 4096, res["stats"]
         # communication: the dispatch-mode count equals stats(), kind by kind
+        if gather == "point_to_point":
+            # no all-gather ran: each bucket's shard was sent to the other rank (world - 1 sends
+            # of 1/world of the bucket each), which stats() counts as the all-gather it replaces
+            count, nbytes = res["sent"]
+            assert res["counted"]["all_gather"] == (0, 0) and count > 0, res
+            res["counted"]["all_gather"] = (count // (world - 1), nbytes * world // (world - 1))
+        else:
+            assert res["sent"] == (0, 0), res["sent"]
         for kind, (count, nbytes) in res["counted"].items():
             assert (count, nbytes) == (res["stats"][kind]["count"], res["stats"][kind]["bytes"]), kind
         ag, rs, ar = (res["counted"][k][1] for k in ("all_gather", "reduce_scatter", "all_reduce"))

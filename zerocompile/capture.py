@@ -426,11 +426,11 @@ def _gradient_reduction(cfg: ZeroConfig, group: CommGroup, plans: list, frame: s
     None."""
     if cfg.stage not in (1, 2):
         return None
-    choice = gradient_reduction(cfg.gradient_reduction, group, _frame_device(plans))
+    choice = gradient_reduction(cfg.gradient_reduction, group, _frame_device(plans), cfg.step_gather)
     for sp in plans:
         if sp is not None and sp.gradient_reduction is None:
             sp.gradient_reduction = choice
-    log.info("[%s] gradient reduction: %s", frame, choice.describe())
+    log.info("[%s] gradient reduction: %s; step gather: %s", frame, choice.describe(), choice.describe_gather())
     return choice
 
 

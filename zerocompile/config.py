@@ -21,7 +21,7 @@ from zerocompile.errors import ZeroConfigError, unknown_key_message
 from zerocompile.loss_scale import parse_loss_scale
 from zerocompile.passes.manager import check_disabled_passes, check_pipeline, check_stages
 from zerocompile.runtime.offload_settings import parse_offload
-from zerocompile.runtime.reduction_choice import check_gradient_reduction
+from zerocompile.runtime.reduction_choice import check_gradient_reduction, check_step_gather
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -78,6 +78,15 @@ class ZeroConfig:
     can be timed (world size 1, ``zerocompile plan``'s fake ranks: the hardware profile's
     choice) ``"reduce_scatter"``. Stages 0 and 3 ignore it (stage 0 all-reduces whole gradients,
     stage 3 reduce-scatters them). See ``runtime/reduction_choice.py``."""
+
+    step_gather: Literal["auto", "all_gather", "point_to_point"] = "auto"
+    """Stages 1 and 2: how the updated shards travel to every rank after the optimizer step
+    (the replicas' refresh). ``"all_gather"``: the all-gather collective; ``"point_to_point"``:
+    each rank sends its shard to every other rank and receives theirs (the same bytes, copied,
+    so the same parameters bit for bit; on gloo 2-3x faster than its all-gather at 16-64 MiB);
+    ``"auto"``: the faster for the bucket's size, timed with ``gradient_reduction``'s probe
+    (once per group and process, the slowest rank's times); ``"all_gather"`` where nothing can
+    be timed. Stages 0 and 3 ignore it. See ``runtime/reduction_choice.py``."""
 
     inner_compiler: str = "inductor"
     """What compiles the rewritten forward/backward graphs: ``"inductor"`` (C++ on CPUs,
@@ -271,6 +280,7 @@ class ZeroConfig:
                 f"option 'bucket_mb' = {bucket!r} is invalid; allowed: a finite number of MiB >= 0 (0 = off)")
         try:
             check_gradient_reduction(self.gradient_reduction)
+            check_step_gather(self.step_gather)
         except ValueError as err:
             raise ZeroConfigError(str(err)) from None
         if self.inner_compiler not in INNER_COMPILERS:

@@ -198,6 +198,9 @@ def cmd_show(args) -> int:
         reduction = (index["frames"][frame].get("notes") or {}).get("gradient_reduction")
         if isinstance(reduction, dict):
             console.print(f"{frame}: gradient reduction (stages 1-2): {reduction.get('description', '?')}")
+            gather = reduction.get("step_gather")
+            if isinstance(gather, dict):
+                console.print(f"{frame}: step gather (stages 1-2): {gather.get('description', '?')}")
     if args.frame is None and args.graph is None and (rank_dir / OPTIMIZER_STEPS_FILE).exists():
         console.print(optimizer_steps_table(args.rank, read_json(rank_dir / OPTIMIZER_STEPS_FILE,
                                                                  "optimizer steps file")))

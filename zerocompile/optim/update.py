@@ -141,8 +141,10 @@ def after_step(params, copies: dict, step_part=None) -> None:
             shards = [copies.get(id(sp.shard)) if dtype == sp.compute_dtype else None for sp, _ in items]
             shards = [c if c is not None else sp.shard.detach().to(dtype) for c, (sp, _) in zip(shards, items)]
             prepare = None if step_part is None else (lambda bucket: step_part([items[i][0] for i in bucket]))
+            choice = items[0][0].gradient_reduction       # stages 1-2: how the buckets travel
             all_gather_concat(shards, group, bucket_bytes([sp for sp, _ in items]),
-                              lambda i, rows: items[i][1](rows), prepare)
+                              lambda i, rows: items[i][1](rows), prepare,
+                              choose=None if choice is None else choice.gather_kind_for)
     if step_part is not None:       # the buckets' updates read them: dropped once all are stepped
         _drop_shard_gradients(dropped)
 
