@@ -11,7 +11,7 @@ barrier, median of ``--reps``::
     python benchmarks/collectives.py                  # 2 gloo ranks, 42M fp32 elements
     python benchmarks/collectives.py --numel 4200000 --world-size 4
 
-It also times the point-to-point gather ``step_gather="point_to_point"`` runs in its place (each
+It also times the point-to-point gather ``parameter_gather="point_to_point"`` runs in its place (each
 rank's shard sent to every other rank). It prints ms per collective kind and the ratio to the
 all-reduce, and writes
 ``results/collectives.json``.
@@ -52,20 +52,19 @@ def rank_main(rank: int, world: int, args) -> dict:
         for b, s in zip(buckets, shards):
             dist.all_gather_single(b, s)
 
-    from zerocompile.runtime.comm import resolve_group, start_point_to_point_gather
+    from zerocompile.runtime import point_to_point  # noqa: F401  (registers the op)
 
-    group = resolve_group()
+    name = dist.group.WORLD.group_name
 
-    def point_to_point_gather():       # step_gather="point_to_point": two buckets in flight, as the step
+    def point_to_point_gather():       # parameter_gather="point_to_point": two buckets in flight, as the step
         pending = []
         for b, s in zip(buckets, shards):
-            pending.append(start_point_to_point_gather(s, group, b))
+            torch.ops.zerocompile.all_gather_point_to_point_out(s, world, name, b)
+            pending.append(b)
             if len(pending) == 2:
-                for work in pending.pop(0):
-                    work.wait()
-        for works in pending:
-            for work in works:
-                work.wait()
+                torch.ops._c10d_functional.wait_tensor(pending.pop(0))
+        for b in pending:
+            torch.ops._c10d_functional.wait_tensor(b)
 
     kinds = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather,
              "point_to_point_gather": point_to_point_gather}
@@ -101,7 +100,7 @@ def main(argv=None) -> int:
     stages = slowest["reduce_scatter"] + slowest["all_gather"]
     print(f"ZeRO stages 1-2 (reduce-scatter + all-gather): {stages:.1f} ms = ×{stages / slowest['all_reduce']:.2f} "
           "DDP's all-reduce (a ring implementation of both: ×1.00)")
-    print(f"point-to-point gather (step_gather='point_to_point') ×{slowest['point_to_point_gather'] / slowest['all_gather']:.2f} "
+    print(f"point-to-point gather (parameter_gather='point_to_point') ×{slowest['point_to_point_gather'] / slowest['all_gather']:.2f} "
           "the all-gather")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

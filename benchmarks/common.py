@@ -112,6 +112,9 @@ def _collective_table() -> dict:
         # zerocompile's all-to-all is ZeRO++'s quantized gradient reduce-scatter (qgZ): it sends
         # what a reduce-scatter of its input sends
         ("_c10d_functional", "all_to_all_single"): ("reduce_scatter", "input"),
+        # zerocompile's all-gather as point-to-point transfers (parameter_gather): the same bytes
+        ("zerocompile", "all_gather_point_to_point"): ("all_gather", "return"),
+        ("zerocompile", "all_gather_point_to_point_out"): ("all_gather", "out"),
         ("_c10d_functional", "all_reduce"): ("all_reduce", "input"),
         ("_c10d_functional", "all_reduce_"): ("all_reduce", "input"),
         ("_c10d_functional", "all_reduce_coalesced"): ("all_reduce", "inputs"),
@@ -174,8 +177,8 @@ class CollectiveBytes(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         namespace = func.namespace
-        if namespace in ("c10d", "_c10d_functional"):
-            op = func._schema.name.split("::")[1]
+        op = func._schema.name.split("::")[1]
+        if namespace in ("c10d", "_c10d_functional") or (namespace, op) in self.table:
             entry = self.table.get((namespace, op))
             if entry is not None:
                 kind, where = entry

@@ -6,6 +6,7 @@ import torch
 import torch.fx
 
 from zerocompile.passes.graph_utils import tensor_nbytes
+from zerocompile.runtime import point_to_point  # noqa: F401  (registers zerocompile::all_gather_point_to_point)
 from zerocompile.runtime.accounting import CollectiveSummary
 
 _c10d = torch.ops._c10d_functional
@@ -20,6 +21,8 @@ COLLECTIVE_KINDS_BY_OP = {
     # zerocompile issues an all-to-all only as a quantized gradient reduce-scatter (qgZ,
     # passes/quantize_gradient_reductions.py): it sends what a reduce-scatter of its input would
     _c10d.all_to_all_single.default: ("reduce_scatter", "in"),
+    # the all-gather as point-to-point transfers (passes/point_to_point_gathers.py): the same bytes
+    torch.ops.zerocompile.all_gather_point_to_point.default: ("all_gather", "out"),
 }
 
 

@@ -142,26 +142,6 @@ def start_all_gather_flat(x: torch.Tensor, world: int, group_name: str, out: tor
     return _c10d.all_gather_into_tensor(x, world, group_name)
 
 
-def start_point_to_point_gather(x: torch.Tensor, group: CommGroup, out: torch.Tensor) -> list:
-    """Start the all-gather of ``all_gather_flat`` as point-to-point transfers (eager only):
-    ``x`` goes to every other rank of ``group`` and row ``r`` of ``out`` (``world * len(x)``
-    elements, rank order) is received from rank ``r``; this rank's row is copied here. The
-    same bytes as the all-gather, every element copied, so the same result bit for bit; on gloo
-    2-3x faster than its all-gather at 16-64 MiB (``runtime/reduction_choice.py`` times both).
-    Returns the transfers' ``Work`` handles: ``wait()`` each before reading ``out``; ``x``
-    must stay unchanged until then."""
-    x = x.contiguous()
-    rows = out.view(group.world, -1)
-    transfers = []
-    for peer in range(group.world):
-        if peer != group.rank:
-            transfers += [dist.P2POp(dist.isend, x, group=group.group, group_peer=peer),
-                          dist.P2POp(dist.irecv, rows[peer], group=group.group, group_peer=peer)]
-    works = dist.batch_isend_irecv(transfers)
-    rows[group.rank].copy_(x)
-    return works
-
-
 def gathers_need_out_variant(group_name: str, device) -> bool:
     """Whether all-gathers of ``device`` tensors on this group must run as
     ``all_gather_into_tensor_out`` (gloo; see the module docstring)."""

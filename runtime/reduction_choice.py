@@ -21,32 +21,40 @@ rank keeps between steps is the same either way.
   ``zerocompile plan`` / ``dump --world-size``, meta tensors) it is ``DEFAULT_KIND``, without
   any collective.
 
-The same probe times the all-gather that refreshes the replicas after the optimizer step at
-stages 1 and 2 (``step_gather``): the all-gather collective, or point-to-point transfers of
-each rank's shard to every other rank (``comm.start_point_to_point_gather``: the same bytes,
-copied, so the same result bit for bit; gloo's all-gather costs 2-3x that at 16-64 MiB, a
-large part of the stage 1-2 step's time against DDP's). ``"auto"`` takes the faster per size.
+The same probe times the parameters' all-gathers (``parameter_gather``): after the optimizer
+step at stages 1 and 2 (the replicas' refresh), in the compiled graphs at stage 3. Either the
+all-gather collective, or point-to-point transfers of each rank's shard to every other rank
+(``runtime/point_to_point.py``: the same bytes, copied, so the same result bit for bit; gloo's
+all-gather costs 1.2-3x that at 16-64 MiB). ``"auto"`` takes the faster per size.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
+import logging
 import math
+import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 
-from zerocompile.runtime.comm import CommGroup, is_fake_group, start_all_gather_flat, start_point_to_point_gather
+from zerocompile import _torch_compat
+from zerocompile.runtime import point_to_point  # noqa: F401  (registers zerocompile::all_gather_point_to_point_out)
+from zerocompile.runtime.comm import CommGroup, all_gather_flat, is_fake_group, start_all_gather_flat
 
 _c10d = torch.ops._c10d_functional
+log = logging.getLogger("zerocompile")
 
 GRADIENT_REDUCTIONS = ("auto", "reduce_scatter", "all_reduce")
 """Values of the ``gradient_reduction`` option."""
-STEP_GATHERS = ("auto", "all_gather", "point_to_point")
-"""Values of the ``step_gather`` option."""
+PARAMETER_GATHERS = ("auto", "all_gather", "point_to_point")
+"""Values of the ``parameter_gather`` option."""
 DEFAULT_GATHER = "all_gather"
 """What ``"auto"`` takes for the step's gathers where nothing is measured."""
 DEFAULT_KIND = "reduce_scatter"
@@ -87,7 +95,7 @@ class ReductionChoice:
         return self._nearest(self.kinds, nbytes)
 
     def gather_kind_for(self, nbytes: int) -> str:
-        """How the step gathers a bucket of ``nbytes`` (the gathered size): that of the
+        """How a bucket of ``nbytes`` (the gathered size) is gathered: that of the
         nearest size in ratio."""
         return self._nearest(self.gather_kinds, nbytes)
 
@@ -123,7 +131,7 @@ class ReductionChoice:
         """JSON-serialisable form (the dump's frame summary)."""
         return {"source": self.source, "sizes": list(self.sizes), "kinds": list(self.kinds),
                 "ms": [list(m) for m in self.ms], "description": self.describe(),
-                "step_gather": {"kinds": list(self.gather_kinds), "ms": [list(m) for m in self.gather_ms],
+                "parameter_gather": {"kinds": list(self.gather_kinds), "ms": [list(m) for m in self.gather_ms],
                                 "description": self.describe_gather()}}
 
 
@@ -140,23 +148,26 @@ def check_gradient_reduction(value) -> str:
     return value
 
 
-def check_step_gather(value) -> str:
-    """``value`` if it is a valid ``step_gather`` option, else ``ValueError`` naming the choices."""
-    if value not in STEP_GATHERS:
-        raise ValueError(f"option 'step_gather' = {value!r} is invalid; allowed: "
-                         f"{', '.join(repr(v) for v in STEP_GATHERS)}")
+def check_parameter_gather(value) -> str:
+    """``value`` if it is a valid ``parameter_gather`` option, else ``ValueError`` naming the choices."""
+    if value not in PARAMETER_GATHERS:
+        raise ValueError(f"option 'parameter_gather' = {value!r} is invalid; allowed: "
+                         f"{', '.join(repr(v) for v in PARAMETER_GATHERS)}")
     return value
 
 
-def gradient_reduction(option: str, group: CommGroup, device=None, step_gather: str = "auto") -> ReductionChoice:
-    """The ``ReductionChoice`` for options ``gradient_reduction=option`` and ``step_gather`` on
+def gradient_reduction(option: str, group: CommGroup, device=None, parameter_gather: str = "auto",
+                       saved: SavedChoices | None = None) -> ReductionChoice:
+    """The ``ReductionChoice`` for options ``gradient_reduction=option`` and ``parameter_gather`` on
     ``group``, whose gradients live on ``device`` (default CPU). Where either is ``"auto"`` on a
     real group of several ranks this is a collective the first time per group and device (every
-    rank must call it at the same point: the first stage 1/2 frame's compile), then cached."""
+    rank must call it at the same point: the first stage 1-3 frame's compile), then cached;
+    with ``saved``, a choice saved there by an earlier run that every rank holds is taken
+    instead of measuring, and a measured one is saved."""
     check_gradient_reduction(option)
-    check_step_gather(step_gather)
-    gather = DEFAULT_GATHER if step_gather == "auto" else step_gather
-    if option != "auto" and step_gather != "auto":
+    check_parameter_gather(parameter_gather)
+    gather = DEFAULT_GATHER if parameter_gather == "auto" else parameter_gather
+    if option != "auto" and parameter_gather != "auto":
         return fixed_choice(option, "option", gather)
     kind = DEFAULT_KIND if option == "auto" else option
     if group.world == 1:
@@ -166,21 +177,82 @@ def gradient_reduction(option: str, group: CommGroup, device=None, step_gather: 
     device = torch.device(device or "cpu")
     if device.type == "meta":
         return fixed_choice(kind, "not measured: meta tensors", gather)
-    measured = _measured(group.group, group.name, group.world, str(device))
+    measured = _measured(group.group, group.name, group.world, str(device), saved)
     # an option given keeps its value at every size, the other is what was measured
     if option != "auto":
         return dataclasses.replace(measured, kinds=(option,), ms=(), source="option", gather_source="measured")
-    if step_gather != "auto":
-        return dataclasses.replace(measured, gather_kinds=(step_gather,), gather_ms=(), gather_source="option")
+    if parameter_gather != "auto":
+        return dataclasses.replace(measured, gather_kinds=(parameter_gather,), gather_ms=(), gather_source="option")
     return measured
 
 
+@dataclass(frozen=True)
+class SavedChoices:
+    """Where measured choices are kept for a restart (``directory``, beside the compile caches):
+    one JSON file per world size, backend and device type. A restart takes the saved choice
+    when every rank holds the same one, so its graphs (which AOTAutograd's cache keys on the
+    choice) are the cached ones; timings near a tie would otherwise flip between runs. Delete
+    the files to measure anew."""
+
+    directory: str
+
+    def path(self, world: int, backend: str, device: str) -> str:
+        return os.path.join(self.directory, f"world{world}-{backend}-{torch.device(device).type}.json")
+
+    def load(self, world: int, backend: str, device: str) -> "ReductionChoice | None":
+        try:
+            with open(self.path(world, backend, device)) as f:
+                d = json.load(f)
+            return ReductionChoice(sizes=tuple(d["sizes"]), kinds=tuple(d["kinds"]), source="measured",
+                                   ms=tuple(tuple(m) for m in d["ms"]), gather_kinds=tuple(d["gather_kinds"]),
+                                   gather_ms=tuple(tuple(m) for m in d["gather_ms"]))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as err:   # damaged: measured anew
+            log.warning("zerocompile: ignoring unreadable saved collective choice (%s)", err)
+            return None
+
+    def save(self, choice: "ReductionChoice", world: int, backend: str, device: str) -> None:
+        """Write atomically (ranks sharing the directory write the same content)."""
+        data = {"sizes": list(choice.sizes), "kinds": list(choice.kinds), "ms": [list(m) for m in choice.ms],
+                "gather_kinds": list(choice.gather_kinds), "gather_ms": [list(m) for m in choice.gather_ms]}
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".choice.")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, self.path(world, backend, device))
+        except OSError as err:
+            log.debug("zerocompile: collective choice not saved (%s)", err)
+
+
 @functools.cache
-def _measured(process_group, group_name: str, world: int, device: str) -> ReductionChoice:
+def _measured(process_group, group_name: str, world: int, device: str,
+              saved: SavedChoices | None = None) -> ReductionChoice:
     # once per process group object and device for the process's life (keyed by the object:
     # a group destroyed and made anew is measured anew)
+    backend = _torch_compat.collective_backend(group_name, torch.device(device)) or "unknown"
+    if saved is not None:
+        earlier = saved.load(world, backend, device)
+        if _every_rank_holds(earlier, group_name, world, torch.device(device)):
+            return dataclasses.replace(earlier, source="measured (saved)")
+    choice = _measure(group_name, world, device)
+    if saved is not None:
+        saved.save(choice, world, backend, device)
+    return choice
+
+
+def _every_rank_holds(choice: "ReductionChoice | None", group_name: str, world: int, device: torch.device) -> bool:
+    """Whether every rank holds this same saved choice (an all-gather of a digest per rank)."""
+    digest = 0 if choice is None else int.from_bytes(
+        hashlib.sha256(repr((choice.sizes, choice.kinds, choice.gather_kinds)).encode()).digest()[:7], "little") | 1
+    values = all_gather_flat(torch.tensor([digest], dtype=torch.int64, device=device), world, group_name).tolist()
+    return values[0] != 0 and all(v == values[0] for v in values)
+
+
+def _measure(group_name: str, world: int, device: str) -> ReductionChoice:
     ms = probe_times(group_name, world, torch.device(device))
-    gather_ms = probe_gather_times(process_group, group_name, world, torch.device(device))
+    gather_ms = probe_gather_times(group_name, world, torch.device(device))
     kinds = tuple("all_reduce" if ar < rs else "reduce_scatter" for rs, ar in ms)
     gather_kinds = tuple("point_to_point" if p2p < ag else "all_gather" for ag, p2p in gather_ms)
     return ReductionChoice(sizes=PROBE_BYTES, kinds=kinds, source="measured", ms=ms, gather_kinds=gather_kinds,
@@ -214,14 +286,12 @@ def probe_times(group_name: str, world: int, device: torch.device,
     return tuple((worst[2 * i], worst[2 * i + 1]) for i in range(len(sizes)))
 
 
-def probe_gather_times(process_group, group_name: str, world: int, device: torch.device,
+def probe_gather_times(group_name: str, world: int, device: torch.device,
                        sizes: tuple[int, ...] = PROBE_BYTES,
                        repeats: int = PROBE_REPEATS) -> tuple[tuple[float, float], ...]:
     """``(all-gather ms, point-to-point ms)`` of gathering a float32 buffer of each of
     ``sizes`` bytes (the gathered size) on the group, as ``probe_times`` measures: the median
     of ``repeats`` runs here, then the maximum over ranks. A collective: every rank calls it."""
-    group = CommGroup(rank=torch.distributed.get_rank(process_group), world=world, name=group_name,
-                      group=process_group)
     mine = []
     for nbytes in sizes:
         n = max(1, nbytes // 4 // world)
@@ -234,8 +304,8 @@ def probe_gather_times(process_group, group_name: str, world: int, device: torch
                 if kind == "all_gather":
                     _c10d.wait_tensor(start_all_gather_flat(shard, world, group_name, out=out))
                 else:
-                    for work in start_point_to_point_gather(shard, group, out):
-                        work.wait()
+                    torch.ops.zerocompile.all_gather_point_to_point_out(shard, world, group_name, out)
+                    _c10d.wait_tensor(out)
                 _sync(device)
                 if rep:
                     times[kind].append((time.perf_counter() - start) * 1e3)

@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime.comm import CommGroup, pad_flat, start_all_gather_flat, start_point_to_point_gather
+from zerocompile.runtime import point_to_point  # noqa: F401  (registers zerocompile::all_gather_point_to_point_out)
+from zerocompile.runtime.comm import CommGroup, pad_flat, start_all_gather_flat
 
 _c10d = torch.ops._c10d_functional
 
@@ -117,7 +118,7 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
     out, and no bucket allocates memory the system must fault in afresh (on the CPU a fresh
     large allocation costs about as much as a copy of it). ``choose(gathered bytes)``:
     ``"point_to_point"`` to send the bucket to each rank and receive theirs instead of the
-    all-gather collective (``comm.start_point_to_point_gather``: the same bytes and values);
+    all-gather collective (``runtime/point_to_point.py``: the same bytes and values);
     None: the all-gather."""
     world = group.world
     if world == 1:
@@ -145,17 +146,12 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
         ACCOUNTING.record("all_gather", nbytes)
         out = gathers[k % len(gathers)][: world * n]
         if choose is not None and choose(nbytes) == "point_to_point":
-            return bucket, n, (out, start_point_to_point_gather(mine, group, out))
+            torch.ops.zerocompile.all_gather_point_to_point_out(mine, world, group.name, out)
+            return bucket, n, out
         return bucket, n, start_all_gather_flat(mine, world, group.name, out=out)
 
     def finish(bucket, n, out):
-        if isinstance(out, tuple):        # point to point: the buffer and its transfers
-            out, works = out
-            for work in works:
-                work.wait()
-            rows = out.view(world, n)
-        else:
-            rows = _c10d.wait_tensor(out).view(world, n)
+        rows = _c10d.wait_tensor(out).view(world, n)
         offset = 0
         for i in bucket:
             chunk = shards[i].numel()

@@ -19,6 +19,7 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from zerocompile.runtime import point_to_point  # noqa: F401  (registers the ops counted here)
 from zerocompile.runtime.memory_tracker import LiveStorageTracker
 
 _c10d = torch.ops._c10d_functional
@@ -38,8 +39,10 @@ class StorageCensus(LiveStorageTracker):
     these tests use: storages of op outputs, incremental peak."""
 
 
+_P2P = torch.ops.zerocompile
 _GATHERS = (_c10d.all_gather_into_tensor.default,
-            _c10d.all_gather_into_tensor_out.default)  # the form all-gathers run in on gloo
+            _c10d.all_gather_into_tensor_out.default,  # the form all-gathers run in on gloo
+            _P2P.all_gather_point_to_point.default)    # parameter_gather="point_to_point"
 
 _KINDS = {
     _c10d.all_gather_into_tensor.default: ("all_gather", "out"),
@@ -48,28 +51,31 @@ _KINDS = {
     _c10d.all_reduce.default: ("all_reduce", "in"),
     _c10d.all_reduce_.default: ("all_reduce", "in"),   # in place: the optimizer step's buckets
     _c10d.all_to_all_single.default: ("all_to_all", "in"),   # the quantized reduce-scatter (qgZ)
+    _P2P.all_gather_point_to_point.default: ("all_gather", "out"),
+    _P2P.all_gather_point_to_point_out.default: ("all_gather", "out"),
 }
 
 
 class CollectiveCounter(_RuntimeMode):
-    """Counts by kind; point-to-point sends (``torch.distributed.isend``, c10d's ``send``:
-    ``step_gather="point_to_point"``) as kind ``"send"``, with the bytes sent."""
+    """Counts by kind (the point-to-point all-gathers of ``parameter_gather="point_to_point"``
+    as all-gathers)."""
 
     def __init__(self):
         super().__init__()
         self.count = defaultdict(int)
         self.bytes = defaultdict(int)
+        self.point_to_point = 0
+        """How many of the all-gathers ran as point-to-point transfers."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func in (_P2P.all_gather_point_to_point.default, _P2P.all_gather_point_to_point_out.default):
+            self.point_to_point += 1
         if func in _KINDS:
             kind, which = _KINDS[func]
-            t = out if which == "out" else args[0]
+            t = args[3] if func is _P2P.all_gather_point_to_point_out.default else out if which == "out" else args[0]
             self.count[kind] += 1
             self.bytes[kind] += t.numel() * t.element_size()
-        elif func is torch.ops.c10d.send.default:
-            self.count["send"] += 1
-            self.bytes["send"] += sum(t.numel() * t.element_size() for t in args[0])
         return out
 
 

@@ -125,8 +125,8 @@ def test_show_prints_the_gradient_reduction_a_frame_recorded(tmp_path, capsys):
     lines = [line for line in out.splitlines() if "gradient reduction" in line]
     assert lines == ["frame 0/0: gradient reduction (stages 1-2): measured; 256 KiB all_reduce: reduce_scatter "
                      "0.50 ms, all_reduce 0.25 ms; 16 MiB reduce_scatter: reduce_scatter 4.00 ms, all_reduce 6.00 ms"]
-    lines = [line for line in out.splitlines() if "step gather" in line]
-    assert lines == ["frame 0/0: step gather (stages 1-2): measured; 256 KiB all_gather: all_gather 0.30 ms, "
+    lines = [line for line in out.splitlines() if "parameter gather" in line]
+    assert lines == ["frame 0/0: parameter gather: measured; 256 KiB all_gather: all_gather 0.30 ms, "
                      "point_to_point 0.40 ms; 16 MiB point_to_point: all_gather 9.00 ms, point_to_point 3.00 ms"]
 
 

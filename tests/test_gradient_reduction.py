@@ -28,10 +28,10 @@ def test_each_mode_trains_as_one_process_and_the_modes_agree_bitwise(stage):
     buckets: each stepped while the previous one's gather travels, update.step_pipelined):
     each forced mode matches the single-process reference; on 2 ranks the two modes give
     bitwise equal losses and parameters; stats() counts the gradient bytes as the collective
-    that ran. The second run also gathers the updated shards point to point (``step_gather``):
+    that ran. The second run also gathers the updated shards point to point (``parameter_gather``):
     the same parameters, the same bytes."""
     runs = [Run(model="tied", stage=stage, opt="adamw", steps=3, accum=2, clip=0.5,
-                options=(("gradient_reduction", mode), ("step_gather", gather), ("bucket_mb", 2 / 1024)))
+                options=(("gradient_reduction", mode), ("parameter_gather", gather), ("bucket_mb", 2 / 1024)))
             for mode, gather in (("reduce_scatter", "all_gather"), ("all_reduce", "point_to_point"))]
     scattered, reduced = run_ranks(zero_train_many, 2, runs)[0]
     ref = reference(runs[0])
@@ -48,7 +48,7 @@ def test_each_mode_trains_as_one_process_and_the_modes_agree_bitwise(stage):
     for res, mode, gather in ((scattered, "reduce_scatter", "all_gather"), (reduced, "all_reduce", "point_to_point")):
         chosen = {r["results"]["gradient_reduction"]["kinds"][0] for r in res["reports"]}
         assert chosen == {mode}
-        assert {r["results"]["gradient_reduction"]["step_gather"]["kinds"][0] for r in res["reports"]} == {gather}
+        assert {r["results"]["gradient_reduction"]["parameter_gather"]["kinds"][0] for r in res["reports"]} == {gather}
         if stage == 2:
             replaced = [r["results"].get("all_reduce_gradients", {}).get("replaced", 0) for r in res["reports"]]
             assert (sum(replaced) > 0) == (mode == "all_reduce"), replaced
@@ -61,8 +61,8 @@ def _probe_twice(rank, world):
     first = gradient_reduction("auto", group)
     again = gradient_reduction("auto", group)
     return {"choice": first.as_dict(), "cached": again is first,
-            "forced": gradient_reduction("all_reduce", group, step_gather="auto").as_dict(),
-            "forced_gather": gradient_reduction("auto", group, step_gather="all_gather").as_dict()}
+            "forced": gradient_reduction("all_reduce", group, parameter_gather="auto").as_dict(),
+            "forced_gather": gradient_reduction("auto", group, parameter_gather="all_gather").as_dict()}
 
 
 def test_auto_is_measured_once_and_the_same_on_every_rank():
@@ -74,14 +74,14 @@ def test_auto_is_measured_once_and_the_same_on_every_rank():
         assert len(choice["ms"]) == len(choice["sizes"]) and all(t > 0 for pair in choice["ms"] for t in pair)
         # the faster of the two at each size
         assert choice["kinds"] == ["all_reduce" if ar < rs else "reduce_scatter" for rs, ar in choice["ms"]]
-        gather = choice["step_gather"]
+        gather = choice["parameter_gather"]
         assert len(gather["ms"]) == len(choice["sizes"]) and all(t > 0 for pair in gather["ms"] for t in pair)
         assert gather["kinds"] == ["point_to_point" if p2p < ag else "all_gather" for ag, p2p in gather["ms"]]
     # an option given is kept, the other measured
     forced = results[0]["forced"]
     assert forced["kinds"] == ["all_reduce"] and forced["source"] == "option"
-    assert forced["step_gather"]["kinds"] == results[0]["choice"]["step_gather"]["kinds"]
-    assert results[0]["forced_gather"]["step_gather"]["kinds"] == ["all_gather"]
+    assert forced["parameter_gather"]["kinds"] == results[0]["choice"]["parameter_gather"]["kinds"]
+    assert results[0]["forced_gather"]["parameter_gather"]["kinds"] == ["all_gather"]
     assert results[0]["forced_gather"]["kinds"] == results[0]["choice"]["kinds"]
 
 
@@ -100,18 +100,18 @@ def _gather_both_ways(rank, world):
             # 4 KiB buckets: several buckets, two in flight at a time
             all_gather_concat(shards, group, 4096, lambda i, r: rows.__setitem__(i, r.clone()),
                               choose=lambda nbytes: how)
-        out[how] = (rows, dict(counter.count))
+        out[how] = (rows, dict(counter.count), counter.point_to_point)
     return out, shards
 
 
 def test_point_to_point_gathers_give_the_all_gathers_values():
     """``all_gather_concat`` with ``"point_to_point"`` buckets: every rank's shards, rank order,
-    bit for bit those of the all-gather, and no all-gather collective ran."""
+    bit for bit those of the all-gather, the same count of gathers, none of them the collective."""
     results = run_ranks(_gather_both_ways, 2)
     shards = [s for _, s in results]
     for res, _ in results:
-        (gathered, counts), (sent, p2p_counts) = res["all_gather"], res["point_to_point"]
-        assert counts.get("all_gather", 0) >= 2 and not p2p_counts.get("all_gather"), (counts, p2p_counts)
+        (gathered, counts, none), (sent, p2p_counts, p2p) = res["all_gather"], res["point_to_point"]
+        assert counts["all_gather"] >= 2 and counts == p2p_counts and none == 0 and p2p == counts["all_gather"], res
         assert sorted(gathered) == sorted(sent) == list(range(5))
         for i in gathered:
             for rank in (0, 1):
@@ -130,12 +130,12 @@ def test_auto_measures_nothing_on_one_rank_and_the_options_are_checked():
     with pytest.raises(ZeroConfigError, match="'gradient_reduction' = None is invalid"):
         ZeroConfig.from_options({"stage": 1, "gradient_reduction": None})
     assert one.gather_kinds == ("all_gather",) and one.gather_kind_for(1 << 30) == "all_gather"
-    assert gradient_reduction("auto", CommGroup(rank=0, world=1, name=""), step_gather="point_to_point").gather_kinds \
+    assert gradient_reduction("auto", CommGroup(rank=0, world=1, name=""), parameter_gather="point_to_point").gather_kinds \
         == ("point_to_point",)
-    assert ZeroConfig.from_options({"stage": 2}).step_gather == "auto"
-    with pytest.raises(ZeroConfigError, match="'step_gather' = 'p2p' is invalid; allowed: 'auto', 'all_gather', "
+    assert ZeroConfig.from_options({"stage": 2}).parameter_gather == "auto"
+    with pytest.raises(ZeroConfigError, match="'parameter_gather' = 'p2p' is invalid; allowed: 'auto', 'all_gather', "
                                               "'point_to_point'"):
-        ZeroConfig.from_options({"stage": 2, "step_gather": "p2p"})
+        ZeroConfig.from_options({"stage": 2, "parameter_gather": "p2p"})
 
 
 def test_a_bucket_takes_the_choice_of_the_nearest_probed_size():
@@ -172,3 +172,21 @@ def test_the_pass_replaces_a_bucket_the_choice_all_reduces_by_an_all_reduce_and_
     kept = _bucket_graph(world=4, numel=64)
     assert reduce_scatters_as_all_reduces(kept, fixed_choice("reduce_scatter", "option"), rank=2) == []
     assert _c10d.reduce_scatter_tensor.default in [n.target for n in kept.nodes]
+
+
+def test_a_saved_choice_round_trips_and_a_damaged_one_is_ignored(tmp_path):
+    """What a restart reuses (``SavedChoices``: beside the compile caches, so that a choice near a
+    tie does not flip and miss AOTAutograd's cache, which keys on it)."""
+    from zerocompile.runtime.reduction_choice import SavedChoices
+
+    saved = SavedChoices(str(tmp_path / "choices"))
+    choice = ReductionChoice(sizes=(1 << 18, 1 << 24), kinds=("all_reduce", "reduce_scatter"), source="measured",
+                             ms=((0.5, 0.25), (4.0, 6.0)), gather_kinds=("all_gather", "point_to_point"),
+                             gather_ms=((0.3, 0.4), (9.0, 3.0)))
+    assert saved.load(2, "gloo", "cpu") is None
+    saved.save(choice, 2, "gloo", "cpu")
+    assert saved.load(2, "gloo", "cpu") == choice
+    assert saved.load(4, "gloo", "cpu") is None and saved.load(2, "nccl", "cuda:0") is None
+    with open(saved.path(2, "gloo", "cpu"), "w") as f:
+        f.write("{not json")
+    assert saved.load(2, "gloo", "cpu") is None

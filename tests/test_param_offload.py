@@ -170,7 +170,8 @@ class _ReadEvents(torch.utils._python_dispatch.TorchDispatchMode):
         elif func is torch.ops._c10d_functional.wait_tensor.default and args[0].untyped_storage()._cdata in self.reading:
             self.events.append(("wait", self.reading.pop(args[0].untyped_storage()._cdata)))
         elif func in (torch.ops._c10d_functional.all_gather_into_tensor.default,
-                      torch.ops._c10d_functional.all_gather_into_tensor_out.default):
+                      torch.ops._c10d_functional.all_gather_into_tensor_out.default,
+                      torch.ops.zerocompile.all_gather_point_to_point.default):
             self.events.append(("gather", None))
         return out
 

@@ -224,6 +224,7 @@ def test_collective_backend_pending_collectives_and_traced_tensors():
         name = dist.group.WORLD.group_name
         assert _torch_compat.collective_backend(name, torch.device("cpu")) == "gloo"
         assert _torch_compat.collective_backend("no such group", "cpu") is None
+        assert _torch_compat.process_group_named(name) is dist.group.WORLD, "functional group names no longer resolve"
         c10d = torch.ops._c10d_functional
         before = _torch_compat.pending_collectives()
         out = c10d.all_reduce(torch.ones(2), "sum", name)
@@ -263,6 +264,23 @@ def test_register_pending_makes_wait_tensor_wait_and_raise():
     threading.Thread(target=lambda: failed.set_exception(OSError("the read failed"))).start()
     with pytest.raises(OSError, match="the read failed"):
         wait(u)
+
+
+def test_register_pending_works_makes_wait_tensor_wait_for_each():
+    """``wait_tensor`` of a tensor registered with several ``Work``s waits for every one."""
+    class Recorded(torch._C._distributed_c10d.Work):
+        def __init__(self, log, name):
+            super().__init__()
+            self.log, self.name = log, name
+
+        def wait(self, timeout=None):
+            self.log.append(self.name)
+            return True
+
+    log, t = [], torch.zeros(2)
+    _torch_compat.register_pending_works(t, [Recorded(log, "a"), Recorded(log, "b")])
+    torch.ops._c10d_functional.wait_tensor(t)
+    assert log == ["a", "b"], "wait_tensor no longer calls a registered Python Work's wait"
 
 
 def test_never_a_frame_skips_the_frame_and_keeps_the_inlining():

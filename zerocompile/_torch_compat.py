@@ -213,6 +213,35 @@ def register_pending(tensor: torch.Tensor, future: "torch.futures.Future") -> No
     torch._C._distributed_c10d._register_work(tensor, _FutureWork(future))
 
 
+def register_pending_works(tensor: torch.Tensor, works: list) -> None:
+    """Make ``torch.ops._c10d_functional.wait_tensor(tensor)`` wait for every ``Work`` of
+    ``works`` (the point-to-point transfers of ``runtime/point_to_point.py`` filling ``tensor``),
+    as it waits for a functional collective's result. Private for the reason
+    ``register_pending`` gives."""
+    torch._C._distributed_c10d._register_work(tensor, _WorksDone(works))
+
+
+class _WorksDone(torch._C._distributed_c10d.Work):
+    """A c10d ``Work`` done when every one of ``works`` is."""
+
+    def __init__(self, works: list):
+        super().__init__()
+        self.works = works
+
+    def wait(self, timeout=None) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+
+def process_group_named(group_name: str):
+    """The ``ProcessGroup`` that functional collectives call ``group_name``. Private for the
+    reason ``collective_backend`` gives."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
 class _FutureWork(torch._C._distributed_c10d.Work):
     """A c10d ``Work`` done when ``future`` is; ``wait`` raises the future's error."""
 

@@ -138,7 +138,7 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         # before the backward pass that writes the choice into the graph
         choice = self.ctx.gradient_reduction
         if choice is not None:
-            digest.update(repr((choice.sizes, choice.kinds)).encode())
+            digest.update(repr((choice.sizes, choice.kinds, choice.gather_kinds)).encode())
         # the rank and group: a backward graph can be rank-specific (all_reduce_gradients slices
         # this rank's rows), and AOTAutograd's key is otherwise the same on every rank, so one
         # rank would load another's graphs from a shared cache directory
@@ -397,9 +397,12 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
                       device=_frame_device(plans))
     ctx.gradient_reduction = _gradient_reduction(cfg, group, plans, frame)
     if ctx.gradient_reduction is not None:
-        ctx.results["gradient_reduction"] = ctx.gradient_reduction.as_dict()
+        # stages 1-2: the reduction and the step's gathers; stage 3: the graphs' gathers
+        key, value = (("gradient_reduction", ctx.gradient_reduction.as_dict()) if cfg.stage in (1, 2) else
+                      ("parameter_gather", ctx.gradient_reduction.as_dict()["parameter_gather"]))
+        ctx.results[key] = value
         if ctx.recorder is not None:
-            ctx.recorder.note(frame, "gradient_reduction", ctx.gradient_reduction.as_dict())
+            ctx.recorder.note(frame, key, value)
     with compile_status(frame, cfg.stage) as status:
         ctx.progress = status.update
         try:
@@ -420,17 +423,25 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
 
 
 def _gradient_reduction(cfg: ZeroConfig, group: CommGroup, plans: list, frame: str):
-    """Stages 1/2: the frame's ``ReductionChoice`` (``runtime/reduction_choice.py``; with
+    """Stages 1-3: the frame's ``ReductionChoice`` (``runtime/reduction_choice.py``; with
     ``"auto"`` timed on the group by the first such frame of the process, on every rank at the
-    same point of its compile), also given to its parameters' shard states that have none; else
-    None."""
-    if cfg.stage not in (1, 2):
+    same point of its compile): how gradients are reduced (stages 1-2) and parameters gathered;
+    at stages 1-2 also given to its parameters' shard states that have none (the step reads it).
+    Stage 0: None."""
+    if cfg.stage not in (1, 2, 3):
         return None
-    choice = gradient_reduction(cfg.gradient_reduction, group, _frame_device(plans), cfg.step_gather)
-    for sp in plans:
-        if sp is not None and sp.gradient_reduction is None:
-            sp.gradient_reduction = choice
-    log.info("[%s] gradient reduction: %s; step gather: %s", frame, choice.describe(), choice.describe_gather())
+    # stage 3 reduce-scatters its gradients whatever gradient_reduction says
+    reduction = cfg.gradient_reduction if cfg.stage in (1, 2) else "reduce_scatter"
+    choice = gradient_reduction(reduction, group, _frame_device(plans), cfg.parameter_gather,
+                                saved=compile_cache.saved_choices(cfg.inner_compiler))
+    if cfg.stage in (1, 2):
+        for sp in plans:
+            if sp is not None and sp.gradient_reduction is None:
+                sp.gradient_reduction = choice
+        log.info("[%s] gradient reduction: %s; parameter gather: %s", frame, choice.describe(),
+                 choice.describe_gather())
+    else:
+        log.info("[%s] parameter gather: %s", frame, choice.describe_gather())
     return choice
 
 

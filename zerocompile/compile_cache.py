@@ -36,6 +36,7 @@ import torch
 from zerocompile import _torch_compat
 from zerocompile.runtime.accounting import CollectiveSummary
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, is_fake_group
+from zerocompile.runtime.reduction_choice import SavedChoices
 
 log = logging.getLogger("zerocompile")
 
@@ -149,6 +150,16 @@ class FrameCache:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, self.directory / f"{key}.pkl")
+
+
+def saved_choices(inner_compiler: str) -> SavedChoices | None:
+    """Where a measured ``gradient_reduction`` / ``parameter_gather`` choice is kept for a
+    restart (beside inductor's cache), for frames whose graphs AOTAutograd caches (keyed on the
+    choice: a choice measured anew could flip near a tie, and the restart would miss); None
+    where nothing is cached."""
+    if inner_compiler != "inductor" or not _torch_compat.compile_caches_enabled():
+        return None
+    return SavedChoices(str(Path(_torch_compat.inductor_cache_dir()) / "zerocompile" / "choices"))
 
 
 def agree(entry: FrameEntry | None, group: CommGroup, device) -> bool:

@@ -21,7 +21,7 @@ from zerocompile.errors import ZeroConfigError, unknown_key_message
 from zerocompile.loss_scale import parse_loss_scale
 from zerocompile.passes.manager import check_disabled_passes, check_pipeline, check_stages
 from zerocompile.runtime.offload_settings import parse_offload
-from zerocompile.runtime.reduction_choice import check_gradient_reduction, check_step_gather
+from zerocompile.runtime.reduction_choice import check_gradient_reduction, check_parameter_gather
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -79,14 +79,16 @@ class ZeroConfig:
     choice) ``"reduce_scatter"``. Stages 0 and 3 ignore it (stage 0 all-reduces whole gradients,
     stage 3 reduce-scatters them). See ``runtime/reduction_choice.py``."""
 
-    step_gather: Literal["auto", "all_gather", "point_to_point"] = "auto"
-    """Stages 1 and 2: how the updated shards travel to every rank after the optimizer step
-    (the replicas' refresh). ``"all_gather"``: the all-gather collective; ``"point_to_point"``:
-    each rank sends its shard to every other rank and receives theirs (the same bytes, copied,
-    so the same parameters bit for bit; on gloo 2-3x faster than its all-gather at 16-64 MiB);
-    ``"auto"``: the faster for the bucket's size, timed with ``gradient_reduction``'s probe
-    (once per group and process, the slowest rank's times); ``"all_gather"`` where nothing can
-    be timed. Stages 0 and 3 ignore it. See ``runtime/reduction_choice.py``."""
+    parameter_gather: Literal["auto", "all_gather", "point_to_point"] = "auto"
+    """How the parameters' all-gathers travel: at stages 1 and 2 the updated shards after the
+    optimizer step (the replicas' refresh), at stage 3 the compiled graphs' gathers (pass
+    ``point_to_point_gathers``). ``"all_gather"``: the all-gather collective;
+    ``"point_to_point"``: each rank sends its shard to every other rank and receives theirs
+    (the same bytes, copied, so the same parameters bit for bit; on gloo 1.2-3x faster than its
+    all-gather at 16-64 MiB); ``"auto"``: the faster for the bucket's size, timed by the probe
+    ``gradient_reduction`` uses (once per group and process, the slowest rank's times, so
+    every rank chooses the same); ``"all_gather"`` where nothing can be timed. Stage 0 ignores
+    it. See ``runtime/reduction_choice.py`` and ``runtime/point_to_point.py``."""
 
     inner_compiler: str = "inductor"
     """What compiles the rewritten forward/backward graphs: ``"inductor"`` (C++ on CPUs,
@@ -280,7 +282,7 @@ class ZeroConfig:
                 f"option 'bucket_mb' = {bucket!r} is invalid; allowed: a finite number of MiB >= 0 (0 = off)")
         try:
             check_gradient_reduction(self.gradient_reduction)
-            check_step_gather(self.step_gather)
+            check_parameter_gather(self.parameter_gather)
         except ValueError as err:
             raise ZeroConfigError(str(err)) from None
         if self.inner_compiler not in INNER_COMPILERS:

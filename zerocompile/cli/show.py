@@ -195,12 +195,14 @@ def cmd_show(args) -> int:
     for frame, kind, steps in selected:
         console.print(steps_table(args.rank, frame, kind, steps))
     for frame in dict.fromkeys(f for f, _, _ in selected):
-        reduction = (index["frames"][frame].get("notes") or {}).get("gradient_reduction")
+        notes = index["frames"][frame].get("notes") or {}
+        reduction = notes.get("gradient_reduction")
+        gather = notes.get("parameter_gather")            # stage 3's frames note only this
         if isinstance(reduction, dict):
             console.print(f"{frame}: gradient reduction (stages 1-2): {reduction.get('description', '?')}")
-            gather = reduction.get("step_gather")
-            if isinstance(gather, dict):
-                console.print(f"{frame}: step gather (stages 1-2): {gather.get('description', '?')}")
+            gather = reduction.get("parameter_gather", gather)
+        if isinstance(gather, dict):
+            console.print(f"{frame}: parameter gather: {gather.get('description', '?')}")
     if args.frame is None and args.graph is None and (rank_dir / OPTIMIZER_STEPS_FILE).exists():
         console.print(optimizer_steps_table(args.rank, read_json(rank_dir / OPTIMIZER_STEPS_FILE,
                                                                  "optimizer steps file")))
