@@ -112,9 +112,10 @@ def _collective_table() -> dict:
         # zerocompile's all-to-all is ZeRO++'s quantized gradient reduce-scatter (qgZ): it sends
         # what a reduce-scatter of its input sends
         ("_c10d_functional", "all_to_all_single"): ("reduce_scatter", "input"),
-        # zerocompile's all-gather as point-to-point transfers (parameter_gather): the same bytes
+        # zerocompile's point-to-point transfers (parameter_gather, gradient_reduction): the bytes of what they replace
         ("zerocompile", "all_gather_point_to_point"): ("all_gather", "return"),
         ("zerocompile", "all_gather_point_to_point_out"): ("all_gather", "out"),
+        ("zerocompile", "reduce_scatter_point_to_point"): ("reduce_scatter", "x"),
         ("_c10d_functional", "all_reduce"): ("all_reduce", "input"),
         ("_c10d_functional", "all_reduce_"): ("all_reduce", "input"),
         ("_c10d_functional", "all_reduce_coalesced"): ("all_reduce", "inputs"),

@@ -6,7 +6,7 @@ import torch
 import torch.fx
 
 from zerocompile.passes.graph_utils import tensor_nbytes
-from zerocompile.runtime import point_to_point  # noqa: F401  (registers zerocompile::all_gather_point_to_point)
+from zerocompile.runtime import point_to_point  # noqa: F401  (registers the zerocompile:: point-to-point ops)
 from zerocompile.runtime.accounting import CollectiveSummary
 
 _c10d = torch.ops._c10d_functional
@@ -21,8 +21,9 @@ COLLECTIVE_KINDS_BY_OP = {
     # zerocompile issues an all-to-all only as a quantized gradient reduce-scatter (qgZ,
     # passes/quantize_gradient_reductions.py): it sends what a reduce-scatter of its input would
     _c10d.all_to_all_single.default: ("reduce_scatter", "in"),
-    # the all-gather as point-to-point transfers (passes/point_to_point_gathers.py): the same bytes
+    # point-to-point transfers (passes/point_to_point_collectives.py): the bytes of what they replace
     torch.ops.zerocompile.all_gather_point_to_point.default: ("all_gather", "out"),
+    torch.ops.zerocompile.reduce_scatter_point_to_point.default: ("reduce_scatter", "in"),
 }
 
 
@@ -34,7 +35,7 @@ def collective_group_size(op, args: tuple, world: int) -> int:
         return world
     if op is _c10d.all_to_all_single.default:
         return len(args[1])
-    if op is _c10d.reduce_scatter_tensor.default:
+    if op in (_c10d.reduce_scatter_tensor.default, torch.ops.zerocompile.reduce_scatter_point_to_point.default):
         return args[2]
     return args[1]           # all-gathers: (input, group_size, group_name)
 

@@ -74,7 +74,7 @@ def _registry() -> list[GraphPass]:
     from zerocompile.passes.cast_forward_inputs import cast_forward_inputs
     from zerocompile.passes.hierarchical_partition import hierarchical_partition
     from zerocompile.passes.insert_param_collectives import insert_param_collectives
-    from zerocompile.passes.point_to_point_gathers import point_to_point_gathers
+    from zerocompile.passes.point_to_point_collectives import point_to_point_collectives
     from zerocompile.passes.prefetch import prefetch
     from zerocompile.passes.quantize_gradient_reductions import quantize_gradient_reductions
     from zerocompile.passes.quantize_weight_gathers import quantize_weight_gathers
@@ -158,13 +158,15 @@ def _registry() -> list[GraphPass]:
                           "gradient_reduction chooses them as faster",
                   required_because="it is what gradient_reduction asks for (set gradient_reduction="
                                    "'reduce_scatter' instead)"),
-        GraphPass("point_to_point_gathers", point_to_point_gathers, ("forward", "backward", "inference"),
-                  stages=(3,), requires=("tags",), optional=False,
-                  enabled=lambda config: config.parameter_gather != "all_gather",
-                  summary="parameter all-gathers become point-to-point transfers (the same bytes and values) "
-                          "where parameter_gather chooses them as faster",
-                  required_because="it is what parameter_gather asks for (set parameter_gather='all_gather' "
-                                   "instead)"),
+        GraphPass("point_to_point_collectives", point_to_point_collectives, ("forward", "backward", "inference"),
+                  stages=(2, 3), requires=("tags",), optional=False,
+                  enabled=lambda config: config.parameter_gather != "all_gather"
+                  or config.gradient_reduction in ("auto", "point_to_point"),
+                  summary="parameter all-gathers and gradient reduce-scatters become point-to-point transfers "
+                          "(the same bytes and values) where parameter_gather / gradient_reduction choose them "
+                          "as faster",
+                  required_because="it is what parameter_gather / gradient_reduction ask for (set "
+                                   "parameter_gather='all_gather' and gradient_reduction='reduce_scatter' instead)"),
     ]
 
 

@@ -1,31 +1,36 @@
-"""Which collective reduces the gradients at stages 1 and 2: a reduce-scatter, or an
-all-reduce of which each rank keeps its own slice.
+"""Which collective reduces the gradients (stages 1-3) and which gathers the parameters.
 
-Both give each rank the sum over ranks of its slice of the padded flat gradient bucket; on
-two ranks the two sums are the same single addition, so the values are bitwise equal (on more
-ranks both sum the same terms, in an order the backend chooses). What differs is the time:
-NCCL's ring reduce-scatter moves half an all-reduce's bytes, while gloo's reduce-scatter costs
-about 1.5x its all-reduce of the same buffer (``benchmarks/collectives.py``). The all-reduce's
-full result is a transient: at stage 1 the eager step reads its slice out of the bucket buffer
-it reuses anyway, at stage 2 the backward graph slices it and frees it, so the model state each
-rank keeps between steps is the same either way.
+Reductions: a reduce-scatter; an all-reduce of which each rank keeps its own slice (stages 1
+and 2); or point-to-point transfers (``runtime/point_to_point.py``): row ``r`` of each rank's
+bucket sent to rank ``r``, which sums what it received in rank order. All give each rank the sum
+over ranks of its slice of the padded flat gradient bucket; on two ranks each is the same single
+addition, so the values are bitwise equal (on more ranks the same terms, in an order the backend
+or the rank order fixes). What differs is the time: NCCL's ring reduce-scatter moves half an
+all-reduce's bytes, while gloo's reduce-scatter costs about 1.5x its all-reduce of the same
+buffer (``benchmarks/collectives.py``), and the transfers move the reduce-scatter's bytes. The
+all-reduce's full result is a transient: at stage 1 the eager step reads its slice out of the
+bucket buffer it reuses anyway, at stage 2 the backward graph slices it and frees it, so the
+model state each rank keeps between steps is the same either way.
 
 ``gradient_reduction(option, group, device)`` answers per process group and message size:
 
-- ``"reduce_scatter"`` / ``"all_reduce"``: that collective at every size (the option forced);
+- ``"reduce_scatter"`` / ``"all_reduce"`` / ``"point_to_point"``: that one at every size (the
+  option forced);
 - ``"auto"``: measured once per process group (and device) in the process, the first time a
-  stage 1/2 frame compiles: a short timing of both collectives at ``PROBE_BYTES`` on the real
-  group, each rank's times max-reduced over the group, so every rank holds the same figures and
-  makes the same choice; a bucket takes the choice of the probed size nearest to its own (in
-  ratio). Where nothing can be measured (world size 1, torch's fake process group of
-  ``zerocompile plan`` / ``dump --world-size``, meta tensors) it is ``DEFAULT_KIND``, without
-  any collective.
+  stage 1-3 frame compiles: a short timing of each (``REDUCTIONS``) at ``PROBE_BYTES`` on the
+  real group, each rank's times max-reduced over the group, so every rank holds the same
+  figures and makes the same choice; a bucket takes the choice of the probed size nearest to
+  its own (in ratio); stage 3, which has no all-reduce path, takes the faster of the others
+  (``without_all_reduce``). Where nothing can be measured (world size 1, torch's fake process
+  group of ``zerocompile plan`` / ``dump --world-size``, meta tensors) it is ``DEFAULT_KIND``,
+  without any collective.
 
 The same probe times the parameters' all-gathers (``parameter_gather``): after the optimizer
 step at stages 1 and 2 (the replicas' refresh), in the compiled graphs at stage 3. Either the
 all-gather collective, or point-to-point transfers of each rank's shard to every other rank
-(``runtime/point_to_point.py``: the same bytes, copied, so the same result bit for bit; gloo's
-all-gather costs 1.2-3x that at 16-64 MiB). ``"auto"`` takes the faster per size.
+(the same bytes, copied, so the same result bit for bit; gloo's all-gather costs 1.2-3x that
+at 16-64 MiB). ``"auto"`` takes the faster per size. A measured choice can be kept for a
+restart (``SavedChoices``).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from zerocompile.runtime.comm import CommGroup, all_gather_flat, is_fake_group, 
 _c10d = torch.ops._c10d_functional
 log = logging.getLogger("zerocompile")
 
-GRADIENT_REDUCTIONS = ("auto", "reduce_scatter", "all_reduce")
+GRADIENT_REDUCTIONS = ("auto", "reduce_scatter", "all_reduce", "point_to_point")
 """Values of the ``gradient_reduction`` option."""
 PARAMETER_GATHERS = ("auto", "all_gather", "point_to_point")
 """Values of the ``parameter_gather`` option."""
@@ -60,6 +65,12 @@ DEFAULT_GATHER = "all_gather"
 DEFAULT_KIND = "reduce_scatter"
 """What ``"auto"`` takes where nothing is measured (world size 1, a fake process group, meta
 tensors): the ZeRO papers' collective, which moves half an all-reduce's bytes on a ring."""
+REDUCTIONS = ("reduce_scatter", "all_reduce", "point_to_point")
+"""The gradient reductions the probe times, in the order of ``ReductionChoice.ms``."""
+GATHERS = ("all_gather", "point_to_point")
+"""The parameter gathers the probe times, in the order of ``ReductionChoice.gather_ms``."""
+
+
 PROBE_BYTES = (256 * 1024, 4 * 2**20, 16 * 2**20)
 """Full-buffer sizes the ``"auto"`` probe times both collectives at (float32 elements)."""
 PROBE_REPEATS = 3
@@ -77,16 +88,16 @@ class ReductionChoice:
     sizes: tuple[int, ...]
     """Bucket sizes in bytes the choice was made at (ascending); one entry for a fixed choice."""
     kinds: tuple[str, ...]
-    """``"reduce_scatter"`` or ``"all_reduce"`` at each of ``sizes``."""
+    """``"reduce_scatter"``, ``"all_reduce"`` or ``"point_to_point"`` at each of ``sizes``."""
     source: str
     """How it was chosen: ``"option"``, ``"measured"``, or why it was not measured."""
-    ms: tuple[tuple[float, float], ...] = ()
-    """Measured: ``(reduce-scatter ms, all-reduce ms)`` at each of ``sizes`` (the slowest rank's)."""
+    ms: tuple[tuple[float, ...], ...] = ()
+    """Measured: the ms of each of ``REDUCTIONS`` at each of ``sizes`` (the slowest rank's)."""
     gather_kinds: tuple[str, ...] = (DEFAULT_GATHER,)
     """How the step's all-gather buckets travel: ``"all_gather"`` or ``"point_to_point"``, at
     each of ``sizes`` (one entry: at every size)."""
-    gather_ms: tuple[tuple[float, float], ...] = ()
-    """Measured: ``(all-gather ms, point-to-point ms)`` at each of ``sizes`` (the slowest rank's)."""
+    gather_ms: tuple[tuple[float, ...], ...] = ()
+    """Measured: the ms of each of ``GATHERS`` at each of ``sizes`` (the slowest rank's)."""
     gather_source: str = ""
     """How ``gather_kinds`` was chosen, where not as ``kinds`` (``source``)."""
 
@@ -109,21 +120,30 @@ class ReductionChoice:
         """Whether some bucket size is all-reduced."""
         return "all_reduce" in self.kinds
 
+    def without_all_reduce(self) -> "ReductionChoice":
+        """The choice where an all-reduce cannot be taken (stage 3's backward): the faster of
+        the others where measured, else a reduce-scatter in its place."""
+        if self.ms and len(self.ms) == len(self.sizes):
+            kinds = tuple(_fastest(REDUCTIONS[:len(t)], t, ("reduce_scatter", "point_to_point")) for t in self.ms)
+        else:
+            kinds = tuple("reduce_scatter" if k == "all_reduce" else k for k in self.kinds)
+        return dataclasses.replace(self, kinds=kinds)
+
     def describe(self) -> str:
         """One line for ``zerocompile show`` / ``plan``: the choice per size and why."""
-        return self._describe(self.kinds, self.ms, self.source, "reduce_scatter", "all_reduce")
+        return self._describe(self.kinds, self.ms, self.source, REDUCTIONS)
 
     def describe_gather(self) -> str:
         """The same for the step's all-gathers."""
-        return self._describe(self.gather_kinds, self.gather_ms, self.gather_source or self.source,
-                              "all_gather", "point_to_point")
+        return self._describe(self.gather_kinds, self.gather_ms, self.gather_source or self.source, GATHERS)
 
-    def _describe(self, kinds, ms_list, source: str, first: str, second: str) -> str:
+    def _describe(self, kinds, ms_list, source: str, names: tuple[str, ...]) -> str:
         if len(set(kinds)) == 1 and not ms_list:
             return f"{kinds[0]} ({source})"
         parts = []
-        for size, kind, ms in zip(self.sizes, kinds, ms_list or [None] * len(self.sizes)):
-            timing = f": {first} {ms[0]:.2f} ms, {second} {ms[1]:.2f} ms" if ms else ""
+        for size, kind, ms in zip(self.sizes, kinds if len(kinds) > 1 else kinds * len(self.sizes),
+                                  ms_list or [None] * len(self.sizes)):
+            timing = ": " + ", ".join(f"{name} {t:.2f} ms" for name, t in zip(names, ms)) if ms else ""
             parts.append(f"{_size(size)} {kind}{timing}")
         return f"{source}; " + "; ".join(parts)
 
@@ -242,6 +262,12 @@ def _measured(process_group, group_name: str, world: int, device: str,
     return choice
 
 
+def _fastest(kinds: tuple[str, ...], times: tuple[float, ...], allowed: tuple[str, ...] | None = None) -> str:
+    """The kind of the smallest time (the first on a tie), among ``allowed`` (default: all)."""
+    pairs = [(t, i) for i, (kind, t) in enumerate(zip(kinds, times)) if allowed is None or kind in allowed]
+    return kinds[min(pairs)[1]]
+
+
 def _every_rank_holds(choice: "ReductionChoice | None", group_name: str, world: int, device: torch.device) -> bool:
     """Whether every rank holds this same saved choice (an all-gather of a digest per rank)."""
     digest = 0 if choice is None else int.from_bytes(
@@ -253,66 +279,70 @@ def _every_rank_holds(choice: "ReductionChoice | None", group_name: str, world: 
 def _measure(group_name: str, world: int, device: str) -> ReductionChoice:
     ms = probe_times(group_name, world, torch.device(device))
     gather_ms = probe_gather_times(group_name, world, torch.device(device))
-    kinds = tuple("all_reduce" if ar < rs else "reduce_scatter" for rs, ar in ms)
-    gather_kinds = tuple("point_to_point" if p2p < ag else "all_gather" for ag, p2p in gather_ms)
+    kinds = tuple(_fastest(REDUCTIONS, times) for times in ms)
+    gather_kinds = tuple(_fastest(GATHERS, times) for times in gather_ms)
     return ReductionChoice(sizes=PROBE_BYTES, kinds=kinds, source="measured", ms=ms, gather_kinds=gather_kinds,
                            gather_ms=gather_ms)
 
 
-def probe_times(group_name: str, world: int, device: torch.device,
-                sizes: tuple[int, ...] = PROBE_BYTES, repeats: int = PROBE_REPEATS) -> tuple[tuple[float, float], ...]:
-    """``(reduce-scatter ms, all-reduce ms)`` of a float32 buffer of each of ``sizes`` bytes
-    on the group: the median of ``repeats`` runs on this rank, then the maximum over ranks
-    (an all-reduce), so every rank returns the same figures. A collective: every rank calls it."""
+def probe_times(group_name: str, world: int, device: torch.device, sizes: tuple[int, ...] = PROBE_BYTES,
+                repeats: int = PROBE_REPEATS) -> tuple[tuple[float, ...], ...]:
+    """The ms of each of ``REDUCTIONS`` on a float32 buffer of each of ``sizes`` bytes on the
+    group (``_timed``). A collective: every rank calls it."""
+    def run(kind, n):
+        buf = torch.zeros(max(world, n // world * world), device=device)
+
+        def once():
+            if kind == "reduce_scatter":
+                _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buf, "sum", world, group_name))
+            elif kind == "all_reduce":
+                _c10d.wait_tensor(_c10d.all_reduce(buf, "sum", group_name))
+            else:
+                _c10d.wait_tensor(torch.ops.zerocompile.reduce_scatter_point_to_point(buf, "sum", world, group_name))
+        return once
+    return _timed(REDUCTIONS, run, group_name, device, sizes, repeats)
+
+
+def probe_gather_times(group_name: str, world: int, device: torch.device, sizes: tuple[int, ...] = PROBE_BYTES,
+                       repeats: int = PROBE_REPEATS) -> tuple[tuple[float, ...], ...]:
+    """The ms of each of ``GATHERS`` gathering a float32 buffer of each of ``sizes`` bytes (the
+    gathered size) on the group (``_timed``). A collective: every rank calls it."""
+    def run(kind, n):
+        shard, out = torch.zeros(max(1, n // world), device=device), torch.empty(max(1, n // world) * world,
+                                                                                 device=device)
+
+        def once():
+            if kind == "all_gather":
+                _c10d.wait_tensor(start_all_gather_flat(shard, world, group_name, out=out))
+            else:
+                torch.ops.zerocompile.all_gather_point_to_point_out(shard, world, group_name, out)
+                _c10d.wait_tensor(out)
+        return once
+    return _timed(GATHERS, run, group_name, device, sizes, repeats)
+
+
+def _timed(kinds: tuple[str, ...], run, group_name: str, device: torch.device, sizes: tuple[int, ...],
+           repeats: int) -> tuple[tuple[float, ...], ...]:
+    """For each of ``sizes`` (bytes of float32) and each of ``kinds``, ``run(kind, elements)()``
+    timed ``repeats`` times after one warm-up round, taking turns: the median on this rank, then
+    the maximum over ranks (an all-reduce), so every rank returns the same figures."""
     mine = []
     for nbytes in sizes:
-        n = max(world, nbytes // 4 // world * world)
-        buf = torch.zeros(n, device=device)
-        times = {"reduce_scatter": [], "all_reduce": []}
+        calls = {kind: run(kind, nbytes // 4) for kind in kinds}
+        times = {kind: [] for kind in kinds}
         for rep in range(repeats + 1):             # the first round warms up
-            for kind in times:
+            for kind, once in calls.items():
                 _sync(device)
                 start = time.perf_counter()
-                if kind == "reduce_scatter":
-                    _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buf, "sum", world, group_name))
-                else:
-                    _c10d.wait_tensor(_c10d.all_reduce(buf, "sum", group_name))
+                once()
                 _sync(device)
                 if rep:
                     times[kind].append((time.perf_counter() - start) * 1e3)
-        mine += [statistics.median(times["reduce_scatter"]), statistics.median(times["all_reduce"])]
+        mine += [statistics.median(times[kind]) for kind in kinds]
     worst = _c10d.wait_tensor(_c10d.all_reduce(torch.tensor(mine, dtype=torch.float64, device=device), "max",
                                                group_name)).cpu().tolist()
-    return tuple((worst[2 * i], worst[2 * i + 1]) for i in range(len(sizes)))
-
-
-def probe_gather_times(group_name: str, world: int, device: torch.device,
-                       sizes: tuple[int, ...] = PROBE_BYTES,
-                       repeats: int = PROBE_REPEATS) -> tuple[tuple[float, float], ...]:
-    """``(all-gather ms, point-to-point ms)`` of gathering a float32 buffer of each of
-    ``sizes`` bytes (the gathered size) on the group, as ``probe_times`` measures: the median
-    of ``repeats`` runs here, then the maximum over ranks. A collective: every rank calls it."""
-    mine = []
-    for nbytes in sizes:
-        n = max(1, nbytes // 4 // world)
-        shard, out = torch.zeros(n, device=device), torch.empty(n * world, device=device)
-        times = {"all_gather": [], "point_to_point": []}
-        for rep in range(repeats + 1):             # the first round warms up
-            for kind in times:
-                _sync(device)
-                start = time.perf_counter()
-                if kind == "all_gather":
-                    _c10d.wait_tensor(start_all_gather_flat(shard, world, group_name, out=out))
-                else:
-                    torch.ops.zerocompile.all_gather_point_to_point_out(shard, world, group_name, out)
-                    _c10d.wait_tensor(out)
-                _sync(device)
-                if rep:
-                    times[kind].append((time.perf_counter() - start) * 1e3)
-        mine += [statistics.median(times["all_gather"]), statistics.median(times["point_to_point"])]
-    worst = _c10d.wait_tensor(_c10d.all_reduce(torch.tensor(mine, dtype=torch.float64, device=device), "max",
-                                               group_name)).cpu().tolist()
-    return tuple((worst[2 * i], worst[2 * i + 1]) for i in range(len(sizes)))
+    k = len(kinds)
+    return tuple(tuple(worst[k * i: k * i + k]) for i in range(len(sizes)))
 
 
 def _sync(device: torch.device) -> None:

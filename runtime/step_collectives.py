@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime import point_to_point  # noqa: F401  (registers zerocompile::all_gather_point_to_point_out)
+from zerocompile.runtime import point_to_point  # noqa: F401  (registers the zerocompile:: point-to-point ops)
 from zerocompile.runtime.comm import CommGroup, pad_flat, start_all_gather_flat
 
 _c10d = torch.ops._c10d_functional
@@ -58,7 +58,8 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
     of the world size) into a bucket buffer: two buffers, allocated once per call, take turns,
     so the next bucket's reduce-scatter is in flight while the previous one is averaged.
     ``choose(bucket bytes)``: ``"all_reduce"`` to all-reduce the bucket in its buffer and keep
-    this rank's row instead (the same sums: ``runtime/reduction_choice.py``); None: reduce-scatter."""
+    this rank's row instead, ``"point_to_point"`` to send each row to its rank and sum what
+    arrives (the same sums: ``runtime/reduction_choice.py``); None: reduce-scatter."""
     world = group.world
     elem = torch.empty((), dtype=reduce_dtype).element_size()
     results: list[torch.Tensor] = [None] * len(grads)
@@ -82,10 +83,14 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
                 g = pad_flat(g.to(reduce_dtype), world * chunk)
             rows[:, offset : offset + chunk].copy_(g.view(world, chunk))   # casts to reduce_dtype
             offset += chunk
-        if choose is not None and choose(n * elem) == "all_reduce":
+        kind = "reduce_scatter" if choose is None else choose(n * elem)
+        if kind == "all_reduce":
             ACCOUNTING.record("all_reduce", n * elem)
             return bucket, rows, _c10d.all_reduce_(rows, "sum", group.name)
         ACCOUNTING.record("reduce_scatter", n * elem)
+        if kind == "point_to_point":
+            return bucket, None, torch.ops.zerocompile.reduce_scatter_point_to_point(rows.reshape(-1), "sum", world,
+                                                                                      group.name)
         return bucket, None, _c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", world, group.name)
 
     def finish(bucket, rows, out):

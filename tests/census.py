@@ -53,23 +53,25 @@ _KINDS = {
     _c10d.all_to_all_single.default: ("all_to_all", "in"),   # the quantized reduce-scatter (qgZ)
     _P2P.all_gather_point_to_point.default: ("all_gather", "out"),
     _P2P.all_gather_point_to_point_out.default: ("all_gather", "out"),
+    _P2P.reduce_scatter_point_to_point.default: ("reduce_scatter", "in"),
 }
 
 
 class CollectiveCounter(_RuntimeMode):
-    """Counts by kind (the point-to-point all-gathers of ``parameter_gather="point_to_point"``
-    as all-gathers)."""
+    """Counts by kind (point-to-point transfers as the collective they replace: the all-gathers
+    of ``parameter_gather``, the reduce-scatters of ``gradient_reduction="point_to_point"``)."""
 
     def __init__(self):
         super().__init__()
         self.count = defaultdict(int)
         self.bytes = defaultdict(int)
         self.point_to_point = 0
-        """How many of the all-gathers ran as point-to-point transfers."""
+        """How many of the collectives ran as point-to-point transfers."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in (_P2P.all_gather_point_to_point.default, _P2P.all_gather_point_to_point_out.default):
+        if func in (_P2P.all_gather_point_to_point.default, _P2P.all_gather_point_to_point_out.default,
+                    _P2P.reduce_scatter_point_to_point.default):
             self.point_to_point += 1
         if func in _KINDS:
             kind, which = _KINDS[func]

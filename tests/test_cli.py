@@ -123,7 +123,7 @@ def test_show_prints_the_gradient_reduction_a_frame_recorded(tmp_path, capsys):
     code, out, err = _run(capsys, "show", tmp_path)
     assert code == 0, err
     lines = [line for line in out.splitlines() if "gradient reduction" in line]
-    assert lines == ["frame 0/0: gradient reduction (stages 1-2): measured; 256 KiB all_reduce: reduce_scatter "
+    assert lines == ["frame 0/0: gradient reduction: measured; 256 KiB all_reduce: reduce_scatter "
                      "0.50 ms, all_reduce 0.25 ms; 16 MiB reduce_scatter: reduce_scatter 4.00 ms, all_reduce 6.00 ms"]
     lines = [line for line in out.splitlines() if "parameter gather" in line]
     assert lines == ["frame 0/0: parameter gather: measured; 256 KiB all_gather: all_gather 0.30 ms, "

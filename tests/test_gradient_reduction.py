@@ -32,26 +32,33 @@ def test_each_mode_trains_as_one_process_and_the_modes_agree_bitwise(stage):
     the same parameters, the same bytes."""
     runs = [Run(model="tied", stage=stage, opt="adamw", steps=3, accum=2, clip=0.5,
                 options=(("gradient_reduction", mode), ("parameter_gather", gather), ("bucket_mb", 2 / 1024)))
-            for mode, gather in (("reduce_scatter", "all_gather"), ("all_reduce", "point_to_point"))]
-    scattered, reduced = run_ranks(zero_train_many, 2, runs)[0]
+            for mode, gather in (("reduce_scatter", "all_gather"), ("all_reduce", "point_to_point"),
+                                 ("point_to_point", "all_gather"))]
+    scattered, reduced, sent = run_ranks(zero_train_many, 2, runs)[0]
     ref = reference(runs[0])
-    assert_matches(scattered, ref)
-    assert_matches(reduced, ref)
-    assert scattered["losses"] == reduced["losses"]
-    for key, value in scattered["state"].items():
-        assert torch.equal(value, reduced["state"][key]), key
+    for res in (scattered, reduced, sent):
+        assert_matches(res, ref)
+        assert res["losses"] == scattered["losses"]
+        for key, value in scattered["state"].items():
+            assert torch.equal(value, res["state"][key]), key
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):   # the transfers count as what they replace
+        assert sent["stats"][kind] == scattered["stats"][kind], kind
     rs, ar = scattered["stats"], reduced["stats"]
     # the same gradient bytes move, as a reduce-scatter in one run and as an all-reduce in the other
     assert rs["reduce_scatter"]["bytes"] > 0 and ar["reduce_scatter"]["bytes"] == 0, (rs, ar)
     assert ar["all_reduce"]["bytes"] - rs["all_reduce"]["bytes"] == rs["reduce_scatter"]["bytes"]
     assert ar["all_gather"] == rs["all_gather"]
-    for res, mode, gather in ((scattered, "reduce_scatter", "all_gather"), (reduced, "all_reduce", "point_to_point")):
+    for res, mode, gather in ((scattered, "reduce_scatter", "all_gather"), (reduced, "all_reduce", "point_to_point"),
+                              (sent, "point_to_point", "all_gather")):
         chosen = {r["results"]["gradient_reduction"]["kinds"][0] for r in res["reports"]}
         assert chosen == {mode}
         assert {r["results"]["gradient_reduction"]["parameter_gather"]["kinds"][0] for r in res["reports"]} == {gather}
         if stage == 2:
             replaced = [r["results"].get("all_reduce_gradients", {}).get("replaced", 0) for r in res["reports"]]
             assert (sum(replaced) > 0) == (mode == "all_reduce"), replaced
+            sent_p2p = [r["results"].get("point_to_point_collectives", {}).get("backward", {}).get(
+                "reduce_scatter", {}).get("replaced", 0) for r in res["reports"]]
+            assert (sum(sent_p2p) > 0) == (mode == "point_to_point"), sent_p2p
 
 
 def _probe_twice(rank, world):
@@ -62,6 +69,7 @@ def _probe_twice(rank, world):
     again = gradient_reduction("auto", group)
     return {"choice": first.as_dict(), "cached": again is first,
             "forced": gradient_reduction("all_reduce", group, parameter_gather="auto").as_dict(),
+            "stage3": first.without_all_reduce().as_dict(),
             "forced_gather": gradient_reduction("auto", group, parameter_gather="all_gather").as_dict()}
 
 
@@ -72,11 +80,15 @@ def test_auto_is_measured_once_and_the_same_on_every_rank():
         choice = res["choice"]
         assert res["cached"] and choice["source"] == "measured"
         assert len(choice["ms"]) == len(choice["sizes"]) and all(t > 0 for pair in choice["ms"] for t in pair)
-        # the faster of the two at each size
-        assert choice["kinds"] == ["all_reduce" if ar < rs else "reduce_scatter" for rs, ar in choice["ms"]]
+        # the fastest of the three at each size
+        names = ("reduce_scatter", "all_reduce", "point_to_point")
+        assert all(len(t) == 3 for t in choice["ms"])
+        assert choice["kinds"] == [names[t.index(min(t))] for t in choice["ms"]]
         gather = choice["parameter_gather"]
         assert len(gather["ms"]) == len(choice["sizes"]) and all(t > 0 for pair in gather["ms"] for t in pair)
         assert gather["kinds"] == ["point_to_point" if p2p < ag else "all_gather" for ag, p2p in gather["ms"]]
+        # stage 3 has no all-reduce path: the faster of the other two
+        assert res["stage3"]["kinds"] == [names[0] if t[0] <= t[2] else names[2] for t in choice["ms"]]
     # an option given is kept, the other measured
     forced = results[0]["forced"]
     assert forced["kinds"] == ["all_reduce"] and forced["source"] == "option"
@@ -125,7 +137,7 @@ def test_auto_measures_nothing_on_one_rank_and_the_options_are_checked():
     assert gradient_reduction("all_reduce", CommGroup(rank=0, world=1, name="")).kind_for(1 << 30) == "all_reduce"
     assert ZeroConfig.from_options({"stage": 2}).gradient_reduction == "auto"
     with pytest.raises(ZeroConfigError, match="'gradient_reduction' = 'allreduce' is invalid; allowed: 'auto', "
-                                              "'reduce_scatter', 'all_reduce'"):
+                                              "'reduce_scatter', 'all_reduce', 'point_to_point'"):
         ZeroConfig.from_options({"stage": 2, "gradient_reduction": "allreduce"})
     with pytest.raises(ZeroConfigError, match="'gradient_reduction' = None is invalid"):
         ZeroConfig.from_options({"stage": 1, "gradient_reduction": None})

@@ -20,7 +20,7 @@ def _worker(rank, world, stage, reduction="reduce_scatter", gather="all_gather")
         model = make_model("gpt")
         sizes = [p.numel() for p in model.parameters()]  # tied weight counted once
         options = {"stage": stage, "inner_compiler": "eager"}
-        if stage in (1, 2):
+        if reduction is not None:
             options["gradient_reduction"] = reduction
         if gather is not None:
             options["parameter_gather"] = gather
@@ -53,11 +53,13 @@ def _formula(stage, psi, n):
 
 # every stage on 2 ranks; the replicated and fully sharded extremes on 4 as well; stages 1 and 2
 # with each gradient_reduction (the all-reduced bucket is a transient: the same model state); the
-# parameters' gathers point to point at stage 2 (the step's) and stage 3 (the graphs', 4 ranks)
+# parameters' gathers and the gradients' reductions point to point (counted as the collectives
+# they replace) at stages 1 and 2 (the step's) and stage 3 (the graphs', 4 ranks)
 @pytest.mark.parametrize("stage,world,reduction,gather", [
     (0, 2, None, None), (1, 2, "reduce_scatter", "all_gather"), (2, 2, "reduce_scatter", "all_gather"),
-    (3, 2, None, "all_gather"), (0, 4, None, None), (3, 4, None, "point_to_point"), (1, 2, "all_reduce", "all_gather"),
-    (2, 2, "all_reduce", "point_to_point")])
+    (3, 2, "reduce_scatter", "all_gather"), (0, 4, None, None), (3, 4, "point_to_point", "point_to_point"),
+    (1, 2, "all_reduce", "all_gather"), (2, 2, "all_reduce", "point_to_point"),
+    (1, 2, "point_to_point", "all_gather"), (2, 2, "point_to_point", "point_to_point")])
 def test_memory_and_communication_match_formulas(stage, world, reduction, gather):
     results = run_ranks(_worker, world, stage, reduction, gather)
     for rank, res in enumerate(results):
@@ -72,7 +74,7 @@ def test_memory_and_communication_match_formulas(stage, world, reduction, gather
         # zerocompile's own figure agrees with the census
         assert res["held"] <= res["live"] <= res["held"] + 8 * len(sizes) + 4096, res["stats"]
         # communication: the dispatch-mode count equals stats(), kind by kind
-        assert (res["point_to_point"] > 0) == (gather == "point_to_point"), res["point_to_point"]
+        assert (res["point_to_point"] > 0) == ("point_to_point" in (gather, reduction)), res["point_to_point"]
         for kind, (count, nbytes) in res["counted"].items():
             assert (count, nbytes) == (res["stats"][kind]["count"], res["stats"][kind]["bytes"]), kind
         ag, rs, ar = (res["counted"][k][1] for k in ("all_gather", "reduce_scatter", "all_reduce"))

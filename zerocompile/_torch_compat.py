@@ -213,24 +213,28 @@ def register_pending(tensor: torch.Tensor, future: "torch.futures.Future") -> No
     torch._C._distributed_c10d._register_work(tensor, _FutureWork(future))
 
 
-def register_pending_works(tensor: torch.Tensor, works: list) -> None:
+def register_pending_works(tensor: torch.Tensor, works: list, then=None) -> None:
     """Make ``torch.ops._c10d_functional.wait_tensor(tensor)`` wait for every ``Work`` of
     ``works`` (the point-to-point transfers of ``runtime/point_to_point.py`` filling ``tensor``),
-    as it waits for a functional collective's result. Private for the reason
-    ``register_pending`` gives."""
-    torch._C._distributed_c10d._register_work(tensor, _WorksDone(works))
+    then call ``then()`` (what makes ``tensor`` from what they moved), as it waits for a
+    functional collective's result. Private for the reason ``register_pending`` gives."""
+    torch._C._distributed_c10d._register_work(tensor, _WorksDone(works, then))
 
 
 class _WorksDone(torch._C._distributed_c10d.Work):
-    """A c10d ``Work`` done when every one of ``works`` is."""
+    """A c10d ``Work`` done when every one of ``works`` is and ``then()`` has run."""
 
-    def __init__(self, works: list):
+    def __init__(self, works: list, then=None):
         super().__init__()
         self.works = works
+        self.then = then
 
     def wait(self, timeout=None) -> bool:
         for work in self.works:
             work.wait()
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
         return True
 
 

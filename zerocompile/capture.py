@@ -397,12 +397,9 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
                       device=_frame_device(plans))
     ctx.gradient_reduction = _gradient_reduction(cfg, group, plans, frame)
     if ctx.gradient_reduction is not None:
-        # stages 1-2: the reduction and the step's gathers; stage 3: the graphs' gathers
-        key, value = (("gradient_reduction", ctx.gradient_reduction.as_dict()) if cfg.stage in (1, 2) else
-                      ("parameter_gather", ctx.gradient_reduction.as_dict()["parameter_gather"]))
-        ctx.results[key] = value
+        ctx.results["gradient_reduction"] = ctx.gradient_reduction.as_dict()
         if ctx.recorder is not None:
-            ctx.recorder.note(frame, key, value)
+            ctx.recorder.note(frame, "gradient_reduction", ctx.gradient_reduction.as_dict())
     with compile_status(frame, cfg.stage) as status:
         ctx.progress = status.update
         try:
@@ -430,10 +427,13 @@ def _gradient_reduction(cfg: ZeroConfig, group: CommGroup, plans: list, frame: s
     Stage 0: None."""
     if cfg.stage not in (1, 2, 3):
         return None
-    # stage 3 reduce-scatters its gradients whatever gradient_reduction says
-    reduction = cfg.gradient_reduction if cfg.stage in (1, 2) else "reduce_scatter"
+    # stage 3 has no all-reduce path: it reduce-scatters where gradient_reduction says all_reduce
+    reduction = "reduce_scatter" if cfg.stage == 3 and cfg.gradient_reduction == "all_reduce" else \
+        cfg.gradient_reduction
     choice = gradient_reduction(reduction, group, _frame_device(plans), cfg.parameter_gather,
                                 saved=compile_cache.saved_choices(cfg.inner_compiler))
+    if cfg.stage == 3:
+        choice = choice.without_all_reduce()
     if cfg.stage in (1, 2):
         for sp in plans:
             if sp is not None and sp.gradient_reduction is None:
@@ -441,7 +441,8 @@ def _gradient_reduction(cfg: ZeroConfig, group: CommGroup, plans: list, frame: s
         log.info("[%s] gradient reduction: %s; parameter gather: %s", frame, choice.describe(),
                  choice.describe_gather())
     else:
-        log.info("[%s] parameter gather: %s", frame, choice.describe_gather())
+        log.info("[%s] gradient reduction: %s; parameter gather: %s", frame, choice.describe(),
+                 choice.describe_gather())
     return choice
 
 

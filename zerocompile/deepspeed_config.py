@@ -84,8 +84,8 @@ monitoring, how gradients are averaged, activation checkpointing), with what to 
 
 ZERO_ACCEPTED_KEYS = {
     "contiguous_gradients": "zerocompile always packs each bucket's gradients contiguously (bucketing pass)",
-    "reduce_scatter": "the gradient_reduction option chooses reduce-scatters or all-reduces at stages 1-2 "
-                      "(default 'auto': the faster on the process group); stage 3 always reduce-scatters",
+    "reduce_scatter": "the gradient_reduction option chooses reduce-scatters, all-reduces (stages 1-2) or "
+                      "point-to-point transfers (default 'auto': the fastest on the process group)",
     "allgather_partitions": "zerocompile always all-gathers updated partitions at stages 1-2",
     "round_robin_gradients": "zerocompile's partitioning is fixed per parameter",
     "sub_group_size": "the optimizer step works tile by tile (offload_optimizer's buffer_size)",

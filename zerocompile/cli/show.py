@@ -199,7 +199,7 @@ def cmd_show(args) -> int:
         reduction = notes.get("gradient_reduction")
         gather = notes.get("parameter_gather")            # stage 3's frames note only this
         if isinstance(reduction, dict):
-            console.print(f"{frame}: gradient reduction (stages 1-2): {reduction.get('description', '?')}")
+            console.print(f"{frame}: gradient reduction: {reduction.get('description', '?')}")
             gather = reduction.get("parameter_gather", gather)
         if isinstance(gather, dict):
             console.print(f"{frame}: parameter gather: {gather.get('description', '?')}")

@@ -1,0 +1,79 @@
+"""Pass (forward, backward and inference graphs, stages 2 and 3): collectives become
+point-to-point transfers where those are faster.
+
+Where the frame's ``ReductionChoice`` (``runtime/reduction_choice.py``) takes
+``"point_to_point"`` for a collective's size, its node is replaced in place, with the same
+arguments and metadata, by the op of ``runtime/point_to_point.py`` that moves the same bytes
+between pairs of ranks:
+
+- a parameter all-gather (stage 3; roles ``param_gather`` / ``bucket_gather``, ZeRO++'s
+  quantized ones too, their int8 payload copied as it is), by the ``parameter_gather`` choice:
+  ``zerocompile::all_gather_point_to_point``, every rank sends its shard to every other rank.
+  Every element is copied, so the result is the all-gather's bit for bit.
+- a gradient reduce-scatter (stages 2 and 3; roles ``grad_reduce_scatter`` /
+  ``bucket_reduce_scatter``), by the ``gradient_reduction`` choice:
+  ``zerocompile::reduce_scatter_point_to_point``, row ``r`` of the bucket goes to rank ``r``,
+  which sums the rows it received in rank order; on two ranks the reduce-scatter's one addition,
+  so its result bit for bit (on more ranks the same terms in a fixed order).
+
+Each node's ``wait_tensor`` stays where it was and waits for the transfers, so buckets, prefetch
+distances and the memory the passes planned are unchanged. Only collectives over the
+data-parallel group are replaced (an hpZ group's are not).
+
+Runs last, after ``bucketing``, ``prefetch`` and ``all_reduce_gradients`` have placed and chosen
+every collective. The collective summaries count the new ops as the collectives they replace
+(``passes/collective_summary.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from zerocompile.passes.context import PassContext
+from zerocompile.passes.graph_utils import tag, tensor_nbytes
+from zerocompile.runtime import point_to_point  # noqa: F401  (registers the zerocompile:: ops below)
+
+_c10d = torch.ops._c10d_functional
+_GATHER = torch.ops.zerocompile.all_gather_point_to_point.default
+_REDUCE = torch.ops.zerocompile.reduce_scatter_point_to_point.default
+_GATHER_ROLES = ("param_gather", "bucket_gather")
+_REDUCE_ROLES = ("grad_reduce_scatter", "bucket_reduce_scatter")
+
+
+def collectives_as_point_to_point(graph: torch.fx.Graph, choice, group_name: str) -> dict:
+    """Replace each parameter all-gather and gradient reduce-scatter over ``group_name`` that
+    ``choice`` sends point to point (``gather_kind_for`` of the gathered bytes, ``kind_for`` of
+    the reduced buffer's bytes); returns ``{"all_gather": [bytes...], "reduce_scatter": [...]}``."""
+    replaced = {"all_gather": [], "reduce_scatter": []}
+    for node in list(graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default)):
+        _, world, name = node.args
+        if tag(node).get("role") not in _GATHER_ROLES or name != group_name or world <= 1:
+            continue
+        nbytes = tensor_nbytes(node.meta["val"])
+        if choice.gather_kind_for(nbytes) == "point_to_point":
+            node.target = _GATHER
+            replaced["all_gather"].append(nbytes)
+    for node in list(graph.find_nodes(op="call_function", target=_c10d.reduce_scatter_tensor.default)):
+        flat, reduce_op, world, name = node.args
+        if tag(node).get("role") not in _REDUCE_ROLES or name != group_name or world <= 1 or reduce_op != "sum":
+            continue
+        nbytes = tensor_nbytes(flat.meta["val"])
+        if choice.kind_for(nbytes) == "point_to_point":
+            node.target = _REDUCE
+            replaced["reduce_scatter"].append(nbytes)
+    return replaced
+
+
+def point_to_point_collectives(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx.GraphModule:
+    choice = ctx.gradient_reduction
+    results = ctx.results.setdefault("point_to_point_collectives", {})
+    if choice is None or ctx.group.world == 1 or (
+            "point_to_point" not in choice.gather_kinds and "point_to_point" not in choice.kinds):
+        results[ctx.graph_kind] = {kind: {"replaced": 0, "bytes": 0} for kind in ("all_gather", "reduce_scatter")}
+        return gm
+    replaced = collectives_as_point_to_point(gm.graph, choice, ctx.group.name)
+    gm.recompile()
+    results[ctx.graph_kind] = {kind: {"replaced": len(b), "bytes": sum(b)} for kind, b in replaced.items()}
+    ctx.logger.debug("[%s] point_to_point_collectives (%s): %s", ctx.frame, ctx.graph_kind, results[ctx.graph_kind])
+    return gm
