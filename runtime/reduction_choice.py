@@ -206,6 +206,11 @@ def gradient_reduction(option: str, group: CommGroup, device=None, parameter_gat
     return measured
 
 
+SAVED_VERSION = 2
+"""Bumped when what the probe times changes (``REDUCTIONS``, ``GATHERS``): older saved choices
+are then not found, and measured anew."""
+
+
 @dataclass(frozen=True)
 class SavedChoices:
     """Where measured choices are kept for a restart (``directory``, beside the compile caches):
@@ -217,7 +222,7 @@ class SavedChoices:
     directory: str
 
     def path(self, world: int, backend: str, device: str) -> str:
-        return os.path.join(self.directory, f"world{world}-{backend}-{torch.device(device).type}.json")
+        return os.path.join(self.directory, f"v{SAVED_VERSION}-world{world}-{backend}-{torch.device(device).type}.json")
 
     def load(self, world: int, backend: str, device: str) -> "ReductionChoice | None":
         try:
