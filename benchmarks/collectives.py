@@ -11,8 +11,8 @@ barrier, median of ``--reps``::
     python benchmarks/collectives.py                  # 2 gloo ranks, 42M fp32 elements
     python benchmarks/collectives.py --numel 4200000 --world-size 4
 
-It also times the point-to-point gather ``parameter_gather="point_to_point"`` runs in its place (each
-rank's shard sent to every other rank). It prints ms per collective kind and the ratio to the
+It also times the point-to-point transfers zerocompile can run in their place
+(``gradient_reduction`` / ``parameter_gather="point_to_point"``, ``runtime/point_to_point.py``). It prints ms per collective kind and the ratio to the
 all-reduce, and writes
 ``results/collectives.json``.
 """
@@ -66,7 +66,17 @@ def rank_main(rank: int, world: int, args) -> dict:
         for b in pending:
             torch.ops._c10d_functional.wait_tensor(b)
 
+    def point_to_point_reduce_scatter():   # gradient_reduction="point_to_point": two buckets in flight
+        pending = []
+        for b in buckets:
+            pending.append(torch.ops.zerocompile.reduce_scatter_point_to_point(b, "sum", world, name))
+            if len(pending) == 2:
+                torch.ops._c10d_functional.wait_tensor(pending.pop(0))
+        for r in pending:
+            torch.ops._c10d_functional.wait_tensor(r)
+
     kinds = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather,
+             "point_to_point_reduce_scatter": point_to_point_reduce_scatter,
              "point_to_point_gather": point_to_point_gather}
     times = {k: [] for k in kinds}
     for rep in range(args.reps + 1):                  # the first round warms up
@@ -100,8 +110,11 @@ def main(argv=None) -> int:
     stages = slowest["reduce_scatter"] + slowest["all_gather"]
     print(f"ZeRO stages 1-2 (reduce-scatter + all-gather): {stages:.1f} ms = ×{stages / slowest['all_reduce']:.2f} "
           "DDP's all-reduce (a ring implementation of both: ×1.00)")
-    print(f"point-to-point gather (parameter_gather='point_to_point') ×{slowest['point_to_point_gather'] / slowest['all_gather']:.2f} "
-          "the all-gather")
+    p2p = slowest["point_to_point_reduce_scatter"] + slowest["point_to_point_gather"]
+    print(f"the same point to point (gradient_reduction / parameter_gather='point_to_point'): {p2p:.1f} ms = "
+          f"×{p2p / slowest['all_reduce']:.2f} DDP's all-reduce; the transfers take "
+          f"×{slowest['point_to_point_reduce_scatter'] / slowest['reduce_scatter']:.2f} the reduce-scatter's time and "
+          f"×{slowest['point_to_point_gather'] / slowest['all_gather']:.2f} the all-gather's")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                                     "torch": torch.__version__, "cpu_count": os.cpu_count(),
