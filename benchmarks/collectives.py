@@ -12,8 +12,8 @@ barrier, median of ``--reps``::
     python benchmarks/collectives.py --numel 4200000 --world-size 4
 
 It also times the point-to-point transfers zerocompile can run in their place
-(``gradient_reduction`` / ``parameter_gather="point_to_point"``, ``runtime/point_to_point.py``). It prints ms per collective kind and the ratio to the
-all-reduce, and writes
+(``gradient_reduction`` / ``parameter_gather="point_to_point"``, ``runtime/point_to_point.py``).
+It prints ms per collective kind and the ratio to the all-reduce, and writes
 ``results/collectives.json``.
 """
 
