@@ -54,12 +54,12 @@ def rank_main(rank: int, world: int, args) -> dict:
 
     from zerocompile.runtime import point_to_point  # noqa: F401  (registers the op)
 
-    name = dist.group.WORLD.group_name
+    group_name = dist.group.WORLD.group_name
 
     def point_to_point_gather():       # parameter_gather="point_to_point": two buckets in flight, as the step
         pending = []
         for b, s in zip(buckets, shards):
-            torch.ops.zerocompile.all_gather_point_to_point_out(s, world, name, b)
+            torch.ops.zerocompile.all_gather_point_to_point_out(s, world, group_name, b)
             pending.append(b)
             if len(pending) == 2:
                 torch.ops._c10d_functional.wait_tensor(pending.pop(0))
@@ -69,7 +69,7 @@ def rank_main(rank: int, world: int, args) -> dict:
     def point_to_point_reduce_scatter():   # gradient_reduction="point_to_point": two buckets in flight
         pending = []
         for b in buckets:
-            pending.append(torch.ops.zerocompile.reduce_scatter_point_to_point(b, "sum", world, name))
+            pending.append(torch.ops.zerocompile.reduce_scatter_point_to_point(b, "sum", world, group_name))
             if len(pending) == 2:
                 torch.ops._c10d_functional.wait_tensor(pending.pop(0))
         for r in pending:
