@@ -38,8 +38,12 @@ from zerocompile import _torch_compat
 def start_point_to_point_gather(x: torch.Tensor, rank: int, world: int, group, out: torch.Tensor) -> list:
     """Send ``x`` to every other rank of ``group`` (this process is ``rank`` of ``world``) and
     receive row ``r`` of ``out`` (``world * x.numel()`` elements, rank order) from rank ``r``;
-    this rank's row is copied here. Returns the transfers' ``Work`` handles."""
-    flat = x.contiguous().view(-1)
+    this rank's row is copied here. Returns the transfers' ``Work`` handles.
+
+    What is sent is a copy of ``x`` that only the transfers hold: a compiled graph may reuse
+    ``x``'s memory for another buffer as soon as this call returns (inductor's buffer reuse
+    knows nothing of transfers still reading it), which would send that buffer's values."""
+    flat = x.reshape(-1).clone()
     rows = out.view(world, -1)
     transfers = []
     for peer in range(world):
@@ -54,8 +58,10 @@ def start_point_to_point_gather(x: torch.Tensor, rank: int, world: int, group, o
 def start_point_to_point_reduce_scatter(x: torch.Tensor, rank: int, world: int, group) -> tuple[list, list]:
     """Send row ``r`` of ``x`` (``world`` equal rows, flat) to rank ``r`` of ``group`` and receive
     every other rank's row ``rank``. Returns the transfers' ``Work`` handles and the rows to
-    sum, in rank order (this rank's own row among them): read them after the waits."""
-    rows = x.contiguous().view(world, -1)
+    sum, in rank order (this rank's own row among them): read them after the waits. The rows
+    sent and kept are a copy of ``x`` that only the transfers and the sum hold (see
+    ``start_point_to_point_gather``)."""
+    rows = x.reshape(world, -1).clone()
     received = x.new_empty((max(world - 1, 1), rows.shape[1]))
     transfers, parts, k = [], [], 0
     for peer in range(world):

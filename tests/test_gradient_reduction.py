@@ -202,3 +202,29 @@ def test_a_saved_choice_round_trips_and_a_damaged_one_is_ignored(tmp_path):
     with open(saved.path(2, "gloo", "cpu"), "w") as f:
         f.write("{not json")
     assert saved.load(2, "gloo", "cpu") is None
+
+
+def _overwrite_while_in_flight(rank, world):
+    from zerocompile.runtime import point_to_point  # noqa: F401  (registers the ops)
+    from zerocompile.runtime.comm import resolve_group
+
+    group = resolve_group()
+    wait = torch.ops._c10d_functional.wait_tensor
+    torch.manual_seed(rank)
+    x = torch.randn(world * (1 << 20))
+    expected_sum = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x, "sum", world, group.name)).clone()
+    shard = x[: 1 << 20].clone()
+    expected_rows = _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(
+        shard, world, group.name, out=torch.empty(world << 20))).clone()
+    reduced = torch.ops.zerocompile.reduce_scatter_point_to_point(x, "sum", world, group.name)
+    gathered = torch.ops.zerocompile.all_gather_point_to_point(shard, world, group.name)
+    x.fill_(float("nan"))       # what a compiled graph reusing the inputs' memory would do
+    shard.fill_(float("nan"))
+    return torch.equal(wait(reduced), expected_sum), torch.equal(wait(gathered), expected_rows)
+
+
+def test_point_to_point_ops_do_not_read_their_inputs_after_returning():
+    """The transfers send copies: inputs overwritten right after the ops return (inductor may
+    reuse their memory for the next buffer) change nothing of the results, which are the
+    collectives' bit for bit (4 MiB per rank, large enough to be in flight)."""
+    assert run_ranks(_overwrite_while_in_flight, 2) == [(True, True), (True, True)]
