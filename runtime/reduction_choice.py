@@ -220,11 +220,17 @@ class SavedChoices:
     the files to measure anew."""
 
     directory: str
+    enabled: bool = True
+    """False where this rank's compile caches are off: it loads and saves nothing, but still
+    takes part in the ranks' agreement (so a rank whose environment differs cannot hang the
+    others: they then all measure)."""
 
     def path(self, world: int, backend: str, device: str) -> str:
         return os.path.join(self.directory, f"v{SAVED_VERSION}-world{world}-{backend}-{torch.device(device).type}.json")
 
     def load(self, world: int, backend: str, device: str) -> "ReductionChoice | None":
+        if not self.enabled:
+            return None
         try:
             with open(self.path(world, backend, device)) as f:
                 d = json.load(f)
@@ -239,6 +245,8 @@ class SavedChoices:
 
     def save(self, choice: "ReductionChoice", world: int, backend: str, device: str) -> None:
         """Write atomically (ranks sharing the directory write the same content)."""
+        if not self.enabled:
+            return
         data = {"sizes": list(choice.sizes), "kinds": list(choice.kinds), "ms": [list(m) for m in choice.ms],
                 "gather_kinds": list(choice.gather_kinds), "gather_ms": [list(m) for m in choice.gather_ms]}
         try:

@@ -5,6 +5,8 @@ the collective that ran, and ``"auto"`` the same choice on every rank."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.fx
@@ -199,6 +201,12 @@ def test_a_saved_choice_round_trips_and_a_damaged_one_is_ignored(tmp_path):
     saved.save(choice, 2, "gloo", "cpu")
     assert saved.load(2, "gloo", "cpu") == choice
     assert saved.load(4, "gloo", "cpu") is None and saved.load(2, "nccl", "cuda:0") is None
+    # a rank whose compile caches are off reads and writes nothing (but still takes part in the
+    # ranks' agreement, which then fails, so every rank measures)
+    off = SavedChoices(saved.directory, enabled=False)
+    assert off.load(2, "gloo", "cpu") is None
+    off.save(choice, 4, "gloo", "cpu")
+    assert not os.path.exists(saved.path(4, "gloo", "cpu"))
     with open(saved.path(2, "gloo", "cpu"), "w") as f:
         f.write("{not json")
     assert saved.load(2, "gloo", "cpu") is None

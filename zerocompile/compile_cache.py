@@ -156,10 +156,13 @@ def saved_choices(inner_compiler: str) -> SavedChoices | None:
     """Where a measured ``gradient_reduction`` / ``parameter_gather`` choice is kept for a
     restart (beside inductor's cache), for frames whose graphs AOTAutograd caches (keyed on the
     choice: a choice measured anew could flip near a tie, and the restart would miss); None
-    where nothing is cached."""
-    if inner_compiler != "inductor" or not _torch_compat.compile_caches_enabled():
+    for the eager inner compiler, which caches nothing. Where this rank's caches are off the
+    store is disabled but still given: every inductor rank takes part in the agreement on a
+    saved choice, whatever its own environment."""
+    if inner_compiler != "inductor":
         return None
-    return SavedChoices(str(Path(_torch_compat.inductor_cache_dir()) / "zerocompile" / "choices"))
+    return SavedChoices(str(Path(_torch_compat.inductor_cache_dir()) / "zerocompile" / "choices"),
+                        enabled=_torch_compat.compile_caches_enabled())
 
 
 def agree(entry: FrameEntry | None, group: CommGroup, device) -> bool:
