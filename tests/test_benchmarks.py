@@ -247,19 +247,21 @@ COLLECTIVES = Path(__file__).resolve().parent.parent / "benchmarks" / "collectiv
 
 
 def test_collectives_benchmark_small(tmp_path):
-    """benchmarks/collectives.py on a small buffer: every kind timed on 2 gloo ranks, the ratios
-    to the all-reduce and the stages-1/2 sum written out."""
+    """benchmarks/collectives.py on a small buffer: every kind timed on 2 gloo ranks (the
+    point-to-point transfers too), the ratios to the all-reduce and the stages-1/2 sum written out."""
     out = tmp_path / "coll.json"
     proc = subprocess.run([sys.executable, str(COLLECTIVES), "--numel", "300000", "--bucket-mb", "1", "--reps", "2",
                            "--out", str(out)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
-    assert set(result["ms"]) == {"all_reduce", "reduce_scatter", "all_gather"}
+    assert set(result["ms"]) == {"all_reduce", "reduce_scatter", "all_gather", "point_to_point_reduce_scatter",
+                                 "point_to_point_gather"}
     assert all(v > 0 and math.isfinite(v) for v in result["ms"].values())
     assert result["x_all_reduce"]["all_reduce"] == 1.0
     total = result["ms"]["reduce_scatter"] + result["ms"]["all_gather"]
     assert math.isclose(result["stages_1_2_x_all_reduce"], total / result["ms"]["all_reduce"])
     assert "| reduce-scatter |" in proc.stdout and "ZeRO stages 1-2" in proc.stdout
+    assert "| point-to-point-gather |" in proc.stdout and "the same point to point" in proc.stdout
 
 
 WHOLE_PARAM_STEP = Path(__file__).resolve().parent.parent / "benchmarks" / "whole_param_step.py"

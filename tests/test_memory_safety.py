@@ -49,8 +49,10 @@ class _CollectiveRecorder(TorchDispatchMode):
 
 
 # ------------------------------------------------------------- stage 3, 2 gloo ranks
+# the collectives themselves (not the point-to-point transfers "auto" may take on gloo instead)
 RUN = Run(model="gpt", stage=3, opt="adamw", steps=2, clip=1.0,
-          options=(("bucket_mb", 0.01), ("prefetch_mb", 0.1)))
+          options=(("bucket_mb", 0.01), ("prefetch_mb", 0.1), ("gradient_reduction", "reduce_scatter"),
+                   ("parameter_gather", "all_gather")))
 
 
 def _recorded_train(rank, world, run):

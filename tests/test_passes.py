@@ -160,13 +160,18 @@ def test_pipeline_follows_stage_and_options():
     names = lambda ctx, kind: [p.name for p in pipeline(ctx, kind)]  # noqa: E731
     assert names(_ctx(3), "dynamo") == ["insert_param_collectives", "cast_before_gather"]
     assert names(_ctx(3), "joint") == ["tag_collectives", "reshard_after_forward"]
-    assert names(_ctx(3), "forward") == ["bucketing", "prefetch"]
-    assert names(_ctx(3), "backward") == ["bucketing", "prefetch"]
+    # point_to_point_collectives runs where "auto" may choose the transfers (the defaults)
+    assert names(_ctx(3), "forward") == ["bucketing", "prefetch", "point_to_point_collectives"]
+    assert names(_ctx(3), "backward") == ["bucketing", "prefetch", "point_to_point_collectives"]
+    collectives = dict(parameter_gather="all_gather", gradient_reduction="reduce_scatter")
+    assert names(_ctx(3, **collectives), "backward") == ["bucketing", "prefetch"]
+    assert names(_ctx(2, gradient_reduction="point_to_point", parameter_gather="all_gather"), "backward") == [
+        "bucketing", "prefetch", "all_reduce_gradients", "point_to_point_collectives"]
     assert names(_ctx(2), "joint") == ["tag_collectives"]
     assert names(_ctx(1), "backward") == []
     assert names(_ctx(3, reshard_after_forward=False), "joint") == ["tag_collectives"]
     assert names(_ctx(3, passes={"disable": ["reshard_after_forward"]}), "joint") == ["tag_collectives"]
-    assert names(_ctx(3, bucket_mb=0, prefetch=False), "forward") == []
+    assert names(_ctx(3, bucket_mb=0, prefetch=False, **collectives), "forward") == []
     assert names(_ctx(3, unshard_budget_mb=4, recompute="full"), "joint") == [
         "tag_collectives", "selective_unshard", "reshard_after_forward", "recompute"]
 
