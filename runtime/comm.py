@@ -23,6 +23,7 @@ rewrites the final graphs right before an inner compiler gets them.
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 
 import operator
@@ -119,6 +120,18 @@ def chunk_size(numel: int, world: int) -> int:
     least one element, padding). The one formula of the shard layout: the shards, the
     gradients the backward reduce-scatters into them and the state dicts all use it."""
     return max(1, -(-numel // world))
+
+
+def agreement_digest(value) -> int:
+    """A nonzero 56-bit number for ``repr(value)``, for ``every_rank_holds``."""
+    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:7], "little") | 1
+
+
+def every_rank_holds(value: int, world: int, group_name: str, device=None) -> bool:
+    """Whether every rank of the group passed the same nonzero ``value`` (0: this rank holds
+    nothing); an all-gather of one number per rank, so every rank calls it at the same point."""
+    values = all_gather_flat(torch.tensor([value], dtype=torch.int64, device=device), world, group_name).tolist()
+    return values[0] != 0 and all(v == values[0] for v in values)
 
 
 def all_gather_flat(x: torch.Tensor, world: int, group_name: str) -> torch.Tensor:

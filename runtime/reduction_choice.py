@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import math
@@ -51,7 +50,8 @@ import torch
 
 from zerocompile import _torch_compat
 from zerocompile.runtime import point_to_point  # noqa: F401  (registers zerocompile::all_gather_point_to_point_out)
-from zerocompile.runtime.comm import CommGroup, all_gather_flat, is_fake_group, start_all_gather_flat
+from zerocompile.runtime.comm import (CommGroup, agreement_digest, every_rank_holds, is_fake_group,
+                                      start_all_gather_flat)
 
 _c10d = torch.ops._c10d_functional
 log = logging.getLogger("zerocompile")
@@ -283,10 +283,8 @@ def _fastest(kinds: tuple[str, ...], times: tuple[float, ...], allowed: tuple[st
 
 def _every_rank_holds(choice: "ReductionChoice | None", group_name: str, world: int, device: torch.device) -> bool:
     """Whether every rank holds this same saved choice (an all-gather of a digest per rank)."""
-    digest = 0 if choice is None else int.from_bytes(
-        hashlib.sha256(repr((choice.sizes, choice.kinds, choice.gather_kinds)).encode()).digest()[:7], "little") | 1
-    values = all_gather_flat(torch.tensor([digest], dtype=torch.int64, device=device), world, group_name).tolist()
-    return values[0] != 0 and all(v == values[0] for v in values)
+    digest = 0 if choice is None else agreement_digest((choice.sizes, choice.kinds, choice.gather_kinds))
+    return every_rank_holds(digest, world, group_name, device)
 
 
 def _measure(group_name: str, world: int, device: str) -> ReductionChoice:

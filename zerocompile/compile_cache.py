@@ -35,7 +35,7 @@ import torch
 
 from zerocompile import _torch_compat
 from zerocompile.runtime.accounting import CollectiveSummary
-from zerocompile.runtime.comm import CommGroup, all_gather_flat, is_fake_group
+from zerocompile.runtime.comm import CommGroup, agreement_digest, every_rank_holds, is_fake_group
 from zerocompile.runtime.reduction_choice import SavedChoices
 
 log = logging.getLogger("zerocompile")
@@ -59,8 +59,7 @@ class FrameEntry:
 
     def agreement_value(self) -> int:
         """A nonzero number that equal entries' cost models share (``agree`` compares it)."""
-        rates = repr(sorted((self.cost_model or {}).items())).encode()
-        return int.from_bytes(hashlib.sha256(rates).digest()[:7], "little") | 1
+        return agreement_digest(sorted((self.cost_model or {}).items()))
 
 
 def bypass_reason(inner_compiler: str, profile: bool, dumping: bool, hpz_partition_size: int) -> str | None:
@@ -171,6 +170,4 @@ def agree(entry: FrameEntry | None, group: CommGroup, device) -> bool:
     value = 0 if entry is None else entry.agreement_value()
     if group.world == 1 or is_fake_group(group) or (device is not None and torch.device(device).type == "meta"):
         return value != 0          # nothing to agree with (on meta, the probe times nothing either)
-    mine = torch.tensor([value], dtype=torch.int64, device=device)
-    values = all_gather_flat(mine, group.world, group.name).tolist()
-    return values[0] != 0 and all(v == values[0] for v in values)
+    return every_rank_holds(value, group.world, group.name, device)
