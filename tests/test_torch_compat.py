@@ -516,3 +516,34 @@ def test_autograd_cache_refuses_our_functions_unless_vouched_for(tmp_path, monke
     assert _torch_compat.compile_caches_enabled()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "c"))
     assert _torch_compat.inductor_cache_dir() == str(tmp_path / "c")
+
+
+def test_boxed_python_code_empties_the_input_list_and_drops_each_value_after_its_last_use():
+    """``inner_compiler="eager"`` runs its graphs as FX's generated code in the boxed calling
+    convention (``torch.fx.graph._BoxedCodeGen``): the inputs list is emptied, and an input is
+    freed right after its last use, while the graph still runs (a stage-3 parameter gathered
+    and used early must not live to the end)."""
+    import weakref
+
+    seen = {}
+
+    def probe(x):
+        gc_ref = seen["ref"]
+        seen["alive_at_probe"] = gc_ref() is not None
+        return x * 2
+
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    first = graph.call_function(torch.add, (a, 1))          # a's last use
+    later = graph.call_function(probe, (b,))
+    graph.output(graph.call_function(torch.add, (first, later)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    code = _torch_compat.boxed_python_code(gm)
+    x, y = torch.ones(3), torch.full((3,), 2.0)
+    seen["ref"] = weakref.ref(x)
+    args = [x, y]
+    del x
+    out = code(args)
+    assert args == [], "the boxed code no longer empties its inputs list"
+    assert seen["alive_at_probe"] is False, "the generated code no longer drops an input after its last use"
+    assert torch.equal(out, torch.full((3,), 6.0))

@@ -585,3 +585,15 @@ def no_dispatch():
     from torch.utils._mode_utils import no_dispatch as torch_no_dispatch
 
     return torch_no_dispatch()
+
+
+def boxed_python_code(gm: torch.fx.GraphModule):
+    """``gm``'s generated Python code in the boxed calling convention: a function of one list of
+    inputs that empties the list, then drops each value (inputs included) after its last use.
+    Private (``torch.fx.graph._BoxedCodeGen``): FX's public code generator takes the inputs as
+    arguments, whose caller's references keep every input alive for the whole graph."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+    return gm.forward
