@@ -115,7 +115,9 @@ def _collective_table() -> dict:
         # zerocompile's point-to-point transfers (parameter_gather, gradient_reduction): the bytes of what they replace
         ("zerocompile", "all_gather_point_to_point"): ("all_gather", "return"),
         ("zerocompile", "all_gather_point_to_point_out"): ("all_gather", "out"),
+        ("zerocompile", "all_gather_point_to_point_into"): ("all_gather", "outs"),
         ("zerocompile", "reduce_scatter_point_to_point"): ("reduce_scatter", "x"),
+        ("zerocompile", "reduce_scatter_point_to_point_into"): ("reduce_scatter", "xs"),
         ("_c10d_functional", "all_reduce"): ("all_reduce", "input"),
         ("_c10d_functional", "all_reduce_"): ("all_reduce", "input"),
         ("_c10d_functional", "all_reduce_coalesced"): ("all_reduce", "inputs"),

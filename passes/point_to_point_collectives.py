@@ -16,6 +16,10 @@ between pairs of ranks:
   which sums the rows it received in rank order; on two ranks the reduce-scatter's one addition,
   so its result bit for bit (on more ranks the same terms in a fixed order).
 
+The ops send a copy of their input where inductor compiles the graph (it may reuse the input's
+memory as soon as the op returns); graphs run op by op (``inner_compiler="eager"``) send the
+input itself, which nothing writes before the wait (``copy_input``, ``runtime/point_to_point.py``).
+
 Each node's ``wait_tensor`` stays where it was and waits for the transfers, so buckets, prefetch
 distances and the memory the passes planned are unchanged. Only collectives over the
 data-parallel group are replaced (an hpZ group's are not).
@@ -41,10 +45,11 @@ _GATHER_ROLES = ("param_gather", "bucket_gather")
 _REDUCE_ROLES = ("grad_reduce_scatter", "bucket_reduce_scatter")
 
 
-def collectives_as_point_to_point(graph: torch.fx.Graph, choice, group_name: str) -> dict:
+def collectives_as_point_to_point(graph: torch.fx.Graph, choice, group_name: str, copy_input: bool = True) -> dict:
     """Replace each parameter all-gather and gradient reduce-scatter over ``group_name`` that
     ``choice`` sends point to point (``gather_kind_for`` of the gathered bytes, ``kind_for`` of
-    the reduced buffer's bytes); returns ``{"all_gather": [bytes...], "reduce_scatter": [...]}``."""
+    the reduced buffer's bytes); returns ``{"all_gather": [bytes...], "reduce_scatter": [...]}``.
+    ``copy_input``: the ops' argument of that name (False only for graphs run op by op)."""
     replaced = {"all_gather": [], "reduce_scatter": []}
     for node in list(graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default)):
         _, world, name = node.args
@@ -53,6 +58,7 @@ def collectives_as_point_to_point(graph: torch.fx.Graph, choice, group_name: str
         nbytes = tensor_nbytes(node.meta["val"])
         if choice.gather_kind_for(nbytes) == "point_to_point":
             node.target = _GATHER
+            node.args = (*node.args, copy_input)
             replaced["all_gather"].append(nbytes)
     for node in list(graph.find_nodes(op="call_function", target=_c10d.reduce_scatter_tensor.default)):
         flat, reduce_op, world, name = node.args
@@ -61,18 +67,22 @@ def collectives_as_point_to_point(graph: torch.fx.Graph, choice, group_name: str
         nbytes = tensor_nbytes(flat.meta["val"])
         if choice.kind_for(nbytes) == "point_to_point":
             node.target = _REDUCE
+            node.args = (*node.args, copy_input)
             replaced["reduce_scatter"].append(nbytes)
     return replaced
 
 
-def point_to_point_collectives(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx.GraphModule:
+def point_to_point_collectives(gm: torch.fx.GraphModule, ctx: PassContext, copy_input: bool = True,
+                               **_) -> torch.fx.GraphModule:
+    """``copy_input``: the transfers send a copy of their input (False only where the graphs run
+    op by op, ``inner_compiler="eager"``)."""
     choice = ctx.gradient_reduction
     results = ctx.results.setdefault("point_to_point_collectives", {})
     if choice is None or ctx.group.world == 1 or (
             "point_to_point" not in choice.gather_kinds and "point_to_point" not in choice.kinds):
         results[ctx.graph_kind] = {kind: {"replaced": 0, "bytes": 0} for kind in ("all_gather", "reduce_scatter")}
         return gm
-    replaced = collectives_as_point_to_point(gm.graph, choice, ctx.group.name)
+    replaced = collectives_as_point_to_point(gm.graph, choice, ctx.group.name, copy_input=copy_input)
     gm.recompile()
     results[ctx.graph_kind] = {kind: {"replaced": len(b), "bytes": sum(b)} for kind, b in replaced.items()}
     ctx.logger.debug("[%s] point_to_point_collectives (%s): %s", ctx.frame, ctx.graph_kind, results[ctx.graph_kind])

@@ -22,7 +22,15 @@ modes see one op per gather (``zerocompile.stats()`` counts it as an all-gather)
 - ``zerocompile::all_gather_point_to_point_out(x, world, group_name, out)``: into ``out`` (the
   optimizer step's reused buffers).
 
-Both only *start* the transfers; ``torch.ops._c10d_functional.wait_tensor`` of the result waits
+- ``zerocompile::all_gather_point_to_point_into(xs, outs, world, group_name)``: many tensors
+  at once, each straight into its own ``out`` (the optimizer step's refresh of the stage 1-2
+  replicas, whose receive buffers are the replicas themselves: no bucket buffer, no copy out).
+
+- ``zerocompile::reduce_scatter_point_to_point_into(xs, outs, world, group_name)``: the
+  reduce-scatter of many tensors at once, each sent from its own memory and summed into its
+  own ``out`` (the stage 1 optimizer step's reduction of the full gradients).
+
+All of them only *start* the transfers; ``torch.ops._c10d_functional.wait_tensor`` of the result waits
 for them, as for a functional collective (they are registered in c10d's registry of pending
 work: ``_torch_compat.register_pending_works``). ``x`` must stay unchanged until then.
 """
@@ -35,15 +43,19 @@ import torch.distributed as dist
 from zerocompile import _torch_compat
 
 
-def start_point_to_point_gather(x: torch.Tensor, rank: int, world: int, group, out: torch.Tensor) -> list:
+def start_point_to_point_gather(x: torch.Tensor, rank: int, world: int, group, out: torch.Tensor,
+                                copy_input: bool = True) -> list:
     """Send ``x`` to every other rank of ``group`` (this process is ``rank`` of ``world``) and
     receive row ``r`` of ``out`` (``world * x.numel()`` elements, rank order) from rank ``r``;
     this rank's row is copied here. Returns the transfers' ``Work`` handles.
 
-    What is sent is a copy of ``x`` that only the transfers hold: a compiled graph may reuse
-    ``x``'s memory for another buffer as soon as this call returns (inductor's buffer reuse
-    knows nothing of transfers still reading it), which would send that buffer's values."""
-    flat = x.reshape(-1).clone()
+    What is sent is a copy of ``x`` that only the transfers hold (``copy_input``): a compiled
+    graph may reuse ``x``'s memory for another buffer as soon as this call returns (inductor's
+    buffer reuse knows nothing of transfers still reading it), which would send that buffer's
+    values. Without the copy, ``x`` itself is sent: only where its memory stays as it is until
+    the wait (graphs run op by op, ``passes/point_to_point_collectives.py``; the eager step;
+    the transfers hold a reference, so ``x`` is not freed before)."""
+    flat = x.reshape(-1).clone() if copy_input else x.reshape(-1)
     rows = out.view(world, -1)
     transfers = []
     for peer in range(world):
@@ -55,13 +67,14 @@ def start_point_to_point_gather(x: torch.Tensor, rank: int, world: int, group, o
     return works
 
 
-def start_point_to_point_reduce_scatter(x: torch.Tensor, rank: int, world: int, group) -> tuple[list, list]:
+def start_point_to_point_reduce_scatter(x: torch.Tensor, rank: int, world: int, group,
+                                        copy_input: bool = True) -> tuple[list, list]:
     """Send row ``r`` of ``x`` (``world`` equal rows, flat) to rank ``r`` of ``group`` and receive
     every other rank's row ``rank``. Returns the transfers' ``Work`` handles and the rows to
     sum, in rank order (this rank's own row among them): read them after the waits. The rows
-    sent and kept are a copy of ``x`` that only the transfers and the sum hold (see
-    ``start_point_to_point_gather``)."""
-    rows = x.reshape(world, -1).clone()
+    sent and kept are a copy of ``x`` that only the transfers and the sum hold where
+    ``copy_input`` (see ``start_point_to_point_gather``)."""
+    rows = x.reshape(world, -1).clone() if copy_input else x.reshape(world, -1)
     received = x.new_empty((max(world - 1, 1), rows.shape[1]))
     transfers, parts, k = [], [], 0
     for peer in range(world):
@@ -79,57 +92,190 @@ def start_point_to_point_reduce_scatter(x: torch.Tensor, rank: int, world: int, 
 def sum_in_rank_order(parts: list, out: torch.Tensor) -> torch.Tensor:
     """``out = ((parts[0] + parts[1]) + parts[2]) + ...``: one fixed order, whatever the rank
     (on two ranks the one addition a reduce-scatter makes, so its result bit for bit)."""
-    out.copy_(parts[0])
-    for part in parts[1:]:
+    if len(parts) == 1:
+        return out.copy_(parts[0])
+    torch.add(parts[0], parts[1], out=out)        # one pass, the same rounding as a copy and add_
+    for part in parts[2:]:
         out.add_(part)
     return out
 
 
-def _start_into(x: torch.Tensor, world: int, group_name: str, out: torch.Tensor) -> None:
+def _start_into(x: torch.Tensor, world: int, group_name: str, out: torch.Tensor, copy_input: bool = True) -> None:
     group = _torch_compat.process_group_named(group_name)
-    works = start_point_to_point_gather(x, dist.get_rank(group), world, group, out)
+    works = start_point_to_point_gather(x, dist.get_rank(group), world, group, out, copy_input)
     _torch_compat.register_pending_works(out, works)
 
 
 @torch.library.custom_op("zerocompile::all_gather_point_to_point", mutates_args=())
-def all_gather_point_to_point(x: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
+def all_gather_point_to_point(x: torch.Tensor, world: int, group_name: str, copy_input: bool = True) -> torch.Tensor:
     """``all_gather_into_tensor(x, world, group_name)`` by point-to-point transfers: read the
-    result after ``wait_tensor``."""
+    result after ``wait_tensor``. ``copy_input``: see ``start_point_to_point_gather``."""
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    _start_into(x, world, group_name, out)
+    _start_into(x, world, group_name, out, copy_input)
     return out
 
 
 @all_gather_point_to_point.register_fake
-def _all_gather_point_to_point_fake(x, world, group_name):
+def _all_gather_point_to_point_fake(x, world, group_name, copy_input=True):
     return x.new_empty((world * x.shape[0], *x.shape[1:]))
 
 
 @torch.library.custom_op("zerocompile::all_gather_point_to_point_out", mutates_args=("out",))
-def all_gather_point_to_point_out(x: torch.Tensor, world: int, group_name: str, out: torch.Tensor) -> None:
+def all_gather_point_to_point_out(x: torch.Tensor, world: int, group_name: str, out: torch.Tensor,
+                                  copy_input: bool = True) -> None:
     """The same into ``out`` (``world * x.numel()`` elements): read it after ``wait_tensor(out)``."""
-    _start_into(x, world, group_name, out)
+    _start_into(x, world, group_name, out, copy_input)
 
 
 @all_gather_point_to_point_out.register_fake
-def _all_gather_point_to_point_out_fake(x, world, group_name, out):
+def _all_gather_point_to_point_out_fake(x, world, group_name, out, copy_input=True):
     return None
 
 
 @torch.library.custom_op("zerocompile::reduce_scatter_point_to_point", mutates_args=())
-def reduce_scatter_point_to_point(x: torch.Tensor, reduce_op: str, world: int, group_name: str) -> torch.Tensor:
+def reduce_scatter_point_to_point(x: torch.Tensor, reduce_op: str, world: int, group_name: str,
+                                  copy_input: bool = True) -> torch.Tensor:
     """``reduce_scatter_tensor(x, "sum", world, group_name)`` by point-to-point transfers: row
     ``r`` of ``x`` goes to rank ``r``, and the rows received are summed in rank order when
-    ``wait_tensor`` of the result returns (``sum_in_rank_order``)."""
+    ``wait_tensor`` of the result returns (``sum_in_rank_order``). ``copy_input``: see
+    ``start_point_to_point_gather``."""
     if reduce_op != "sum":
         raise ValueError(f"zerocompile::reduce_scatter_point_to_point sums; got reduce_op={reduce_op!r}")
     group = _torch_compat.process_group_named(group_name)
-    works, parts = start_point_to_point_reduce_scatter(x, dist.get_rank(group), world, group)
+    works, parts = start_point_to_point_reduce_scatter(x, dist.get_rank(group), world, group, copy_input)
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
     _torch_compat.register_pending_works(out, works, then=lambda: sum_in_rank_order(parts, out.view(-1)))
     return out
 
 
 @reduce_scatter_point_to_point.register_fake
-def _reduce_scatter_point_to_point_fake(x, reduce_op, world, group_name):
+def _reduce_scatter_point_to_point_fake(x, reduce_op, world, group_name, copy_input=True):
     return x.new_empty((x.shape[0] // world, *x.shape[1:]))
+
+
+PACK_BELOW = 64 * 1024
+"""``all_gather_point_to_point_into``: tensors of fewer bytes than this travel packed into one
+message per peer (a transfer costs tens of microseconds however small, on gloo over TCP about
+as long as copying this many bytes twice); larger ones travel from and into their own memory."""
+
+
+def start_point_to_point_gather_into(xs: list, outs: list, rank: int, world: int, group) -> tuple[list, object]:
+    """Send each ``xs[i]`` to every other rank of ``group`` and receive rank ``r``'s into row ``r``
+    of ``outs[i]`` (``world * xs[i].numel()`` elements, rank order); this rank's row is copied
+    from ``xs[i]`` unless ``xs[i]`` is that row. Tensors under ``PACK_BELOW`` bytes travel packed
+    together. Returns the transfers' ``Work`` handles and what to call after they are done (it
+    unpacks the packed rows). Nothing is copied for the larger tensors: the caller keeps
+    ``xs`` unchanged until the waits (the eager optimizer step, which owns them)."""
+    rows = [out.view(world, -1) for out in outs]
+    for x, row in zip(xs, rows):
+        if x.data_ptr() != row[rank].data_ptr():
+            row[rank].copy_(x.reshape(-1))
+    small = [i for i, x in enumerate(xs) if x.numel() * x.element_size() < PACK_BELOW]
+    large = [i for i in range(len(xs)) if i not in set(small)]
+    packed = received = None
+    if small and world > 1:
+        packed = torch.cat([xs[i].reshape(-1) for i in small])
+        received = packed.new_empty((world, packed.numel()))
+    transfers = []
+    for peer in range(world):
+        if peer == rank:
+            continue
+        for i in large:
+            transfers += [dist.P2POp(dist.isend, xs[i].reshape(-1), group=group, group_peer=peer),
+                          dist.P2POp(dist.irecv, rows[i][peer], group=group, group_peer=peer)]
+        if packed is not None:
+            transfers += [dist.P2POp(dist.isend, packed, group=group, group_peer=peer),
+                          dist.P2POp(dist.irecv, received[peer], group=group, group_peer=peer)]
+    works = dist.batch_isend_irecv(transfers) if transfers else []
+
+    def unpack() -> None:
+        if received is None:
+            return
+        offset = 0
+        for i in small:
+            n = xs[i].numel()
+            for peer in range(world):
+                if peer != rank:
+                    rows[i][peer].copy_(received[peer, offset : offset + n])
+            offset += n
+
+    return works, unpack
+
+
+def _start_many(start, xs: list, outs: list, world: int, group_name: str) -> None:
+    """``start(xs, outs, rank, world, group)`` (one of the ``start_..._into``), its transfers
+    and what completes them registered on ``outs[0]``, which ``wait_tensor`` waits for."""
+    group = _torch_compat.process_group_named(group_name)
+    works, then = start(xs, outs, dist.get_rank(group), world, group)
+    if outs:
+        _torch_compat.register_pending_works(outs[0], works, then=then)
+
+
+@torch.library.custom_op("zerocompile::all_gather_point_to_point_into", mutates_args=("outs",))
+def all_gather_point_to_point_into(xs: list[torch.Tensor], outs: list[torch.Tensor], world: int,
+                                   group_name: str) -> None:
+    """``outs[i]`` = the all-gather of ``xs[i]`` for every ``i``, by point-to-point transfers
+    straight into ``outs`` (``start_point_to_point_gather_into``): read them after
+    ``wait_tensor(outs[0])``. Eager use only (``xs`` are sent from their own memory)."""
+    _start_many(start_point_to_point_gather_into, xs, outs, world, group_name)
+
+
+@all_gather_point_to_point_into.register_fake
+def _all_gather_point_to_point_into_fake(xs, outs, world, group_name):
+    return None
+
+
+def start_point_to_point_reduce_scatter_into(xs: list, outs: list, rank: int, world: int, group) -> tuple[list, object]:
+    """Send row ``r`` of each ``xs[i]`` (``world`` equal rows, flat) to rank ``r`` of ``group``
+    and receive every other rank's row ``rank`` of it; returns the transfers' ``Work`` handles and
+    what to call after they are done: it writes into ``outs[i]`` the sum of the rows in rank
+    order (``sum_in_rank_order``, the sums of ``reduce_scatter_point_to_point``). Tensors
+    under ``PACK_BELOW`` bytes travel packed together. Nothing is copied for the larger ones:
+    the caller keeps ``xs`` unchanged until the waits (the eager optimizer step)."""
+    rows = [x.reshape(world, -1) for x in xs]
+    small = [i for i, x in enumerate(xs) if x.numel() * x.element_size() < PACK_BELOW]
+    large = [i for i in range(len(xs)) if i not in set(small)]
+    received = {i: xs[i].new_empty((world, rows[i].shape[1])) for i in large}
+    packed = packed_in = None
+    if small and world > 1:
+        packed = torch.cat([rows[i] for i in small], dim=1)     # (world, total): row r goes to rank r
+        packed_in = packed.new_empty(packed.shape)
+    transfers = []
+    for peer in range(world):
+        if peer == rank:
+            continue
+        for i in large:
+            transfers += [dist.P2POp(dist.isend, rows[i][peer], group=group, group_peer=peer),
+                          dist.P2POp(dist.irecv, received[i][peer], group=group, group_peer=peer)]
+        if packed is not None:
+            transfers += [dist.P2POp(dist.isend, packed[peer], group=group, group_peer=peer),
+                          dist.P2POp(dist.irecv, packed_in[peer], group=group, group_peer=peer)]
+    works = dist.batch_isend_irecv(transfers) if transfers else []
+
+    def add_up() -> None:
+        for i in large:
+            parts = [rows[i][r] if r == rank else received[i][r] for r in range(world)]
+            sum_in_rank_order(parts, outs[i].view(-1))
+        offset = 0
+        for i in small:
+            n = rows[i].shape[1]
+            parts = [rows[i][r] if r == rank or packed_in is None else packed_in[r, offset : offset + n]
+                     for r in range(world)]
+            sum_in_rank_order(parts, outs[i].view(-1))
+            offset += n
+
+    return works, add_up
+
+
+@torch.library.custom_op("zerocompile::reduce_scatter_point_to_point_into", mutates_args=("outs",))
+def reduce_scatter_point_to_point_into(xs: list[torch.Tensor], outs: list[torch.Tensor], world: int,
+                                       group_name: str) -> None:
+    """``outs[i]`` = the reduce-scatter (sum) of ``xs[i]`` for every ``i``, by point-to-point
+    transfers sent from ``xs``' own memory (``start_point_to_point_reduce_scatter_into``): read
+    them after ``wait_tensor(outs[0])``. Eager use only."""
+    _start_many(start_point_to_point_reduce_scatter_into, xs, outs, world, group_name)
+
+
+@reduce_scatter_point_to_point_into.register_fake
+def _reduce_scatter_point_to_point_into_fake(xs, outs, world, group_name):
+    return None

@@ -176,14 +176,24 @@ def check_parameter_gather(value) -> str:
     return value
 
 
+def sites(stage: int) -> tuple[str, str]:
+    """Where a stage runs its gradient reductions and its parameter gathers: ``"graph"`` or
+    ``"step"``, which decides what the probe times for each (``probe_times``,
+    ``probe_gather_times``). Stage 1 reduces the full gradients in the optimizer step, stage 2
+    in the backward graph; stages 1-2 gather the updated shards into the replicas in the step,
+    stage 3 gathers parameters in its graphs."""
+    return ("step" if stage == 1 else "graph", "step" if stage in (1, 2) else "graph")
+
+
 def gradient_reduction(option: str, group: CommGroup, device=None, parameter_gather: str = "auto",
-                       saved: SavedChoices | None = None) -> ReductionChoice:
+                       saved: SavedChoices | None = None, stage: int = 3) -> ReductionChoice:
     """The ``ReductionChoice`` for options ``gradient_reduction=option`` and ``parameter_gather`` on
     ``group``, whose gradients live on ``device`` (default CPU). Where either is ``"auto"`` on a
     real group of several ranks this is a collective the first time per group and device (every
     rank must call it at the same point: the first stage 1-3 frame's compile), then cached;
     with ``saved``, a choice saved there by an earlier run that every rank holds is taken
-    instead of measuring, and a measured one is saved."""
+    instead of measuring, and a measured one is saved. ``stage``: the ZeRO stage, which says
+    where the collectives run and so what is timed (``sites``)."""
     check_gradient_reduction(option)
     check_parameter_gather(parameter_gather)
     gather = DEFAULT_GATHER if parameter_gather == "auto" else parameter_gather
@@ -197,7 +207,7 @@ def gradient_reduction(option: str, group: CommGroup, device=None, parameter_gat
     device = torch.device(device or "cpu")
     if device.type == "meta":
         return fixed_choice(kind, "not measured: meta tensors", gather)
-    measured = _measured(group.group, group.name, group.world, str(device), saved)
+    measured = _measured(group.group, group.name, group.world, str(device), saved, sites(stage))
     # an option given keeps its value at every size, the other is what was measured
     if option != "auto":
         return dataclasses.replace(measured, kinds=(option,), ms=(), source="option", gather_source="measured")
@@ -206,7 +216,7 @@ def gradient_reduction(option: str, group: CommGroup, device=None, parameter_gat
     return measured
 
 
-SAVED_VERSION = 2
+SAVED_VERSION = 3
 """Bumped when what the probe times changes (``REDUCTIONS``, ``GATHERS``): older saved choices
 are then not found, and measured anew."""
 
@@ -214,7 +224,7 @@ are then not found, and measured anew."""
 @dataclass(frozen=True)
 class SavedChoices:
     """Where measured choices are kept for a restart (``directory``, beside the compile caches):
-    one JSON file per world size, backend and device type. A restart takes the saved choice
+    one JSON file per world size, backend, device type and where the collectives run (``sites``). A restart takes the saved choice
     when every rank holds the same one, so its graphs (which AOTAutograd's cache keys on the
     choice) are the cached ones; timings near a tie would otherwise flip between runs. Delete
     the files to measure anew."""
@@ -225,14 +235,16 @@ class SavedChoices:
     takes part in the ranks' agreement (so a rank whose environment differs cannot hang the
     others: they then all measure)."""
 
-    def path(self, world: int, backend: str, device: str) -> str:
-        return os.path.join(self.directory, f"v{SAVED_VERSION}-world{world}-{backend}-{torch.device(device).type}.json")
+    def path(self, world: int, backend: str, device: str, where: tuple[str, str] = ("graph", "graph")) -> str:
+        return os.path.join(self.directory, f"v{SAVED_VERSION}-world{world}-{backend}-{torch.device(device).type}"
+                                            f"-reduce-in-{where[0]}-gather-in-{where[1]}.json")
 
-    def load(self, world: int, backend: str, device: str) -> "ReductionChoice | None":
+    def load(self, world: int, backend: str, device: str,
+             where: tuple[str, str] = ("graph", "graph")) -> "ReductionChoice | None":
         if not self.enabled:
             return None
         try:
-            with open(self.path(world, backend, device)) as f:
+            with open(self.path(world, backend, device, where)) as f:
                 d = json.load(f)
             return ReductionChoice(sizes=tuple(d["sizes"]), kinds=tuple(d["kinds"]), source="measured",
                                    ms=tuple(tuple(m) for m in d["ms"]), gather_kinds=tuple(d["gather_kinds"]),
@@ -243,7 +255,8 @@ class SavedChoices:
             log.warning("zerocompile: ignoring unreadable saved collective choice (%s)", err)
             return None
 
-    def save(self, choice: "ReductionChoice", world: int, backend: str, device: str) -> None:
+    def save(self, choice: "ReductionChoice", world: int, backend: str, device: str,
+             where: tuple[str, str] = ("graph", "graph")) -> None:
         """Write atomically (ranks sharing the directory write the same content)."""
         if not self.enabled:
             return
@@ -254,24 +267,24 @@ class SavedChoices:
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".choice.")
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f)
-            os.replace(tmp, self.path(world, backend, device))
+            os.replace(tmp, self.path(world, backend, device, where))
         except OSError as err:
             log.debug("zerocompile: collective choice not saved (%s)", err)
 
 
 @functools.cache
 def _measured(process_group, group_name: str, world: int, device: str,
-              saved: SavedChoices | None = None) -> ReductionChoice:
+              saved: SavedChoices | None = None, where: tuple[str, str] = ("graph", "graph")) -> ReductionChoice:
     # once per process group object and device for the process's life (keyed by the object:
     # a group destroyed and made anew is measured anew)
     backend = _torch_compat.collective_backend(group_name, torch.device(device)) or "unknown"
     if saved is not None:
-        earlier = saved.load(world, backend, device)
+        earlier = saved.load(world, backend, device, where)
         if _every_rank_holds(earlier, group_name, world, torch.device(device)):
             return dataclasses.replace(earlier, source="measured (saved)")
-    choice = _measure(group_name, world, device)
+    choice = _measure(group_name, world, device, where)
     if saved is not None:
-        saved.save(choice, world, backend, device)
+        saved.save(choice, world, backend, device, where)
     return choice
 
 
@@ -287,9 +300,9 @@ def _every_rank_holds(choice: "ReductionChoice | None", group_name: str, world: 
     return every_rank_holds(digest, world, group_name, device)
 
 
-def _measure(group_name: str, world: int, device: str) -> ReductionChoice:
-    ms = probe_times(group_name, world, torch.device(device))
-    gather_ms = probe_gather_times(group_name, world, torch.device(device))
+def _measure(group_name: str, world: int, device: str, where: tuple[str, str]) -> ReductionChoice:
+    ms = probe_times(group_name, world, torch.device(device), site=where[0])
+    gather_ms = probe_gather_times(group_name, world, torch.device(device), site=where[1])
     kinds = tuple(_fastest(REDUCTIONS, times) for times in ms)
     gather_kinds = tuple(_fastest(GATHERS, times) for times in gather_ms)
     return ReductionChoice(sizes=PROBE_BYTES, kinds=kinds, source="measured", ms=ms, gather_kinds=gather_kinds,
@@ -297,13 +310,24 @@ def _measure(group_name: str, world: int, device: str) -> ReductionChoice:
 
 
 def probe_times(group_name: str, world: int, device: torch.device, sizes: tuple[int, ...] = PROBE_BYTES,
-                repeats: int = PROBE_REPEATS) -> tuple[tuple[float, ...], ...]:
+                repeats: int = PROBE_REPEATS, site: str = "graph") -> tuple[tuple[float, ...], ...]:
     """The ms of each of ``REDUCTIONS`` on a float32 buffer of each of ``sizes`` bytes on the
-    group (``_timed``). A collective: every rank calls it."""
+    group (``_timed``), as it runs at ``site`` (``sites``): in the ``"step"``, the collectives
+    with the packing of the gradients into their bucket, the transfers sent from the gradients'
+    own memory (``zerocompile::reduce_scatter_point_to_point_into``). A collective: every rank
+    calls it."""
     def run(kind, n):
         buf = torch.zeros(max(world, n // world * world), device=device)
+        grad = torch.zeros_like(buf) if site == "step" else None
+        chunk = grad.new_empty(buf.numel() // world) if site == "step" else None
 
         def once():
+            if site == "step" and kind == "point_to_point":
+                torch.ops.zerocompile.reduce_scatter_point_to_point_into([grad], [chunk], world, group_name)
+                _c10d.wait_tensor(chunk)
+                return
+            if site == "step":
+                buf.copy_(grad)                     # the bucket's packing
             if kind == "reduce_scatter":
                 _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buf, "sum", world, group_name))
             elif kind == "all_reduce":
@@ -315,15 +339,30 @@ def probe_times(group_name: str, world: int, device: torch.device, sizes: tuple[
 
 
 def probe_gather_times(group_name: str, world: int, device: torch.device, sizes: tuple[int, ...] = PROBE_BYTES,
-                       repeats: int = PROBE_REPEATS) -> tuple[tuple[float, ...], ...]:
+                       repeats: int = PROBE_REPEATS, site: str = "graph") -> tuple[tuple[float, ...], ...]:
     """The ms of each of ``GATHERS`` gathering a float32 buffer of each of ``sizes`` bytes (the
-    gathered size) on the group (``_timed``). A collective: every rank calls it."""
+    gathered size) on the group (``_timed``), as it runs at ``site`` (``sites``): in the
+    ``"step"``, the all-gather with its packing and its copy into a replica, the transfers
+    straight into the replica (``zerocompile::all_gather_point_to_point_into``); in a
+    ``"graph"``, the all-gather as it is, the transfers sending a copy of their input. A
+    collective: every rank calls it."""
+    rank = torch.distributed.get_rank(_torch_compat.process_group_named(group_name))
+
     def run(kind, n):
-        shard, out = torch.zeros(max(1, n // world), device=device), torch.empty(max(1, n // world) * world,
-                                                                                 device=device)
+        chunk = max(1, n // world)
+        shard, out = torch.zeros(chunk, device=device), torch.empty(chunk * world, device=device)
+        replica = torch.zeros(chunk * world, device=device) if site == "step" else None
 
         def once():
-            if kind == "all_gather":
+            if site == "step" and kind == "all_gather":
+                shard.copy_(replica.view(world, chunk)[rank])            # the bucket's packing
+                _c10d.wait_tensor(start_all_gather_flat(shard, world, group_name, out=out))
+                replica.copy_(out)                                          # the write into the replica
+            elif site == "step":
+                own = replica.view(world, chunk)[rank]
+                torch.ops.zerocompile.all_gather_point_to_point_into([own], [replica], world, group_name)
+                _c10d.wait_tensor(replica)
+            elif kind == "all_gather":
                 _c10d.wait_tensor(start_all_gather_flat(shard, world, group_name, out=out))
             else:
                 torch.ops.zerocompile.all_gather_point_to_point_out(shard, world, group_name, out)

@@ -205,10 +205,19 @@ class ShardedParam:
     @_on_plain_tensors
     def refresh_replica(self, gathered: torch.Tensor) -> None:
         """Write all-gathered updated values (compute dtype; every rank's chunk, in rank order:
-        padded flat or a ``(world, chunk)`` view, copied without an intermediate) into the replica."""
-        self._flat_replica.view(gathered.shape).copy_(gathered)
+        padded flat or a ``(world, chunk)`` view, copied without an intermediate; or the replica
+        itself, received in place: ``replica_place``) into the replica."""
+        if gathered.data_ptr() != self._flat_replica.data_ptr():
+            self._flat_replica.view(gathered.shape).copy_(gathered)
         if self.materialized:
             self.param.data.copy_(self._flat_replica[: self.numel].view(self.shape).to(self.dtype))
+
+    @property
+    def replica_place(self) -> torch.Tensor:
+        """Stages 1/2: the replica's padded flat buffer, where the refresh may receive every
+        rank's chunk in place (this rank's chunk is the shard itself when the compute dtype is
+        the master dtype)."""
+        return self._flat_replica
 
     # -- eager access to a parameter whose storage was freed ----------------------------
     @_on_plain_tensors

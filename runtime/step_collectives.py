@@ -59,7 +59,9 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
     so the next bucket's reduce-scatter is in flight while the previous one is averaged.
     ``choose(bucket bytes)``: ``"all_reduce"`` to all-reduce the bucket in its buffer and keep
     this rank's row instead, ``"point_to_point"`` to send each row to its rank and sum what
-    arrives (the same sums: ``runtime/reduction_choice.py``); None: reduce-scatter."""
+    arrives (the same sums: ``runtime/reduction_choice.py``; a bucket whose gradients need no
+    cast and no padding is sent from their own memory, ``reduce_scatter_point_to_point_into``,
+    with no bucket buffer); None: reduce-scatter."""
     world = group.world
     elem = torch.empty((), dtype=reduce_dtype).element_size()
     results: list[torch.Tensor] = [None] * len(grads)
@@ -70,10 +72,21 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
     buckets = bucket_indices([padded * elem for _, padded in grads], bucket_bytes)
     if not buckets:
         return results
-    slots = _slots(len(buckets), max(sum(grads[i][1] for i in b) for b in buckets), grads[0][0], reduce_dtype)
+    slots = []          # bucket buffers, allocated by the first bucket that packs
 
     def start(k, bucket):
         n = sum(grads[i][1] for i in bucket)
+        kind = "reduce_scatter" if choose is None else choose(n * elem)
+        if kind == "point_to_point" and all(_sendable(*grads[i], reduce_dtype) for i in bucket):
+            # each gradient's rows sent from its own memory, summed into its own chunk
+            ACCOUNTING.record("reduce_scatter", n * elem)
+            outs = [grads[i][0].new_empty(grads[i][1] // world) for i in bucket]
+            torch.ops.zerocompile.reduce_scatter_point_to_point_into([grads[i][0].reshape(-1) for i in bucket], outs,
+                                                                     world, group.name)
+            return bucket, outs, None
+        if not slots:
+            slots.extend(_slots(len(buckets), max(sum(grads[i][1] for i in b) for b in buckets), grads[0][0],
+                                reduce_dtype))
         rows = slots[k % len(slots)][:n].view(world, n // world)
         offset = 0
         for i in bucket:                 # each gradient's chunk of every rank, in its column range
@@ -83,17 +96,22 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
                 g = pad_flat(g.to(reduce_dtype), world * chunk)
             rows[:, offset : offset + chunk].copy_(g.view(world, chunk))   # casts to reduce_dtype
             offset += chunk
-        kind = "reduce_scatter" if choose is None else choose(n * elem)
         if kind == "all_reduce":
             ACCOUNTING.record("all_reduce", n * elem)
             return bucket, rows, _c10d.all_reduce_(rows, "sum", group.name)
         ACCOUNTING.record("reduce_scatter", n * elem)
         if kind == "point_to_point":
+            # the buffer stays as it is until the wait: sent without a copy
             return bucket, None, torch.ops.zerocompile.reduce_scatter_point_to_point(rows.reshape(-1), "sum", world,
-                                                                                      group.name)
+                                                                                      group.name, copy_input=False)
         return bucket, None, _c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", world, group.name)
 
     def finish(bucket, rows, out):
+        if out is None:            # sent in place: ``rows`` are the bucket's chunks
+            _c10d.wait_tensor(rows[0])
+            for i, chunk in zip(bucket, rows):
+                results[i] = chunk.div_(world)
+            return
         if rows is not None:       # all-reduced in the buffer, which the bucket after next reuses: copied out
             mine = _c10d.wait_tensor(out)[group.rank].div(world)
         else:
@@ -108,10 +126,17 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
     return results
 
 
+def _sendable(grad: torch.Tensor, padded: int, reduce_dtype: torch.dtype) -> bool:
+    """A gradient that travels point to point from its own memory: already in the reduction's
+    dtype, contiguous, with no padding to add."""
+    return grad.dtype == reduce_dtype and grad.is_contiguous() and grad.numel() == padded
+
+
 def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes: int,
                       write: Callable[[int, torch.Tensor], None],
                       prepare: Callable[[list[int]], None] | None = None,
-                      choose: Callable[[int], str] | None = None) -> None:
+                      choose: Callable[[int], str] | None = None,
+                      places: list[torch.Tensor | None] | None = None) -> None:
     """All-gather each shard; call ``write(i, rows)`` with shard ``i`` of every rank as a
     ``(world, numel_i)`` view, rank order (read it inside the call: the buffer is reused).
     ``prepare(indices)``, called for each bucket right before its shards are read, may still
@@ -124,7 +149,10 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
     large allocation costs about as much as a copy of it). ``choose(gathered bytes)``:
     ``"point_to_point"`` to send the bucket to each rank and receive theirs instead of the
     all-gather collective (``runtime/point_to_point.py``: the same bytes and values);
-    None: the all-gather."""
+    None: the all-gather. ``places[i]``: where shard ``i`` of every rank ends up (``world *
+    numel_i`` elements, this rank's row possibly ``shards[i]`` itself: a stage 1-2 replica); a
+    bucket whose shards all have one travels point to point straight into them, and ``write``
+    gets a view of its place."""
     world = group.world
     if world == 1:
         for i, t in enumerate(shards):
@@ -142,20 +170,31 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
     def start(k, bucket):
         if prepare is not None:
             prepare(bucket)
+        nbytes = world * sum(shards[i].numel() for i in bucket) * first.element_size()
+        if (places is not None and all(places[i] is not None for i in bucket)
+                and choose is not None and choose(nbytes) == "point_to_point"):
+            ACCOUNTING.record("all_gather", nbytes)
+            outs = [places[i] for i in bucket]
+            torch.ops.zerocompile.all_gather_point_to_point_into([shards[i] for i in bucket], outs, world, group.name)
+            return bucket, None, outs[0]
         if not mines:
             mines.extend(_slots(len(buckets), cap, first))
             gathers.extend(_slots(len(buckets), world * cap, first))
         n = sum(shards[i].numel() for i in bucket)
         mine = torch.cat([shards[i].reshape(-1) for i in bucket], out=mines[k % len(mines)][:n])
-        nbytes = world * n * first.element_size()
         ACCOUNTING.record("all_gather", nbytes)
         out = gathers[k % len(gathers)][: world * n]
         if choose is not None and choose(nbytes) == "point_to_point":
-            torch.ops.zerocompile.all_gather_point_to_point_out(mine, world, group.name, out)
+            torch.ops.zerocompile.all_gather_point_to_point_out(mine, world, group.name, out, copy_input=False)
             return bucket, n, out
         return bucket, n, start_all_gather_flat(mine, world, group.name, out=out)
 
     def finish(bucket, n, out):
+        if n is None:               # received in place
+            _c10d.wait_tensor(out)
+            for i in bucket:
+                write(i, places[i].view(world, -1))
+            return
         rows = _c10d.wait_tensor(out).view(world, n)
         offset = 0
         for i in bucket:

@@ -54,6 +54,8 @@ _KINDS = {
     _P2P.all_gather_point_to_point.default: ("all_gather", "out"),
     _P2P.all_gather_point_to_point_out.default: ("all_gather", "out"),
     _P2P.reduce_scatter_point_to_point.default: ("reduce_scatter", "in"),
+    _P2P.all_gather_point_to_point_into.default: ("all_gather", "outs"),
+    _P2P.reduce_scatter_point_to_point_into.default: ("reduce_scatter", "xs"),
 }
 
 
@@ -71,13 +73,18 @@ class CollectiveCounter(_RuntimeMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in (_P2P.all_gather_point_to_point.default, _P2P.all_gather_point_to_point_out.default,
-                    _P2P.reduce_scatter_point_to_point.default):
+                    _P2P.reduce_scatter_point_to_point.default, _P2P.all_gather_point_to_point_into.default,
+                    _P2P.reduce_scatter_point_to_point_into.default):
             self.point_to_point += 1
         if func in _KINDS:
             kind, which = _KINDS[func]
-            t = args[3] if func is _P2P.all_gather_point_to_point_out.default else out if which == "out" else args[0]
+            if which in ("outs", "xs"):     # many tensors at once, one collective
+                tensors = args[1] if which == "outs" else args[0]
+            else:
+                tensors = [args[3] if func is _P2P.all_gather_point_to_point_out.default else out if which == "out"
+                           else args[0]]
             self.count[kind] += 1
-            self.bytes[kind] += t.numel() * t.element_size()
+            self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
         return out
 
 

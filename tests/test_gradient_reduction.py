@@ -5,6 +5,7 @@ the collective that ran, and ``"auto"`` the same choice on every rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -72,7 +73,9 @@ def _probe_twice(rank, world):
     return {"choice": first.as_dict(), "cached": again is first,
             "forced": gradient_reduction("all_reduce", group, parameter_gather="auto").as_dict(),
             "stage3": first.without_all_reduce().as_dict(),
-            "forced_gather": gradient_reduction("auto", group, parameter_gather="all_gather").as_dict()}
+            "forced_gather": gradient_reduction("auto", group, parameter_gather="all_gather").as_dict(),
+            "stage2": gradient_reduction("auto", group, stage=2).as_dict(),
+            "stage1": gradient_reduction("auto", group, stage=1).as_dict()}
 
 
 def test_auto_is_measured_once_and_the_same_on_every_rank():
@@ -89,6 +92,14 @@ def test_auto_is_measured_once_and_the_same_on_every_rank():
         gather = choice["parameter_gather"]
         assert len(gather["ms"]) == len(choice["sizes"]) and all(t > 0 for pair in gather["ms"] for t in pair)
         assert gather["kinds"] == ["point_to_point" if p2p < ag else "all_gather" for ag, p2p in gather["ms"]]
+        # collectives the step runs (stages 1-2's gathers, stage 1's reductions) timed as the step
+        # runs them: packing and copy-out against in place
+        for stage in ("stage1", "stage2"):
+            step = res[stage]["parameter_gather"]
+            assert len(step["ms"]) == len(choice["sizes"]) and step["ms"] != gather["ms"]
+            assert step["kinds"] == ["point_to_point" if p2p < ag else "all_gather" for ag, p2p in step["ms"]]
+        assert res["stage1"]["ms"] != choice["ms"]
+        assert res["stage1"]["kinds"] == [names[t.index(min(t))] for t in res["stage1"]["ms"]]
         # stage 3 has no all-reduce path: the faster of the other two
         assert res["stage3"]["kinds"] == [names[0] if t[0] <= t[2] else names[2] for t in choice["ms"]]
     # an option given is kept, the other measured
@@ -106,31 +117,46 @@ def _gather_both_ways(rank, world):
 
     group = resolve_group()
     torch.manual_seed(rank)
-    shards = [torch.randn(n) for n in (5, 1, 700, 33, 4096)]
+    # under and over point_to_point.PACK_BELOW (64 KiB): packed together, and sent in place
+    sizes = (5, 1, 700, 33, 4096, 20000, 3, 40000)
     out = {}
-    for how in ("all_gather", "point_to_point"):
+    for how in ("all_gather", "point_to_point", "in place"):
+        # a replica per shard, this rank's row the shard itself (stages 1-2 without a compute dtype)
+        replicas = [torch.full((world * n,), float("nan")) for n in sizes]
+        shards = [r.view(world, -1)[rank] for r in replicas]
+        torch.manual_seed(rank)
+        for t in shards:
+            t.copy_(torch.randn(t.shape))
         rows = {}
         with CollectiveCounter() as counter:
-            # 4 KiB buckets: several buckets, two in flight at a time
-            all_gather_concat(shards, group, 4096, lambda i, r: rows.__setitem__(i, r.clone()),
-                              choose=lambda nbytes: how)
-        out[how] = (rows, dict(counter.count), counter.point_to_point)
-    return out, shards
+            # 64 KiB buckets: several buckets, two in flight at a time
+            all_gather_concat(shards, group, 65536, lambda i, r: rows.__setitem__(i, r.clone()),
+                              choose=lambda nbytes: "all_gather" if how == "all_gather" else "point_to_point",
+                              places=replicas if how == "in place" else None)
+        out[how] = (rows, dict(counter.count), counter.point_to_point,
+                    [r.clone() for r in replicas] if how == "in place" else None)
+    return out, [s.clone() for s in shards]
 
 
-def test_point_to_point_gathers_give_the_all_gathers_values():
-    """``all_gather_concat`` with ``"point_to_point"`` buckets: every rank's shards, rank order,
-    bit for bit those of the all-gather, the same count of gathers, none of them the collective."""
-    results = run_ranks(_gather_both_ways, 2)
+@pytest.mark.parametrize("world", [2, 3])
+def test_point_to_point_gathers_give_the_all_gathers_values(world):
+    """``all_gather_concat`` with ``"point_to_point"`` buckets, through bucket buffers or straight
+    into each shard's replica (``places``, the optimizer step's refresh): every rank's shards,
+    rank order, bit for bit those of the all-gather, the same count of gathers, none of them the
+    collective."""
+    results = run_ranks(_gather_both_ways, world)
     shards = [s for _, s in results]
     for res, _ in results:
-        (gathered, counts, none), (sent, p2p_counts, p2p) = res["all_gather"], res["point_to_point"]
+        (gathered, counts, none, _), (sent, p2p_counts, p2p, _) = res["all_gather"], res["point_to_point"]
+        in_place, place_counts, place_p2p, replicas = res["in place"]
         assert counts["all_gather"] >= 2 and counts == p2p_counts and none == 0 and p2p == counts["all_gather"], res
-        assert sorted(gathered) == sorted(sent) == list(range(5))
+        assert place_counts == counts and place_p2p == p2p
+        assert sorted(gathered) == sorted(sent) == sorted(in_place) == list(range(len(shards[0])))
         for i in gathered:
-            for rank in (0, 1):
-                assert torch.equal(sent[i][rank].view(torch.int32), shards[rank][i].view(torch.int32))
-                assert torch.equal(gathered[i][rank].view(torch.int32), shards[rank][i].view(torch.int32))
+            for rank in range(world):
+                expected = shards[rank][i].view(torch.int32)
+                for got in (sent[i][rank], gathered[i][rank], in_place[i][rank], replicas[i].view(world, -1)[rank]):
+                    assert torch.equal(got.view(torch.int32), expected)
 
 
 def test_auto_measures_nothing_on_one_rank_and_the_options_are_checked():
@@ -188,6 +214,23 @@ def test_the_pass_replaces_a_bucket_the_choice_all_reduces_by_an_all_reduce_and_
     assert _c10d.reduce_scatter_tensor.default in [n.target for n in kept.nodes]
 
 
+@pytest.mark.parametrize("copy_input", [True, False])
+def test_the_transfers_copy_their_input_only_where_inductor_may_reuse_it(copy_input):
+    """``collectives_as_point_to_point`` swaps the bucket's reduce-scatter for the transfers in
+    place; they send a copy of the bucket for inductor's graphs (which may reuse its memory as
+    soon as the op returns), the bucket itself for graphs run op by op."""
+    from zerocompile.passes.point_to_point_collectives import collectives_as_point_to_point
+
+    graph = _bucket_graph(world=2, numel=64)
+    replaced = collectives_as_point_to_point(graph, fixed_choice("point_to_point", "option"), "g",
+                                             copy_input=copy_input)
+    assert replaced == {"all_gather": [], "reduce_scatter": [256]}
+    (node,) = graph.find_nodes(op="call_function", target=torch.ops.zerocompile.reduce_scatter_point_to_point.default)
+    assert node.args[1:] == ("sum", 2, "g", copy_input)
+    assert node.meta["zerocompile"]["bucket"] == "bw.reduce_scatter.0"
+    assert next(iter(node.users)).target is _c10d.wait_tensor.default
+
+
 def test_a_saved_choice_round_trips_and_a_damaged_one_is_ignored(tmp_path):
     """What a restart reuses (``SavedChoices``: beside the compile caches, so that a choice near a
     tie does not flip and miss AOTAutograd's cache, which keys on it)."""
@@ -201,6 +244,11 @@ def test_a_saved_choice_round_trips_and_a_damaged_one_is_ignored(tmp_path):
     saved.save(choice, 2, "gloo", "cpu")
     assert saved.load(2, "gloo", "cpu") == choice
     assert saved.load(4, "gloo", "cpu") is None and saved.load(2, "nccl", "cuda:0") is None
+    # collectives the optimizer step runs are timed as it runs them: a choice of their own
+    assert saved.load(2, "gloo", "cpu", ("graph", "step")) is None
+    saved.save(dataclasses.replace(choice, gather_kinds=("point_to_point",) * 2), 2, "gloo", "cpu", ("graph", "step"))
+    assert saved.load(2, "gloo", "cpu", ("graph", "step")).gather_kinds == ("point_to_point",) * 2
+    assert saved.load(2, "gloo", "cpu") == choice
     # a rank whose compile caches are off reads and writes nothing (but still takes part in the
     # ranks' agreement, which then fails, so every rank measures)
     off = SavedChoices(saved.directory, enabled=False)

@@ -53,3 +53,53 @@ def test_bucketed_step_collectives_match_a_one_process_reduction():
                 assert torch.equal(rows, torch.tensor([[float(r * 100 + i)] * chunk for r in range(WORLD)])), (cap, i)
                 full = torch.stack([_tensors(r, torch.float32)[i] for r in range(WORLD)]).sum(0) / WORLD
                 assert torch.allclose(res[("ar", cap)][i], full, rtol=0, atol=1e-6), (cap, i)
+
+
+# float32 gradients needing no padding travel from their own memory; those over
+# point_to_point.PACK_BELOW (64 KiB) one by one, the smaller ones packed; 7 needs padding
+P2P_SIZES = [3 * 20000, 6, 3 * 9000, 7, 3 * 40000, 3]
+
+
+def _p2p_worker(rank, world):
+    from census import CollectiveCounter
+    from zerocompile.runtime.comm import resolve_group
+    from zerocompile.runtime.step_collectives import reduce_scatter_mean
+
+    group = resolve_group(dist.group.WORLD)
+    g = torch.Generator().manual_seed(7 + rank)
+    grads = [torch.randn(n, generator=g) for n in P2P_SIZES]
+    kept = [t.clone() for t in grads]
+    padded = [-(-n // world) * world for n in P2P_SIZES]
+    out = {}
+    for cap in (1, 200 * 1024, 10**9):
+        with CollectiveCounter() as counter:
+            chunks = reduce_scatter_mean(list(zip(grads, padded)), group, cap, torch.float32,
+                                         choose=lambda nbytes: "point_to_point")
+        out[cap] = (chunks, counter.point_to_point, dict(counter.count), dict(counter.bytes))
+    return out, all(torch.equal(a, b) for a, b in zip(grads, kept))
+
+
+def test_point_to_point_step_reduction_sums_in_rank_order():
+    """Stage 1's step reduction point to point (``reduce_scatter_point_to_point_into`` where no cast
+    or padding is needed, the bucket buffer elsewhere): each rank's chunk of the mean, summed in
+    rank order, bit for bit; one collective counted per bucket with the bucket's bytes; the
+    gradients themselves unchanged."""
+    results = run_ranks(_p2p_worker, WORLD)
+    every = []
+    for r in range(WORLD):
+        g = torch.Generator().manual_seed(7 + r)
+        every.append([torch.randn(n, generator=g) for n in P2P_SIZES])
+    padded_bytes = sum(-(-n // WORLD) * WORLD * 4 for n in P2P_SIZES)
+    for rank, (res, unchanged) in enumerate(results):
+        assert unchanged
+        for cap, (chunks, p2p, count, nbytes) in res.items():
+            assert p2p == count["reduce_scatter"] >= (1 if cap == 10**9 else 2), (cap, count)
+            assert nbytes["reduce_scatter"] == padded_bytes
+            for i, n in enumerate(P2P_SIZES):
+                chunk = -(-n // WORLD)
+                rows = [torch.nn.functional.pad(every[r][i], (0, chunk * WORLD - n)).view(WORLD, chunk)[rank]
+                        for r in range(WORLD)]
+                total = rows[0].clone()
+                for row in rows[1:]:
+                    total += row
+                assert torch.equal(chunks[i], total / WORLD), (cap, i)

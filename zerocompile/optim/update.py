@@ -128,23 +128,25 @@ def after_step(params, copies: dict, step_part=None) -> None:
         if sp is None or not sp.rules.shards_master:
             continue
         if sp.rules.keeps_replica and sp.requires_grad:
-            replicas[(sp.group, sp.compute_dtype)].append((sp, sp.refresh_replica))
+            replicas[(sp.group, sp.compute_dtype)].append((sp, sp.refresh_replica, sp.replica_place))
         if sp.separate_full_param and sp.requires_grad:
-            replicas[(sp.group, sp.dtype)].append((sp, sp.refresh_param))
+            replicas[(sp.group, sp.dtype)].append((sp, sp.refresh_param, None))
         if sp.rules.reduces_in_step:
             dropped.append(sp)
         sp.release()                 # eager-gathered copies are stale now
     if step_part is None:
         _drop_shard_gradients(dropped)
     for (group, dtype), items in replicas.items():
-        with resident_shards([sp for sp, _ in items]):     # offload_param: shards read back
-            shards = [copies.get(id(sp.shard)) if dtype == sp.compute_dtype else None for sp, _ in items]
-            shards = [c if c is not None else sp.shard.detach().to(dtype) for c, (sp, _) in zip(shards, items)]
+        with resident_shards([sp for sp, _, _ in items]):     # offload_param: shards read back
+            shards = [copies.get(id(sp.shard)) if dtype == sp.compute_dtype else None for sp, _, _ in items]
+            shards = [c if c is not None else sp.shard.detach().to(dtype) for c, (sp, _, _) in zip(shards, items)]
             prepare = None if step_part is None else (lambda bucket: step_part([items[i][0] for i in bucket]))
             choice = items[0][0].gradient_reduction       # stages 1-2: how the buckets travel
-            all_gather_concat(shards, group, bucket_bytes([sp for sp, _ in items]),
+            # point to point, each replica receives the other ranks' chunks in place
+            all_gather_concat(shards, group, bucket_bytes([sp for sp, _, _ in items]),
                               lambda i, rows: items[i][1](rows), prepare,
-                              choose=None if choice is None else choice.gather_kind_for)
+                              choose=None if choice is None else choice.gather_kind_for,
+                              places=[place for _, _, place in items])
     if step_part is not None:       # the buckets' updates read them: dropped once all are stepped
         _drop_shard_gradients(dropped)
 
