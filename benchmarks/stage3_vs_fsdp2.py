@@ -102,10 +102,10 @@ def build_system(name: str, args, example, disabled: list[str]) -> System:
     from torch.distributed.fsdp import fully_shard
 
     import zerocompile
-    from zerocompile.runtime.memory_tracker import LiveStorageTracker
+    from zerocompile.runtime.memory_tracker import LiveStorageTracker, PeakAnatomy
 
-    system = System(name, tracker=LiveStorageTracker(exact_peak=True, track_inputs=True),
-                    uses_zero=name != "fsdp2")
+    system = System(name, tracker=PeakAnatomy() if args.peak_anatomy else LiveStorageTracker(
+        exact_peak=True, track_inputs=True), uses_zero=name != "fsdp2")
     with system.tracker:
         torch.manual_seed(args.seed)
         model = example.GPT(args.vocab, args.seq_len, args.d_model, args.n_layers, args.n_heads)
@@ -155,7 +155,8 @@ def rank_main(rank: int, world: int, args) -> dict:
     return {
         "psi": psi, "disabled_passes": disabled, "pass_note": note,
         "systems": {s.name: {"error": s.error, "first_s": s.first_s, "step_ms": s.step_ms, "losses": s.losses,
-                             "peak_bytes": s.peak_bytes, "comm": s.comm, "zero_stats": s.zero_stats}
+                             "peak_bytes": s.peak_bytes, "comm": s.comm, "zero_stats": s.zero_stats,
+                             "at_peak": getattr(s.tracker, "at_peak", None)}
                     for s in systems},
     }
 
@@ -181,6 +182,10 @@ def summarise(ranks: list[dict], rtol: float) -> dict:
             comm_bytes=max(sum(v["bytes"] for v in p["comm"]["totals"].values()) for p in per_rank),
             losses=[p["losses"] for p in per_rank],
         )
+        # what was live at the peak, on the rank with the highest peak (--peak-anatomy)
+        highest = max(per_rank, key=lambda p: p["peak_bytes"][-1])
+        if highest.get("at_peak") is not None:
+            entry["at_peak"] = {"op": highest["at_peak"][0], "by_op": highest["at_peak"][1]}
         if per_rank[0]["zero_stats"] is not None:
             zs = per_rank[0]["zero_stats"]
             entry["zero_stats"] = zs
@@ -202,6 +207,20 @@ def summarise(ranks: list[dict], rtol: float) -> dict:
         entry["peak_ratio"] = entry["peak_bytes"] / ref["peak_bytes"]
         entry["comm_ratio"] = entry["comm_bytes"] / ref["comm_bytes"] if ref["comm_bytes"] else None
     return out
+
+
+def format_anatomy(summary: dict, rows: int = 12) -> str:
+    """What was live at each system's peak (``--peak-anatomy``): the ``rows`` largest groups."""
+    lines = []
+    for e in summary.values():
+        anatomy = e.get("at_peak")
+        if anatomy is None:
+            continue
+        lines.append(f"\n{e['label']}: peak {e['peak_bytes'] / MiB:.2f} MiB, reached at {anatomy['op']}; "
+                     "live then, by the op that made it:")
+        for op, (nbytes, count) in list(anatomy["by_op"].items())[:rows]:
+            lines.append(f"  {nbytes / MiB:9.2f} MiB  {count:5d} storages  {op}")
+    return "\n".join(lines)
 
 
 def format_table(summary: dict, inner_compiler: str) -> str:
@@ -252,6 +271,9 @@ def parse_args(argv=None):
                         "zerocompile compiles two frames (FSDP2 runs eager either way)")
     harness.add_training_options(p, reference="FSDP2", timeout_s=300.0,
                                  timeout_note=" (covers one rank compiling while another waits)")
+    p.add_argument("--peak-anatomy", action="store_true",
+                   help="also print what was live at each system's peak, by the op that made it "
+                        "(zerocompile.runtime.memory_tracker.PeakAnatomy; slower, the times mean less)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
                    help="systems to run (ratios and the divergence check need fsdp2)")
     p.add_argument("--out", type=Path, default=None,
@@ -291,6 +313,8 @@ def main(argv=None) -> int:
     print(f"optional passes disabled in 'no optional passes': {ranks[0]['disabled_passes']}"
           + (f" ({ranks[0]['pass_note']})" if ranks[0]["pass_note"] else ""))
     print(format_table(summary, args.inner_compiler))
+    if args.peak_anatomy:
+        print(format_anatomy(summary))
     print("ms/step: median over timed steps of the slowest rank's time (min-max); ratios are to FSDP2 eager; "
           "paired: median over rounds of the step time over FSDP2's in the same round.")
     if load_before[0] >= (os.cpu_count() or 1):

@@ -261,3 +261,52 @@ class LiveStorageTracker(TorchDispatchMode):
             self.current = self.live_bytes()
             self.peak = max(self.peak, self.current)
         return out
+
+
+class PeakAnatomy(LiveStorageTracker):
+    """A ``LiveStorageTracker`` (exact peak, inputs tracked) that also says what was live at the
+    peak: ``at_peak`` = ``(op, groups)``, where ``op`` is the op after which the peak was
+    reached and ``groups`` maps each op name to ``[bytes, storages]`` of the storages alive then
+    that the op produced (a storage made while the tracker did not look counts under "made
+    earlier, first read by" the first op that used it). It answers "whose memory is the peak", e.g. between two systems that train
+    the same model (``benchmarks/stage3_vs_fsdp2.py --peak-anatomy``). A snapshot is taken at
+    every new peak, so it is slower than the plain tracker: for diagnosis, not for timing."""
+
+    def __init__(self, fake_mode=None):
+        super().__init__(exact_peak=True, track_inputs=True, fake_mode=fake_mode)
+        self._born: dict[int, str] = {}
+        self._op = "before tracking"
+        self.at_peak: tuple[str, dict[str, list[int]]] | None = None
+
+    def track(self, tensor: torch.Tensor) -> None:
+        for t in _plain_tensors(tensor, self.fake_mode):
+            key = t.untyped_storage()._cdata
+            ref = self._refs.get(key)
+            if key not in self._aliases and (ref is None or ref() is None):
+                self._born[key] = self._op
+        super().track(tensor)
+
+    def _snapshot(self) -> None:
+        groups: dict[str, list[int]] = {}
+        for key, ref in list(self._refs.items()):
+            storage = ref()
+            if storage is not None and storage.nbytes():
+                entry = groups.setdefault(self._born.get(key, "before tracking"), [0, 0])
+                entry[0] += storage.nbytes()
+                entry[1] += 1
+        self.at_peak = (self._op, dict(sorted(groups.items(), key=lambda kv: -kv[1][0])))
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        self._snapshot()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.peak
+        self._op = f"made earlier, first read by {func}"
+        for value in tree_flatten((args, kwargs or {}))[0]:
+            self.track(value)
+        self._op = str(func)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.peak > before:
+            self._snapshot()
+        return out

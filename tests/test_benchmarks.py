@@ -18,8 +18,8 @@ SYSTEMS = ("zero3", "zero3-profile", "zero3-nopass", "fsdp2")
 
 def test_stage3_vs_fsdp2_quick(tmp_path):
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--inner-compiler", "eager", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--inner-compiler", "eager", "--peak-anatomy",
+                           "--out", str(out)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["psi"] > 0 and result["machine"]["cpu_count"] >= 1
@@ -36,7 +36,12 @@ def test_stage3_vs_fsdp2_quick(tmp_path):
         assert entry["max_rel_loss_diff"] <= result["config"]["rtol"], (name, entry["max_rel_loss_diff"])
         if name != "fsdp2":
             assert entry["zero_stats_match"], (name, entry["zero_stats"], entry["comm_by_kind"])
+        # --peak-anatomy: the storages live at the (exact) peak, by the op that made them, add up to it
+        anatomy = entry["at_peak"]
+        assert sum(nbytes for nbytes, _ in anatomy["by_op"].values()) == entry["peak_bytes"], (name, anatomy)
+        assert anatomy["op"].startswith(("aten.", "_c10d_functional.", "zerocompile.")), anatomy["op"]
     assert "FSDP2 eager" in proc.stdout and "DIVERGED" not in proc.stdout, proc.stdout
+    assert proc.stdout.count("live then, by the op that made it:") == len(SYSTEMS), proc.stdout
 
 
 RUN = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"

@@ -220,3 +220,21 @@ def test_a_fake_wait_tensor_result_counts_as_the_storage_it_waited_for():
         assert tracker.current == 4 * 1000
         del done
         assert tracker.current == 0
+
+
+def test_peak_anatomy_says_whose_memory_the_peak_is():
+    """``PeakAnatomy``: the storages alive at the peak, grouped by the op that made them (or, for
+    one made before, the op that first read it), add up to the peak."""
+    from zerocompile.runtime.memory_tracker import PeakAnatomy
+
+    earlier = torch.zeros(1000)                               # 4000 bytes, made before the tracker
+    with PeakAnatomy() as tracker:
+        tracker.reset_peak()
+        kept = earlier + 1                                    # 4000 bytes
+        product = torch.mm(torch.ones(100, 10), torch.ones(10, 100))   # 40000 bytes, the peak
+        del product
+        kept = kept * 2                                       # below the peak
+    op, groups = tracker.at_peak
+    assert op == "aten.mm.default" and tracker.peak == 56000
+    assert groups == {"aten.mm.default": [40000, 1], "aten.ones.default": [8000, 2],
+                      "made earlier, first read by aten.add.Tensor": [4000, 1], "aten.add.Tensor": [4000, 1]}
