@@ -279,6 +279,36 @@ def _overwrite_while_in_flight(rank, world):
     return torch.equal(wait(reduced), expected_sum), torch.equal(wait(gathered), expected_rows)
 
 
+def _inputs_held_until_the_wait(rank, world):
+    import gc
+    import weakref
+
+    from zerocompile.runtime import point_to_point  # noqa: F401  (registers the ops)
+    from zerocompile.runtime.comm import resolve_group
+
+    group = resolve_group()
+    held = []
+    for op in (torch.ops.zerocompile.reduce_scatter_point_to_point, torch.ops.zerocompile.all_gather_point_to_point):
+        x = torch.randn(world * (1 << 20))
+        storage = weakref.ref(x.untyped_storage())
+        args = (x, "sum", world, group.name) if op is torch.ops.zerocompile.reduce_scatter_point_to_point else (
+            x, world, group.name)
+        result = op(*args, copy_input=False)
+        del x
+        gc.collect()
+        alive_in_flight = storage() is not None
+        _c10d.wait_tensor(result)
+        held.append(alive_in_flight)
+    return held
+
+
+def test_without_the_copy_the_input_stays_alive_until_the_wait():
+    """Graphs run op by op send the input itself (``copy_input=False``): dropped by the graph
+    right after the op (the generated code frees each value after its last use), its memory
+    must stay allocated, and so unchanged, until the wait; the transfers hold it."""
+    assert run_ranks(_inputs_held_until_the_wait, 2) == [[True, True], [True, True]]
+
+
 def test_point_to_point_ops_do_not_read_their_inputs_after_returning():
     """The transfers send copies: inputs overwritten right after the ops return (inductor may
     reuse their memory for the next buffer) change nothing of the results, which are the
