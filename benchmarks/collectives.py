@@ -12,7 +12,10 @@ barrier, median of ``--reps``::
     python benchmarks/collectives.py --numel 4200000 --world-size 4
 
 It also times the point-to-point transfers zerocompile can run in their place
-(``gradient_reduction`` / ``parameter_gather="point_to_point"``, ``runtime/point_to_point.py``).
+(``gradient_reduction`` / ``parameter_gather="point_to_point"``, ``runtime/point_to_point.py``):
+as compiled graphs run them (each sends a copy of its input) and as the stage 1-2 optimizer step
+runs them, in place (the gather receives straight into the buffer that holds this rank's shard,
+the reduce-scatter sends the rows from the buffer itself).
 It prints ms per collective kind and the ratio to the all-reduce, and writes
 ``results/collectives.json``.
 """
@@ -75,9 +78,32 @@ def rank_main(rank: int, world: int, args) -> dict:
         for r in pending:
             torch.ops._c10d_functional.wait_tensor(r)
 
+    def point_to_point_gather_in_place():      # the step's form: the replica receives into itself
+        pending = []
+        for b in buckets:
+            own = b.view(world, -1)[rank]
+            torch.ops.zerocompile.all_gather_point_to_point_into([own], [b], world, group_name)
+            pending.append(b)
+            if len(pending) == 2:
+                torch.ops._c10d_functional.wait_tensor(pending.pop(0))
+        for b in pending:
+            torch.ops._c10d_functional.wait_tensor(b)
+
+    def point_to_point_reduce_scatter_in_place():   # the stage 1 step's form: rows sent from the gradient
+        pending = []
+        for b, s in zip(buckets, shards):
+            torch.ops.zerocompile.reduce_scatter_point_to_point_into([b], [s], world, group_name)
+            pending.append(s)
+            if len(pending) == 2:
+                torch.ops._c10d_functional.wait_tensor(pending.pop(0))
+        for r in pending:
+            torch.ops._c10d_functional.wait_tensor(r)
+
     kinds = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather,
              "point_to_point_reduce_scatter": point_to_point_reduce_scatter,
-             "point_to_point_gather": point_to_point_gather}
+             "point_to_point_gather": point_to_point_gather,
+             "point_to_point_reduce_scatter_in_place": point_to_point_reduce_scatter_in_place,
+             "point_to_point_gather_in_place": point_to_point_gather_in_place}
     times = {k: [] for k in kinds}
     for rep in range(args.reps + 1):                  # the first round warms up
         for name, fn in kinds.items():
@@ -115,6 +141,9 @@ def main(argv=None) -> int:
           f"×{p2p / slowest['all_reduce']:.2f} DDP's all-reduce; the transfers take "
           f"×{slowest['point_to_point_reduce_scatter'] / slowest['reduce_scatter']:.2f} the reduce-scatter's time and "
           f"×{slowest['point_to_point_gather'] / slowest['all_gather']:.2f} the all-gather's")
+    in_place = slowest["point_to_point_reduce_scatter_in_place"] + slowest["point_to_point_gather_in_place"]
+    print(f"in place, as the stage 1-2 optimizer step runs them: {in_place:.1f} ms = "
+          f"×{in_place / slowest['all_reduce']:.2f} DDP's all-reduce")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                                     "torch": torch.__version__, "cpu_count": os.cpu_count(),

@@ -260,13 +260,15 @@ def test_collectives_benchmark_small(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert set(result["ms"]) == {"all_reduce", "reduce_scatter", "all_gather", "point_to_point_reduce_scatter",
-                                 "point_to_point_gather"}
+                                 "point_to_point_gather", "point_to_point_reduce_scatter_in_place",
+                                 "point_to_point_gather_in_place"}
     assert all(v > 0 and math.isfinite(v) for v in result["ms"].values())
     assert result["x_all_reduce"]["all_reduce"] == 1.0
     total = result["ms"]["reduce_scatter"] + result["ms"]["all_gather"]
     assert math.isclose(result["stages_1_2_x_all_reduce"], total / result["ms"]["all_reduce"])
     assert "| reduce-scatter |" in proc.stdout and "ZeRO stages 1-2" in proc.stdout
     assert "| point-to-point-gather |" in proc.stdout and "the same point to point" in proc.stdout
+    assert "| point-to-point-gather-in-place |" in proc.stdout and "in place, as the stage 1-2 optimizer step" in proc.stdout
 
 
 WHOLE_PARAM_STEP = Path(__file__).resolve().parent.parent / "benchmarks" / "whole_param_step.py"
