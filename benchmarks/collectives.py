@@ -59,51 +59,43 @@ def rank_main(rank: int, world: int, args) -> dict:
 
     group_name = dist.group.WORLD.group_name
 
-    def point_to_point_gather():       # parameter_gather="point_to_point": two buckets in flight, as the step
+    def two_in_flight(started):
+        """Wait for what ``started`` yields (each yield has started one bucket's transfers), the
+        next bucket started before the previous one is waited for: two in flight, as the step."""
         pending = []
-        for b, s in zip(buckets, shards):
-            torch.ops.zerocompile.all_gather_point_to_point_out(s, world, group_name, b)
-            pending.append(b)
+        for waited in started:
+            pending.append(waited)
             if len(pending) == 2:
                 torch.ops._c10d_functional.wait_tensor(pending.pop(0))
-        for b in pending:
-            torch.ops._c10d_functional.wait_tensor(b)
+        for waited in pending:
+            torch.ops._c10d_functional.wait_tensor(waited)
 
-    def point_to_point_reduce_scatter():   # gradient_reduction="point_to_point": two buckets in flight
-        pending = []
+    p2p = torch.ops.zerocompile
+
+    def point_to_point_gather():       # parameter_gather="point_to_point", as compiled graphs send it
+        for b, s in zip(buckets, shards):
+            p2p.all_gather_point_to_point_out(s, world, group_name, b)
+            yield b
+
+    def point_to_point_reduce_scatter():   # gradient_reduction="point_to_point", as compiled graphs send it
         for b in buckets:
-            pending.append(torch.ops.zerocompile.reduce_scatter_point_to_point(b, "sum", world, group_name))
-            if len(pending) == 2:
-                torch.ops._c10d_functional.wait_tensor(pending.pop(0))
-        for r in pending:
-            torch.ops._c10d_functional.wait_tensor(r)
+            yield p2p.reduce_scatter_point_to_point(b, "sum", world, group_name)
 
     def point_to_point_gather_in_place():      # the step's form: the replica receives into itself
-        pending = []
         for b in buckets:
-            own = b.view(world, -1)[rank]
-            torch.ops.zerocompile.all_gather_point_to_point_into([own], [b], world, group_name)
-            pending.append(b)
-            if len(pending) == 2:
-                torch.ops._c10d_functional.wait_tensor(pending.pop(0))
-        for b in pending:
-            torch.ops._c10d_functional.wait_tensor(b)
+            p2p.all_gather_point_to_point_into([b.view(world, -1)[rank]], [b], world, group_name)
+            yield b
 
     def point_to_point_reduce_scatter_in_place():   # the stage 1 step's form: rows sent from the gradient
-        pending = []
         for b, s in zip(buckets, shards):
-            torch.ops.zerocompile.reduce_scatter_point_to_point_into([b], [s], world, group_name)
-            pending.append(s)
-            if len(pending) == 2:
-                torch.ops._c10d_functional.wait_tensor(pending.pop(0))
-        for r in pending:
-            torch.ops._c10d_functional.wait_tensor(r)
+            p2p.reduce_scatter_point_to_point_into([b], [s], world, group_name)
+            yield s
 
     kinds = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather,
-             "point_to_point_reduce_scatter": point_to_point_reduce_scatter,
-             "point_to_point_gather": point_to_point_gather,
-             "point_to_point_reduce_scatter_in_place": point_to_point_reduce_scatter_in_place,
-             "point_to_point_gather_in_place": point_to_point_gather_in_place}
+             "point_to_point_reduce_scatter": lambda: two_in_flight(point_to_point_reduce_scatter()),
+             "point_to_point_gather": lambda: two_in_flight(point_to_point_gather()),
+             "point_to_point_reduce_scatter_in_place": lambda: two_in_flight(point_to_point_reduce_scatter_in_place()),
+             "point_to_point_gather_in_place": lambda: two_in_flight(point_to_point_gather_in_place())}
     times = {k: [] for k in kinds}
     for rep in range(args.reps + 1):                  # the first round warms up
         for name, fn in kinds.items():
