@@ -43,6 +43,19 @@ import torch.distributed as dist
 from zerocompile import _torch_compat
 
 
+def _exchange(pairs: list, rank: int, world: int, group) -> list:
+    """Start, with every other rank ``peer`` of ``group`` and for each ``(send, receive)`` of
+    ``pairs``, the send of ``send(peer)`` and the receive into ``receive(peer)``, in one
+    ``batch_isend_irecv``; returns the transfers' ``Work`` handles."""
+    transfers = []
+    for peer in range(world):
+        if peer != rank:
+            for send, receive in pairs:
+                transfers += [dist.P2POp(dist.isend, send(peer), group=group, group_peer=peer),
+                              dist.P2POp(dist.irecv, receive(peer), group=group, group_peer=peer)]
+    return dist.batch_isend_irecv(transfers) if transfers else []
+
+
 def start_point_to_point_gather(x: torch.Tensor, rank: int, world: int, group, out: torch.Tensor,
                                 copy_input: bool = True) -> list:
     """Send ``x`` to every other rank of ``group`` (this process is ``rank`` of ``world``) and
@@ -57,12 +70,7 @@ def start_point_to_point_gather(x: torch.Tensor, rank: int, world: int, group, o
     the transfers hold a reference, so ``x`` is not freed before)."""
     flat = x.reshape(-1).clone() if copy_input else x.reshape(-1)
     rows = out.view(world, -1)
-    transfers = []
-    for peer in range(world):
-        if peer != rank:
-            transfers += [dist.P2POp(dist.isend, flat, group=group, group_peer=peer),
-                          dist.P2POp(dist.irecv, rows[peer], group=group, group_peer=peer)]
-    works = dist.batch_isend_irecv(transfers) if transfers else []
+    works = _exchange([(lambda peer: flat, lambda peer: rows[peer])], rank, world, group)
     rows[rank].copy_(flat)
     return works
 
@@ -75,17 +83,9 @@ def start_point_to_point_reduce_scatter(x: torch.Tensor, rank: int, world: int, 
     sent and kept are a copy of ``x`` that only the transfers and the sum hold where
     ``copy_input`` (see ``start_point_to_point_gather``)."""
     rows = x.reshape(world, -1).clone() if copy_input else x.reshape(world, -1)
-    received = x.new_empty((max(world - 1, 1), rows.shape[1]))
-    transfers, parts, k = [], [], 0
-    for peer in range(world):
-        if peer == rank:
-            parts.append(rows[rank])
-            continue
-        transfers += [dist.P2POp(dist.isend, rows[peer], group=group, group_peer=peer),
-                      dist.P2POp(dist.irecv, received[k], group=group, group_peer=peer)]
-        parts.append(received[k])
-        k += 1
-    works = dist.batch_isend_irecv(transfers) if transfers else []
+    received = x.new_empty((max(world - 1, 1), rows.shape[1]))     # one row per other rank, in rank order
+    parts = [rows[rank] if peer == rank else received[peer - (peer > rank)] for peer in range(world)]
+    works = _exchange([(lambda peer: rows[peer], lambda peer: parts[peer])], rank, world, group)
     return works, parts
 
 
@@ -159,6 +159,12 @@ message per peer (a transfer costs tens of microseconds however small, on gloo o
 as long as copying this many bytes twice); larger ones travel from and into their own memory."""
 
 
+def _by_size(xs: list) -> tuple[list[int], list[int]]:
+    """The indices of ``xs`` under ``PACK_BELOW`` bytes (packed together) and the others."""
+    small = [x.numel() * x.element_size() < PACK_BELOW for x in xs]
+    return [i for i, s in enumerate(small) if s], [i for i, s in enumerate(small) if not s]
+
+
 def start_point_to_point_gather_into(xs: list, outs: list, rank: int, world: int, group) -> tuple[list, object]:
     """Send each ``xs[i]`` to every other rank of ``group`` and receive rank ``r``'s into row ``r``
     of ``outs[i]`` (``world * xs[i].numel()`` elements, rank order); this rank's row is copied
@@ -170,23 +176,14 @@ def start_point_to_point_gather_into(xs: list, outs: list, rank: int, world: int
     for x, row in zip(xs, rows):
         if x.data_ptr() != row[rank].data_ptr():
             row[rank].copy_(x.reshape(-1))
-    small = [i for i, x in enumerate(xs) if x.numel() * x.element_size() < PACK_BELOW]
-    large = [i for i in range(len(xs)) if i not in set(small)]
+    small, large = _by_size(xs)
+    pairs = [(lambda peer, x=xs[i].reshape(-1): x, lambda peer, row=rows[i]: row[peer]) for i in large]
     packed = received = None
     if small and world > 1:
         packed = torch.cat([xs[i].reshape(-1) for i in small])
         received = packed.new_empty((world, packed.numel()))
-    transfers = []
-    for peer in range(world):
-        if peer == rank:
-            continue
-        for i in large:
-            transfers += [dist.P2POp(dist.isend, xs[i].reshape(-1), group=group, group_peer=peer),
-                          dist.P2POp(dist.irecv, rows[i][peer], group=group, group_peer=peer)]
-        if packed is not None:
-            transfers += [dist.P2POp(dist.isend, packed, group=group, group_peer=peer),
-                          dist.P2POp(dist.irecv, received[peer], group=group, group_peer=peer)]
-    works = dist.batch_isend_irecv(transfers) if transfers else []
+        pairs.append((lambda peer: packed, lambda peer: received[peer]))
+    works = _exchange(pairs, rank, world, group)
 
     def unpack() -> None:
         if received is None:
@@ -233,24 +230,15 @@ def start_point_to_point_reduce_scatter_into(xs: list, outs: list, rank: int, wo
     under ``PACK_BELOW`` bytes travel packed together. Nothing is copied for the larger ones:
     the caller keeps ``xs`` unchanged until the waits (the eager optimizer step)."""
     rows = [x.reshape(world, -1) for x in xs]
-    small = [i for i, x in enumerate(xs) if x.numel() * x.element_size() < PACK_BELOW]
-    large = [i for i in range(len(xs)) if i not in set(small)]
+    small, large = _by_size(xs)
     received = {i: xs[i].new_empty((world, rows[i].shape[1])) for i in large}
+    pairs = [(lambda peer, row=rows[i]: row[peer], lambda peer, got=received[i]: got[peer]) for i in large]
     packed = packed_in = None
     if small and world > 1:
         packed = torch.cat([rows[i] for i in small], dim=1)     # (world, total): row r goes to rank r
         packed_in = packed.new_empty(packed.shape)
-    transfers = []
-    for peer in range(world):
-        if peer == rank:
-            continue
-        for i in large:
-            transfers += [dist.P2POp(dist.isend, rows[i][peer], group=group, group_peer=peer),
-                          dist.P2POp(dist.irecv, received[i][peer], group=group, group_peer=peer)]
-        if packed is not None:
-            transfers += [dist.P2POp(dist.isend, packed[peer], group=group, group_peer=peer),
-                          dist.P2POp(dist.irecv, packed_in[peer], group=group, group_peer=peer)]
-    works = dist.batch_isend_irecv(transfers) if transfers else []
+        pairs.append((lambda peer: packed[peer], lambda peer: packed_in[peer]))
+    works = _exchange(pairs, rank, world, group)
 
     def add_up() -> None:
         for i in large:
