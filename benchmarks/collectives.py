@@ -15,7 +15,8 @@ It also times the point-to-point transfers zerocompile can run in their place
 (``gradient_reduction`` / ``parameter_gather="point_to_point"``, ``runtime/point_to_point.py``):
 as compiled graphs run them (each sends a copy of its input) and as the stage 1-2 optimizer step
 runs them, in place (the gather receives straight into the buffer that holds this rank's shard,
-the reduce-scatter sends the rows from the buffer itself).
+the reduce-scatter sends the rows from the buffer itself); and the same four through the ranks'
+shared-memory segment instead of gloo's sockets (``"shared_memory"``, ``runtime/shared_memory.py``).
 It prints ms per collective kind and the ratio to the all-reduce, and writes
 ``results/collectives.json``.
 """
@@ -72,30 +73,32 @@ def rank_main(rank: int, world: int, args) -> dict:
 
     p2p = torch.ops.zerocompile
 
-    def point_to_point_gather():       # parameter_gather="point_to_point", as compiled graphs send it
+    def point_to_point_gather(shm):       # parameter_gather="point_to_point", as compiled graphs send it
         for b, s in zip(buckets, shards):
-            p2p.all_gather_point_to_point_out(s, world, group_name, b)
+            p2p.all_gather_point_to_point_out(s, world, group_name, b, True, shm)
             yield b
 
-    def point_to_point_reduce_scatter():   # gradient_reduction="point_to_point", as compiled graphs send it
+    def point_to_point_reduce_scatter(shm):   # gradient_reduction="point_to_point", as compiled graphs send it
         for b in buckets:
-            yield p2p.reduce_scatter_point_to_point(b, "sum", world, group_name)
+            yield p2p.reduce_scatter_point_to_point(b, "sum", world, group_name, True, shm)
 
-    def point_to_point_gather_in_place():      # the step's form: the replica receives into itself
+    def point_to_point_gather_in_place(shm):      # the step's form: the replica receives into itself
         for b in buckets:
-            p2p.all_gather_point_to_point_into([b.view(world, -1)[rank]], [b], world, group_name)
+            p2p.all_gather_point_to_point_into([b.view(world, -1)[rank]], [b], world, group_name, shm)
             yield b
 
-    def point_to_point_reduce_scatter_in_place():   # the stage 1 step's form: rows sent from the gradient
+    def point_to_point_reduce_scatter_in_place(shm):   # the stage 1 step's form: rows sent from the gradient
         for b, s in zip(buckets, shards):
-            p2p.reduce_scatter_point_to_point_into([b], [s], world, group_name)
+            p2p.reduce_scatter_point_to_point_into([b], [s], world, group_name, shm)
             yield s
 
-    kinds = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather,
-             "point_to_point_reduce_scatter": lambda: two_in_flight(point_to_point_reduce_scatter()),
-             "point_to_point_gather": lambda: two_in_flight(point_to_point_gather()),
-             "point_to_point_reduce_scatter_in_place": lambda: two_in_flight(point_to_point_reduce_scatter_in_place()),
-             "point_to_point_gather_in_place": lambda: two_in_flight(point_to_point_gather_in_place())}
+    kinds = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather}
+    # the transfers through the sockets, then through the ranks' shared-memory segment ("shared_memory")
+    for prefix, shm in (("point_to_point", False), ("shared_memory", True)):
+        for form, started in (("reduce_scatter", point_to_point_reduce_scatter), ("gather", point_to_point_gather),
+                              ("reduce_scatter_in_place", point_to_point_reduce_scatter_in_place),
+                              ("gather_in_place", point_to_point_gather_in_place)):
+            kinds[f"{prefix}_{form}"] = lambda started=started, shm=shm: two_in_flight(started(shm))
     times = {k: [] for k in kinds}
     for rep in range(args.reps + 1):                  # the first round warms up
         for name, fn in kinds.items():
@@ -136,6 +139,11 @@ def main(argv=None) -> int:
     in_place = slowest["point_to_point_reduce_scatter_in_place"] + slowest["point_to_point_gather_in_place"]
     print(f"in place, as the stage 1-2 optimizer step runs them: {in_place:.1f} ms = "
           f"×{in_place / slowest['all_reduce']:.2f} DDP's all-reduce")
+    shm = slowest["shared_memory_reduce_scatter"] + slowest["shared_memory_gather"]
+    shm_in_place = slowest["shared_memory_reduce_scatter_in_place"] + slowest["shared_memory_gather_in_place"]
+    print(f"through shared memory (gradient_reduction / parameter_gather='shared_memory'): {shm:.1f} ms = "
+          f"×{shm / slowest['all_reduce']:.2f} DDP's all-reduce (×{shm / p2p:.2f} the sockets' transfers); in place "
+          f"{shm_in_place:.1f} ms = ×{shm_in_place / slowest['all_reduce']:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                                     "torch": torch.__version__, "cpu_count": os.cpu_count(),

@@ -161,7 +161,7 @@ def _registry() -> list[GraphPass]:
         GraphPass("point_to_point_collectives", point_to_point_collectives, ("forward", "backward", "inference"),
                   stages=(2, 3), requires=("tags",), optional=False,
                   enabled=lambda config: config.parameter_gather != "all_gather"
-                  or config.gradient_reduction in ("auto", "point_to_point"),
+                  or config.gradient_reduction in ("auto", "point_to_point", "shared_memory"),
                   bind=lambda config: {"copy_input": config.inner_compiler != "eager"},
                   summary="parameter all-gathers and gradient reduce-scatters become point-to-point transfers "
                           "(the same bytes and values) where parameter_gather / gradient_reduction choose them "

@@ -2,7 +2,8 @@
 point-to-point transfers where those are faster.
 
 Where the frame's ``ReductionChoice`` (``runtime/reduction_choice.py``) takes
-``"point_to_point"`` for a collective's size, its node is replaced in place, with the same
+``"point_to_point"`` or ``"shared_memory"`` (the same transfers through a shared-memory segment
+when every rank is on one host, ``runtime/shared_memory.py``) for a collective's size, its node is replaced in place, with the same
 arguments and metadata, by the op of ``runtime/point_to_point.py`` that moves the same bytes
 between pairs of ranks:
 
@@ -43,31 +44,36 @@ _GATHER = torch.ops.zerocompile.all_gather_point_to_point.default
 _REDUCE = torch.ops.zerocompile.reduce_scatter_point_to_point.default
 _GATHER_ROLES = ("param_gather", "bucket_gather")
 _REDUCE_ROLES = ("grad_reduce_scatter", "bucket_reduce_scatter")
+_POINT_TO_POINT = ("point_to_point", "shared_memory")
 
 
 def collectives_as_point_to_point(graph: torch.fx.Graph, choice, group_name: str, copy_input: bool = True) -> dict:
     """Replace each parameter all-gather and gradient reduce-scatter over ``group_name`` that
     ``choice`` sends point to point (``gather_kind_for`` of the gathered bytes, ``kind_for`` of
     the reduced buffer's bytes); returns ``{"all_gather": [bytes...], "reduce_scatter": [...]}``.
-    ``copy_input``: the ops' argument of that name (False only for graphs run op by op)."""
+    ``copy_input``: the ops' argument of that name (False only for graphs run op by op). A
+    ``"shared_memory"`` choice takes the same ops through the group's shared-memory segment
+    (their ``shared_memory`` argument, ``runtime/shared_memory.py``)."""
     replaced = {"all_gather": [], "reduce_scatter": []}
     for node in list(graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default)):
         _, world, name = node.args
         if tag(node).get("role") not in _GATHER_ROLES or name != group_name or world <= 1:
             continue
         nbytes = tensor_nbytes(node.meta["val"])
-        if choice.gather_kind_for(nbytes) == "point_to_point":
+        kind = choice.gather_kind_for(nbytes)
+        if kind in _POINT_TO_POINT:
             node.target = _GATHER
-            node.args = (*node.args, copy_input)
+            node.args = (*node.args, copy_input, kind == "shared_memory")
             replaced["all_gather"].append(nbytes)
     for node in list(graph.find_nodes(op="call_function", target=_c10d.reduce_scatter_tensor.default)):
         flat, reduce_op, world, name = node.args
         if tag(node).get("role") not in _REDUCE_ROLES or name != group_name or world <= 1 or reduce_op != "sum":
             continue
         nbytes = tensor_nbytes(flat.meta["val"])
-        if choice.kind_for(nbytes) == "point_to_point":
+        kind = choice.kind_for(nbytes)
+        if kind in _POINT_TO_POINT:
             node.target = _REDUCE
-            node.args = (*node.args, copy_input)
+            node.args = (*node.args, copy_input, kind == "shared_memory")
             replaced["reduce_scatter"].append(nbytes)
     return replaced
 
@@ -78,8 +84,7 @@ def point_to_point_collectives(gm: torch.fx.GraphModule, ctx: PassContext, copy_
     op by op, ``inner_compiler="eager"``)."""
     choice = ctx.gradient_reduction
     results = ctx.results.setdefault("point_to_point_collectives", {})
-    if choice is None or ctx.group.world == 1 or (
-            "point_to_point" not in choice.gather_kinds and "point_to_point" not in choice.kinds):
+    if choice is None or ctx.group.world == 1 or not set(_POINT_TO_POINT) & {*choice.gather_kinds, *choice.kinds}:
         results[ctx.graph_kind] = {kind: {"replaced": 0, "bytes": 0} for kind in ("all_gather", "reduce_scatter")}
         return gm
     replaced = collectives_as_point_to_point(gm.graph, choice, ctx.group.name, copy_input=copy_input)

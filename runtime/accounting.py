@@ -77,6 +77,11 @@ class ZeroStats:
     offload_buffer_bytes: int = 0
     """Bytes of the optimizer offload pipeline's host buffers (``offload_optimizer``), resident
     beside the model state and counted in none of the figures above."""
+    shared_memory_bytes: int = 0
+    """Bytes of the shared-memory segments this process maps for transfers between the ranks of
+    one host (``"shared_memory"`` collectives, ``runtime/shared_memory.py``): ``world * 8 MiB``
+    per process group that uses them. One segment per host, shared by its ranks (the host holds
+    it once, not once per rank); counted in none of the figures above."""
     all_to_all: CollectiveTotals = field(default_factory=CollectiveTotals)
     """All-to-alls the optimizer step issues (a whole-parameter optimizer's gradient pieces to each
     parameter's owner and the updated pieces back); ``bytes``: what this rank sends to the others."""
@@ -102,7 +107,7 @@ class ZeroStats:
         out.update(world_size=self.world_size, param_bytes=self.param_bytes,
                    grad_bytes=self.grad_bytes, optimizer_state_bytes=self.optimizer_state_bytes,
                    offloaded_bytes=self.offloaded_bytes, offloaded_param_bytes=self.offloaded_param_bytes,
-                   offload_buffer_bytes=self.offload_buffer_bytes)
+                   offload_buffer_bytes=self.offload_buffer_bytes, shared_memory_bytes=self.shared_memory_bytes)
         return out
 
 
@@ -136,6 +141,8 @@ class Accounting:
         self.optimizers: "weakref.WeakSet" = weakref.WeakSet()
         self.frames: "weakref.WeakSet" = weakref.WeakSet()
         """Compiled frames alive (their reports: ``frame_reports()``)."""
+        self.channels: "weakref.WeakSet" = weakref.WeakSet()
+        """Shared-memory channels alive (``runtime/shared_memory.py``): their segments' bytes."""
 
     def record(self, kind: str, nbytes: int, count: int = 1) -> None:
         """``count`` eager collectives of ``kind`` over the data-parallel group, ``nbytes`` in all."""
@@ -173,6 +180,7 @@ class Accounting:
             offloaded_bytes=offloaded,
             offloaded_param_bytes=offloaded_params,
             offload_buffer_bytes=buffers,
+            shared_memory_bytes=sum(channel.nbytes for channel in list(self.channels)),
         )
 
 

@@ -30,6 +30,11 @@ modes see one op per gather (``zerocompile.stats()`` counts it as an all-gather)
   reduce-scatter of many tensors at once, each sent from its own memory and summed into its
   own ``out`` (the stage 1 optimizer step's reduction of the full gradients).
 
+Every op takes a last argument ``shared_memory`` (default False): True sends the same bytes
+through the process group's shared-memory segment instead of its sockets, where every rank is
+on one host (``runtime/shared_memory.py``, the ``"shared_memory"`` choice); the results are
+the same bit for bit.
+
 All of them only *start* the transfers; ``torch.ops._c10d_functional.wait_tensor`` of the result waits
 for them, as for a functional collective (they are registered in c10d's registry of pending
 work: ``_torch_compat.register_pending_works``). ``x`` must stay unchanged until then.
@@ -41,12 +46,18 @@ import torch
 import torch.distributed as dist
 
 from zerocompile import _torch_compat
+from zerocompile.runtime.shared_memory import open_channel
 
 
-def _exchange(pairs: list, rank: int, world: int, group) -> list:
+def _exchange(pairs: list, rank: int, world: int, group, shared_memory: bool = False,
+              copy_input: bool = False) -> list:
     """Start, with every other rank ``peer`` of ``group`` and for each ``(send, receive)`` of
-    ``pairs``, the send of ``send(peer)`` and the receive into ``receive(peer)``, in one
-    ``batch_isend_irecv``; returns the transfers' ``Work`` handles."""
+    ``pairs``, the send of ``send(peer)`` and the receive into ``receive(peer)``: in one
+    ``batch_isend_irecv`` (gloo's or NCCL's sockets), or through the group's shared-memory
+    segment (``shared_memory``: ``runtime/shared_memory.py``, which sends from a copy of what
+    it could not write at once where ``copy_input``). Returns what to ``wait()`` for."""
+    if shared_memory:
+        return open_channel(group.group_name).exchange(pairs, copy_input)
     transfers = []
     for peer in range(world):
         if peer != rank:
@@ -57,7 +68,7 @@ def _exchange(pairs: list, rank: int, world: int, group) -> list:
 
 
 def start_point_to_point_gather(x: torch.Tensor, rank: int, world: int, group, out: torch.Tensor,
-                                copy_input: bool = True) -> list:
+                                copy_input: bool = True, shared_memory: bool = False) -> list:
     """Send ``x`` to every other rank of ``group`` (this process is ``rank`` of ``world``) and
     receive row ``r`` of ``out`` (``world * x.numel()`` elements, rank order) from rank ``r``;
     this rank's row is copied here. Returns the transfers' ``Work`` handles.
@@ -67,25 +78,30 @@ def start_point_to_point_gather(x: torch.Tensor, rank: int, world: int, group, o
     buffer reuse knows nothing of transfers still reading it), which would send that buffer's
     values. Without the copy, ``x`` itself is sent: only where its memory stays as it is until
     the wait (graphs run op by op, ``passes/point_to_point_collectives.py``; the eager step;
-    the transfers hold a reference, so ``x`` is not freed before)."""
-    flat = x.reshape(-1).clone() if copy_input else x.reshape(-1)
+    the transfers hold a reference, so ``x`` is not freed before). Through shared memory
+    (``shared_memory``) ``x`` is copied into the segment when the transfer starts, and only
+    what does not fit yet is copied aside (``SharedMemoryChannel.exchange``)."""
+    flat = x.reshape(-1).clone() if copy_input and not shared_memory else x.reshape(-1)
     rows = out.view(world, -1)
-    works = _exchange([(lambda peer: flat, lambda peer: rows[peer])], rank, world, group)
+    works = _exchange([(lambda peer: flat, lambda peer: rows[peer])], rank, world, group, shared_memory, copy_input)
     rows[rank].copy_(flat)
     return works
 
 
 def start_point_to_point_reduce_scatter(x: torch.Tensor, rank: int, world: int, group,
-                                        copy_input: bool = True) -> tuple[list, list]:
+                                        copy_input: bool = True, shared_memory: bool = False) -> tuple[list, list]:
     """Send row ``r`` of ``x`` (``world`` equal rows, flat) to rank ``r`` of ``group`` and receive
     every other rank's row ``rank``. Returns the transfers' ``Work`` handles and the rows to
     sum, in rank order (this rank's own row among them): read them after the waits. The rows
     sent and kept are a copy of ``x`` that only the transfers and the sum hold where
-    ``copy_input`` (see ``start_point_to_point_gather``)."""
-    rows = x.reshape(world, -1).clone() if copy_input else x.reshape(world, -1)
+    ``copy_input`` (see ``start_point_to_point_gather``; through shared memory only this rank's
+    own row is copied, and what does not fit the segment yet)."""
+    rows = x.reshape(world, -1).clone() if copy_input and not shared_memory else x.reshape(world, -1)
     received = x.new_empty((max(world - 1, 1), rows.shape[1]))     # one row per other rank, in rank order
-    parts = [rows[rank] if peer == rank else received[peer - (peer > rank)] for peer in range(world)]
-    works = _exchange([(lambda peer: rows[peer], lambda peer: parts[peer])], rank, world, group)
+    own = rows[rank].clone() if copy_input and shared_memory else rows[rank]
+    parts = [own if peer == rank else received[peer - (peer > rank)] for peer in range(world)]
+    works = _exchange([(lambda peer: rows[peer], lambda peer: parts[peer])], rank, world, group, shared_memory,
+                      copy_input)
     return works, parts
 
 
@@ -100,56 +116,60 @@ def sum_in_rank_order(parts: list, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _start_into(x: torch.Tensor, world: int, group_name: str, out: torch.Tensor, copy_input: bool = True) -> None:
+def _start_into(x: torch.Tensor, world: int, group_name: str, out: torch.Tensor, copy_input: bool = True,
+                shared_memory: bool = False) -> None:
     group = _torch_compat.process_group_named(group_name)
-    works = start_point_to_point_gather(x, dist.get_rank(group), world, group, out, copy_input)
+    works = start_point_to_point_gather(x, dist.get_rank(group), world, group, out, copy_input, shared_memory)
     _torch_compat.register_pending_works(out, works)
 
 
 @torch.library.custom_op("zerocompile::all_gather_point_to_point", mutates_args=())
-def all_gather_point_to_point(x: torch.Tensor, world: int, group_name: str, copy_input: bool = True) -> torch.Tensor:
+def all_gather_point_to_point(x: torch.Tensor, world: int, group_name: str, copy_input: bool = True,
+                              shared_memory: bool = False) -> torch.Tensor:
     """``all_gather_into_tensor(x, world, group_name)`` by point-to-point transfers: read the
-    result after ``wait_tensor``. ``copy_input``: see ``start_point_to_point_gather``."""
+    result after ``wait_tensor``. ``copy_input``: see ``start_point_to_point_gather``;
+    ``shared_memory``: through the group's shared-memory segment, not the sockets."""
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    _start_into(x, world, group_name, out, copy_input)
+    _start_into(x, world, group_name, out, copy_input, shared_memory)
     return out
 
 
 @all_gather_point_to_point.register_fake
-def _all_gather_point_to_point_fake(x, world, group_name, copy_input=True):
+def _all_gather_point_to_point_fake(x, world, group_name, copy_input=True, shared_memory=False):
     return x.new_empty((world * x.shape[0], *x.shape[1:]))
 
 
 @torch.library.custom_op("zerocompile::all_gather_point_to_point_out", mutates_args=("out",))
 def all_gather_point_to_point_out(x: torch.Tensor, world: int, group_name: str, out: torch.Tensor,
-                                  copy_input: bool = True) -> None:
+                                  copy_input: bool = True, shared_memory: bool = False) -> None:
     """The same into ``out`` (``world * x.numel()`` elements): read it after ``wait_tensor(out)``."""
-    _start_into(x, world, group_name, out, copy_input)
+    _start_into(x, world, group_name, out, copy_input, shared_memory)
 
 
 @all_gather_point_to_point_out.register_fake
-def _all_gather_point_to_point_out_fake(x, world, group_name, out, copy_input=True):
+def _all_gather_point_to_point_out_fake(x, world, group_name, out, copy_input=True, shared_memory=False):
     return None
 
 
 @torch.library.custom_op("zerocompile::reduce_scatter_point_to_point", mutates_args=())
 def reduce_scatter_point_to_point(x: torch.Tensor, reduce_op: str, world: int, group_name: str,
-                                  copy_input: bool = True) -> torch.Tensor:
+                                  copy_input: bool = True, shared_memory: bool = False) -> torch.Tensor:
     """``reduce_scatter_tensor(x, "sum", world, group_name)`` by point-to-point transfers: row
     ``r`` of ``x`` goes to rank ``r``, and the rows received are summed in rank order when
     ``wait_tensor`` of the result returns (``sum_in_rank_order``). ``copy_input``: see
-    ``start_point_to_point_gather``."""
+    ``start_point_to_point_gather``; ``shared_memory``: through the group's shared-memory segment."""
     if reduce_op != "sum":
         raise ValueError(f"zerocompile::reduce_scatter_point_to_point sums; got reduce_op={reduce_op!r}")
     group = _torch_compat.process_group_named(group_name)
-    works, parts = start_point_to_point_reduce_scatter(x, dist.get_rank(group), world, group, copy_input)
+    works, parts = start_point_to_point_reduce_scatter(x, dist.get_rank(group), world, group, copy_input,
+                                                       shared_memory)
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
     _torch_compat.register_pending_works(out, works, then=lambda: sum_in_rank_order(parts, out.view(-1)))
     return out
 
 
 @reduce_scatter_point_to_point.register_fake
-def _reduce_scatter_point_to_point_fake(x, reduce_op, world, group_name, copy_input=True):
+def _reduce_scatter_point_to_point_fake(x, reduce_op, world, group_name, copy_input=True, shared_memory=False):
     return x.new_empty((x.shape[0] // world, *x.shape[1:]))
 
 
@@ -165,7 +185,8 @@ def _by_size(xs: list) -> tuple[list[int], list[int]]:
     return [i for i, s in enumerate(small) if s], [i for i, s in enumerate(small) if not s]
 
 
-def start_point_to_point_gather_into(xs: list, outs: list, rank: int, world: int, group) -> tuple[list, object]:
+def start_point_to_point_gather_into(xs: list, outs: list, rank: int, world: int, group,
+                                     shared_memory: bool = False) -> tuple[list, object]:
     """Send each ``xs[i]`` to every other rank of ``group`` and receive rank ``r``'s into row ``r``
     of ``outs[i]`` (``world * xs[i].numel()`` elements, rank order); this rank's row is copied
     from ``xs[i]`` unless ``xs[i]`` is that row. Tensors under ``PACK_BELOW`` bytes travel packed
@@ -183,7 +204,7 @@ def start_point_to_point_gather_into(xs: list, outs: list, rank: int, world: int
         packed = torch.cat([xs[i].reshape(-1) for i in small])
         received = packed.new_empty((world, packed.numel()))
         pairs.append((lambda peer: packed, lambda peer: received[peer]))
-    works = _exchange(pairs, rank, world, group)
+    works = _exchange(pairs, rank, world, group, shared_memory)
 
     def unpack() -> None:
         if received is None:
@@ -199,30 +220,33 @@ def start_point_to_point_gather_into(xs: list, outs: list, rank: int, world: int
     return works, unpack
 
 
-def _start_many(start, xs: list, outs: list, world: int, group_name: str) -> None:
-    """``start(xs, outs, rank, world, group)`` (one of the ``start_..._into``), its transfers
-    and what completes them registered on ``outs[0]``, which ``wait_tensor`` waits for."""
+def _start_many(start, xs: list, outs: list, world: int, group_name: str, shared_memory: bool) -> None:
+    """``start(xs, outs, rank, world, group, shared_memory)`` (one of the ``start_..._into``),
+    its transfers and what completes them registered on ``outs[0]``, which ``wait_tensor``
+    waits for."""
     group = _torch_compat.process_group_named(group_name)
-    works, then = start(xs, outs, dist.get_rank(group), world, group)
+    works, then = start(xs, outs, dist.get_rank(group), world, group, shared_memory)
     if outs:
         _torch_compat.register_pending_works(outs[0], works, then=then)
 
 
 @torch.library.custom_op("zerocompile::all_gather_point_to_point_into", mutates_args=("outs",))
 def all_gather_point_to_point_into(xs: list[torch.Tensor], outs: list[torch.Tensor], world: int,
-                                   group_name: str) -> None:
+                                   group_name: str, shared_memory: bool = False) -> None:
     """``outs[i]`` = the all-gather of ``xs[i]`` for every ``i``, by point-to-point transfers
     straight into ``outs`` (``start_point_to_point_gather_into``): read them after
-    ``wait_tensor(outs[0])``. Eager use only (``xs`` are sent from their own memory)."""
-    _start_many(start_point_to_point_gather_into, xs, outs, world, group_name)
+    ``wait_tensor(outs[0])``. Eager use only (``xs`` are sent from their own memory).
+    ``shared_memory``: through the group's shared-memory segment."""
+    _start_many(start_point_to_point_gather_into, xs, outs, world, group_name, shared_memory)
 
 
 @all_gather_point_to_point_into.register_fake
-def _all_gather_point_to_point_into_fake(xs, outs, world, group_name):
+def _all_gather_point_to_point_into_fake(xs, outs, world, group_name, shared_memory=False):
     return None
 
 
-def start_point_to_point_reduce_scatter_into(xs: list, outs: list, rank: int, world: int, group) -> tuple[list, object]:
+def start_point_to_point_reduce_scatter_into(xs: list, outs: list, rank: int, world: int, group,
+                                             shared_memory: bool = False) -> tuple[list, object]:
     """Send row ``r`` of each ``xs[i]`` (``world`` equal rows, flat) to rank ``r`` of ``group``
     and receive every other rank's row ``rank`` of it; returns the transfers' ``Work`` handles and
     what to call after they are done: it writes into ``outs[i]`` the sum of the rows in rank
@@ -238,7 +262,7 @@ def start_point_to_point_reduce_scatter_into(xs: list, outs: list, rank: int, wo
         packed = torch.cat([rows[i] for i in small], dim=1)     # (world, total): row r goes to rank r
         packed_in = packed.new_empty(packed.shape)
         pairs.append((lambda peer: packed[peer], lambda peer: packed_in[peer]))
-    works = _exchange(pairs, rank, world, group)
+    works = _exchange(pairs, rank, world, group, shared_memory)
 
     def add_up() -> None:
         for i in large:
@@ -257,13 +281,14 @@ def start_point_to_point_reduce_scatter_into(xs: list, outs: list, rank: int, wo
 
 @torch.library.custom_op("zerocompile::reduce_scatter_point_to_point_into", mutates_args=("outs",))
 def reduce_scatter_point_to_point_into(xs: list[torch.Tensor], outs: list[torch.Tensor], world: int,
-                                       group_name: str) -> None:
+                                       group_name: str, shared_memory: bool = False) -> None:
     """``outs[i]`` = the reduce-scatter (sum) of ``xs[i]`` for every ``i``, by point-to-point
     transfers sent from ``xs``' own memory (``start_point_to_point_reduce_scatter_into``): read
-    them after ``wait_tensor(outs[0])``. Eager use only."""
-    _start_many(start_point_to_point_reduce_scatter_into, xs, outs, world, group_name)
+    them after ``wait_tensor(outs[0])``. Eager use only. ``shared_memory``: through the
+    group's shared-memory segment."""
+    _start_many(start_point_to_point_reduce_scatter_into, xs, outs, world, group_name, shared_memory)
 
 
 @reduce_scatter_point_to_point_into.register_fake
-def _reduce_scatter_point_to_point_into_fake(xs, outs, world, group_name):
+def _reduce_scatter_point_to_point_into_fake(xs, outs, world, group_name, shared_memory=False):
     return None

@@ -2,7 +2,9 @@
 
 Reductions: a reduce-scatter; an all-reduce of which each rank keeps its own slice (stages 1
 and 2); or point-to-point transfers (``runtime/point_to_point.py``): row ``r`` of each rank's
-bucket sent to rank ``r``, which sums what it received in rank order. All give each rank the sum
+bucket sent to rank ``r``, which sums what it received in rank order; or the same transfers
+through a shared-memory segment (``"shared_memory"``, ``runtime/shared_memory.py``; timed only
+where every rank is on one host and the tensors are on the CPU, else infinite). All give each rank the sum
 over ranks of its slice of the padded flat gradient bucket; on two ranks each is the same single
 addition, so the values are bitwise equal (on more ranks the same terms, in an order the backend
 or the rank order fixes). What differs is the time: NCCL's ring reduce-scatter moves half an
@@ -14,8 +16,9 @@ model state each rank keeps between steps is the same either way.
 
 ``gradient_reduction(option, group, device)`` answers per process group and message size:
 
-- ``"reduce_scatter"`` / ``"all_reduce"`` / ``"point_to_point"``: that one at every size (the
-  option forced);
+- ``"reduce_scatter"`` / ``"all_reduce"`` / ``"point_to_point"`` / ``"shared_memory"``: that one
+  at every size (the option forced; ``"shared_memory"`` where the ranks cannot share memory is a
+  ``ZeroConfigError`` naming why);
 - ``"auto"``: measured once per process group (and device) in the process, the first time a
   stage 1-3 frame compiles: a short timing of each (``REDUCTIONS``) at ``PROBE_BYTES`` on the
   real group, each rank's times max-reduced over the group, so every rank holds the same
@@ -49,25 +52,27 @@ from dataclasses import dataclass
 import torch
 
 from zerocompile import _torch_compat
+from zerocompile.errors import ZeroConfigError
 from zerocompile.runtime import point_to_point  # noqa: F401  (registers zerocompile::all_gather_point_to_point_out)
+from zerocompile.runtime import shared_memory
 from zerocompile.runtime.comm import (CommGroup, agreement_digest, every_rank_holds, is_fake_group,
                                       start_all_gather_flat)
 
 _c10d = torch.ops._c10d_functional
 log = logging.getLogger("zerocompile")
 
-GRADIENT_REDUCTIONS = ("auto", "reduce_scatter", "all_reduce", "point_to_point")
+GRADIENT_REDUCTIONS = ("auto", "reduce_scatter", "all_reduce", "point_to_point", "shared_memory")
 """Values of the ``gradient_reduction`` option."""
-PARAMETER_GATHERS = ("auto", "all_gather", "point_to_point")
+PARAMETER_GATHERS = ("auto", "all_gather", "point_to_point", "shared_memory")
 """Values of the ``parameter_gather`` option."""
 DEFAULT_GATHER = "all_gather"
 """What ``"auto"`` takes for the step's gathers where nothing is measured."""
 DEFAULT_KIND = "reduce_scatter"
 """What ``"auto"`` takes where nothing is measured (world size 1, a fake process group, meta
 tensors): the ZeRO papers' collective, which moves half an all-reduce's bytes on a ring."""
-REDUCTIONS = ("reduce_scatter", "all_reduce", "point_to_point")
+REDUCTIONS = ("reduce_scatter", "all_reduce", "point_to_point", "shared_memory")
 """The gradient reductions the probe times, in the order of ``ReductionChoice.ms``."""
-GATHERS = ("all_gather", "point_to_point")
+GATHERS = ("all_gather", "point_to_point", "shared_memory")
 """The parameter gathers the probe times, in the order of ``ReductionChoice.gather_ms``."""
 
 
@@ -88,13 +93,14 @@ class ReductionChoice:
     sizes: tuple[int, ...]
     """Bucket sizes in bytes the choice was made at (ascending); one entry for a fixed choice."""
     kinds: tuple[str, ...]
-    """``"reduce_scatter"``, ``"all_reduce"`` or ``"point_to_point"`` at each of ``sizes``."""
+    """``"reduce_scatter"``, ``"all_reduce"``, ``"point_to_point"`` or ``"shared_memory"`` at each of ``sizes``."""
     source: str
     """How it was chosen: ``"option"``, ``"measured"``, or why it was not measured."""
     ms: tuple[tuple[float, ...], ...] = ()
-    """Measured: the ms of each of ``REDUCTIONS`` at each of ``sizes`` (the slowest rank's)."""
+    """Measured: the ms of each of ``REDUCTIONS`` at each of ``sizes`` (the slowest rank's;
+    infinite for ``"shared_memory"`` where the ranks cannot share memory)."""
     gather_kinds: tuple[str, ...] = (DEFAULT_GATHER,)
-    """How the step's all-gather buckets travel: ``"all_gather"`` or ``"point_to_point"``, at
+    """How the step's all-gather buckets travel: ``"all_gather"``, ``"point_to_point"`` or ``"shared_memory"``, at
     each of ``sizes`` (one entry: at every size)."""
     gather_ms: tuple[tuple[float, ...], ...] = ()
     """Measured: the ms of each of ``GATHERS`` at each of ``sizes`` (the slowest rank's)."""
@@ -124,7 +130,8 @@ class ReductionChoice:
         """The choice where an all-reduce cannot be taken (stage 3's backward): the faster of
         the others where measured, else a reduce-scatter in its place."""
         if self.ms and len(self.ms) == len(self.sizes):
-            kinds = tuple(_fastest(REDUCTIONS[:len(t)], t, ("reduce_scatter", "point_to_point")) for t in self.ms)
+            kinds = tuple(_fastest(REDUCTIONS[:len(t)], t, ("reduce_scatter", "point_to_point", "shared_memory"))
+                          for t in self.ms)
         else:
             kinds = tuple("reduce_scatter" if k == "all_reduce" else k for k in self.kinds)
         return dataclasses.replace(self, kinds=kinds)
@@ -143,7 +150,8 @@ class ReductionChoice:
         parts = []
         for size, kind, ms in zip(self.sizes, kinds if len(kinds) > 1 else kinds * len(self.sizes),
                                   ms_list or [None] * len(self.sizes)):
-            timing = ": " + ", ".join(f"{name} {t:.2f} ms" for name, t in zip(names, ms)) if ms else ""
+            timing = ": " + ", ".join(f"{name} {t:.2f} ms" if math.isfinite(t) else f"{name} n/a"
+                                      for name, t in zip(names, ms)) if ms else ""
             parts.append(f"{_size(size)} {kind}{timing}")
         return f"{source}; " + "; ".join(parts)
 
@@ -193,30 +201,86 @@ def gradient_reduction(option: str, group: CommGroup, device=None, parameter_gat
     rank must call it at the same point: the first stage 1-3 frame's compile), then cached;
     with ``saved``, a choice saved there by an earlier run that every rank holds is taken
     instead of measuring, and a measured one is saved. ``stage``: the ZeRO stage, which says
-    where the collectives run and so what is timed (``sites``)."""
+    where the collectives run and so what is timed (``sites``). Where the choice sends
+    something through shared memory, the group's segment is opened here (a collective too) and
+    kept; else the probe's is let go."""
     check_gradient_reduction(option)
     check_parameter_gather(parameter_gather)
     gather = DEFAULT_GATHER if parameter_gather == "auto" else parameter_gather
+    device = torch.device(device or "cpu")
+    if "shared_memory" in (option, parameter_gather) and group.world > 1 and not is_fake_group(group) \
+            and device.type != "meta":
+        _require_shared_memory(group.name, device, "gradient_reduction" if option == "shared_memory"
+                               else "parameter_gather")
     if option != "auto" and parameter_gather != "auto":
-        return fixed_choice(option, "option", gather)
+        choice = fixed_choice(option, "option", gather)
+        if group.world > 1 and not is_fake_group(group) and device.type != "meta":
+            _keep_shared_memory_if_chosen(choice, group.name, device)
+        return choice
     kind = DEFAULT_KIND if option == "auto" else option
     if group.world == 1:
         return fixed_choice(kind, "not measured: world size 1", gather)
     if is_fake_group(group):
         return fixed_choice(kind, "not measured: fake process group", gather)
-    device = torch.device(device or "cpu")
     if device.type == "meta":
         return fixed_choice(kind, "not measured: meta tensors", gather)
     measured = _measured(group.group, group.name, group.world, str(device), saved, sites(stage))
     # an option given keeps its value at every size, the other is what was measured
     if option != "auto":
-        return dataclasses.replace(measured, kinds=(option,), ms=(), source="option", gather_source="measured")
-    if parameter_gather != "auto":
-        return dataclasses.replace(measured, gather_kinds=(parameter_gather,), gather_ms=(), gather_source="option")
+        measured = dataclasses.replace(measured, kinds=(option,), ms=(), source="option", gather_source="measured")
+    elif parameter_gather != "auto":
+        measured = dataclasses.replace(measured, gather_kinds=(parameter_gather,), gather_ms=(), gather_source="option")
+    _keep_shared_memory_if_chosen(measured, group.name, device)
     return measured
 
 
-SAVED_VERSION = 3
+def uses_shared_memory(choice: ReductionChoice) -> bool:
+    """Whether ``choice`` sends something through shared memory, at some size (stage 3's
+    reductions, which cannot all-reduce, included)."""
+    return "shared_memory" in (*choice.kinds, *choice.gather_kinds, *choice.without_all_reduce().kinds)
+
+
+def _keep_shared_memory_if_chosen(choice: ReductionChoice, group_name: str, device: torch.device) -> None:
+    """Open the group's shared-memory segment and keep it where ``choice`` uses it, else let the
+    probe's go (it is not held for nothing). Every rank holds the same choice, so every rank
+    opens or releases at this same point."""
+    if device.type != "cpu":
+        return
+    if uses_shared_memory(choice):
+        shared_memory.open_channel(group_name).needed = True
+    else:
+        shared_memory.release_channel(group_name)
+
+
+def _require_shared_memory(group_name: str, device: torch.device, option: str) -> None:
+    """``ZeroConfigError`` naming the reason where option ``option`` = ``"shared_memory"`` cannot be
+    had (a collective on CPU groups: every rank opens the group's segment)."""
+    if device.type != "cpu":
+        reason = shared_memory.unavailable_reason(device)
+    else:
+        try:
+            shared_memory.open_channel(group_name)
+            return
+        except shared_memory.SharedMemoryUnavailable as err:
+            reason = str(err)
+    raise ZeroConfigError(f"option {option!r} = 'shared_memory' cannot be used: {reason}; use 'point_to_point' "
+                          "(the same transfers through the process group's sockets) or 'auto'")
+
+
+def _shared_memory_ready(group_name: str, device: torch.device) -> bool:
+    """Whether the group's ranks can share memory (its segment then opened): a collective on
+    CPU groups, so every rank answers the same."""
+    if device.type != "cpu":
+        return False
+    try:
+        shared_memory.open_channel(group_name)
+        return True
+    except shared_memory.SharedMemoryUnavailable as err:
+        log.info("zerocompile: shared-memory transfers not measured on process group %r: %s", group_name, err)
+        return False
+
+
+SAVED_VERSION = 4
 """Bumped when what the probe times changes (``REDUCTIONS``, ``GATHERS``): older saved choices
 are then not found, and measured anew."""
 
@@ -301,8 +365,9 @@ def _every_rank_holds(choice: "ReductionChoice | None", group_name: str, world: 
 
 
 def _measure(group_name: str, world: int, device: str, where: tuple[str, str]) -> ReductionChoice:
-    ms = probe_times(group_name, world, torch.device(device), site=where[0])
-    gather_ms = probe_gather_times(group_name, world, torch.device(device), site=where[1])
+    skip = () if _shared_memory_ready(group_name, torch.device(device)) else ("shared_memory",)
+    ms = probe_times(group_name, world, torch.device(device), site=where[0], skip=skip)
+    gather_ms = probe_gather_times(group_name, world, torch.device(device), site=where[1], skip=skip)
     kinds = tuple(_fastest(REDUCTIONS, times) for times in ms)
     gather_kinds = tuple(_fastest(GATHERS, times) for times in gather_ms)
     return ReductionChoice(sizes=PROBE_BYTES, kinds=kinds, source="measured", ms=ms, gather_kinds=gather_kinds,
@@ -310,20 +375,22 @@ def _measure(group_name: str, world: int, device: str, where: tuple[str, str]) -
 
 
 def probe_times(group_name: str, world: int, device: torch.device, sizes: tuple[int, ...] = PROBE_BYTES,
-                repeats: int = PROBE_REPEATS, site: str = "graph") -> tuple[tuple[float, ...], ...]:
+                repeats: int = PROBE_REPEATS, site: str = "graph", skip: tuple[str, ...] = ()) -> tuple[tuple[float, ...], ...]:
     """The ms of each of ``REDUCTIONS`` on a float32 buffer of each of ``sizes`` bytes on the
     group (``_timed``), as it runs at ``site`` (``sites``): in the ``"step"``, the collectives
     with the packing of the gradients into their bucket, the transfers sent from the gradients'
-    own memory (``zerocompile::reduce_scatter_point_to_point_into``). A collective: every rank
+    own memory (``zerocompile::reduce_scatter_point_to_point_into``). ``skip``: kinds not timed
+    (infinite; ``"shared_memory"`` where the ranks cannot share memory). A collective: every rank
     calls it."""
     def run(kind, n):
         buf = torch.zeros(max(world, n // world * world), device=device)
         grad = torch.zeros_like(buf) if site == "step" else None
         chunk = grad.new_empty(buf.numel() // world) if site == "step" else None
+        shm = kind == "shared_memory"
 
         def once():
-            if site == "step" and kind == "point_to_point":
-                torch.ops.zerocompile.reduce_scatter_point_to_point_into([grad], [chunk], world, group_name)
+            if site == "step" and kind in ("point_to_point", "shared_memory"):
+                torch.ops.zerocompile.reduce_scatter_point_to_point_into([grad], [chunk], world, group_name, shm)
                 _c10d.wait_tensor(chunk)
                 return
             if site == "step":
@@ -333,25 +400,28 @@ def probe_times(group_name: str, world: int, device: torch.device, sizes: tuple[
             elif kind == "all_reduce":
                 _c10d.wait_tensor(_c10d.all_reduce(buf, "sum", group_name))
             else:
-                _c10d.wait_tensor(torch.ops.zerocompile.reduce_scatter_point_to_point(buf, "sum", world, group_name))
+                _c10d.wait_tensor(torch.ops.zerocompile.reduce_scatter_point_to_point(buf, "sum", world, group_name,
+                                                                                       True, shm))
         return once
-    return _timed(REDUCTIONS, run, group_name, device, sizes, repeats)
+    return _timed(REDUCTIONS, run, group_name, device, sizes, repeats, skip)
 
 
 def probe_gather_times(group_name: str, world: int, device: torch.device, sizes: tuple[int, ...] = PROBE_BYTES,
-                       repeats: int = PROBE_REPEATS, site: str = "graph") -> tuple[tuple[float, ...], ...]:
+                       repeats: int = PROBE_REPEATS, site: str = "graph",
+                       skip: tuple[str, ...] = ()) -> tuple[tuple[float, ...], ...]:
     """The ms of each of ``GATHERS`` gathering a float32 buffer of each of ``sizes`` bytes (the
     gathered size) on the group (``_timed``), as it runs at ``site`` (``sites``): in the
     ``"step"``, the all-gather with its packing and its copy into a replica, the transfers
     straight into the replica (``zerocompile::all_gather_point_to_point_into``); in a
-    ``"graph"``, the all-gather as it is, the transfers sending a copy of their input. A
-    collective: every rank calls it."""
+    ``"graph"``, the all-gather as it is, the transfers sending a copy of their input. ``skip``:
+    as ``probe_times``'. A collective: every rank calls it."""
     rank = torch.distributed.get_rank(_torch_compat.process_group_named(group_name))
 
     def run(kind, n):
         chunk = max(1, n // world)
         shard, out = torch.zeros(chunk, device=device), torch.empty(chunk * world, device=device)
         replica = torch.zeros(chunk * world, device=device) if site == "step" else None
+        shm = kind == "shared_memory"
 
         def once():
             if site == "step" and kind == "all_gather":
@@ -360,26 +430,27 @@ def probe_gather_times(group_name: str, world: int, device: torch.device, sizes:
                 replica.copy_(out)                                          # the write into the replica
             elif site == "step":
                 own = replica.view(world, chunk)[rank]
-                torch.ops.zerocompile.all_gather_point_to_point_into([own], [replica], world, group_name)
+                torch.ops.zerocompile.all_gather_point_to_point_into([own], [replica], world, group_name, shm)
                 _c10d.wait_tensor(replica)
             elif kind == "all_gather":
                 _c10d.wait_tensor(start_all_gather_flat(shard, world, group_name, out=out))
             else:
-                torch.ops.zerocompile.all_gather_point_to_point_out(shard, world, group_name, out)
+                torch.ops.zerocompile.all_gather_point_to_point_out(shard, world, group_name, out, True, shm)
                 _c10d.wait_tensor(out)
         return once
-    return _timed(GATHERS, run, group_name, device, sizes, repeats)
+    return _timed(GATHERS, run, group_name, device, sizes, repeats, skip)
 
 
 def _timed(kinds: tuple[str, ...], run, group_name: str, device: torch.device, sizes: tuple[int, ...],
-           repeats: int) -> tuple[tuple[float, ...], ...]:
+           repeats: int, skip: tuple[str, ...] = ()) -> tuple[tuple[float, ...], ...]:
     """For each of ``sizes`` (bytes of float32) and each of ``kinds``, ``run(kind, elements)()``
     timed ``repeats`` times after one warm-up round, taking turns: the median on this rank, then
-    the maximum over ranks (an all-reduce), so every rank returns the same figures."""
+    the maximum over ranks (an all-reduce), so every rank returns the same figures. Kinds in
+    ``skip`` are not run: infinite."""
     mine = []
     for nbytes in sizes:
-        calls = {kind: run(kind, nbytes // 4) for kind in kinds}
-        times = {kind: [] for kind in kinds}
+        calls = {kind: run(kind, nbytes // 4) for kind in kinds if kind not in skip}
+        times = {kind: [math.inf] if kind in skip else [] for kind in kinds}
         for rep in range(repeats + 1):             # the first round warms up
             for kind, once in calls.items():
                 _sync(device)

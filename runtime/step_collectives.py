@@ -16,6 +16,8 @@ from zerocompile.runtime import point_to_point  # noqa: F401  (registers the zer
 from zerocompile.runtime.comm import CommGroup, pad_flat, start_all_gather_flat
 
 _c10d = torch.ops._c10d_functional
+_POINT_TO_POINT = ("point_to_point", "shared_memory")
+"""Choices sent by the point-to-point ops: through the sockets, or the group's shared-memory segment."""
 
 
 def bucket_indices(sizes: list[int], cap: int, breaks: list[bool] | None = None) -> list[list[int]]:
@@ -58,7 +60,8 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
     of the world size) into a bucket buffer: two buffers, allocated once per call, take turns,
     so the next bucket's reduce-scatter is in flight while the previous one is averaged.
     ``choose(bucket bytes)``: ``"all_reduce"`` to all-reduce the bucket in its buffer and keep
-    this rank's row instead, ``"point_to_point"`` to send each row to its rank and sum what
+    this rank's row instead, ``"point_to_point"`` (or ``"shared_memory"``, the same transfers
+    through the group's shared-memory segment) to send each row to its rank and sum what
     arrives (the same sums: ``runtime/reduction_choice.py``; a bucket whose gradients need no
     cast and no padding is sent from their own memory, ``reduce_scatter_point_to_point_into``,
     with no bucket buffer); None: reduce-scatter."""
@@ -77,12 +80,13 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
     def start(k, bucket):
         n = sum(grads[i][1] for i in bucket)
         kind = "reduce_scatter" if choose is None else choose(n * elem)
-        if kind == "point_to_point" and all(_sendable(*grads[i], reduce_dtype) for i in bucket):
+        shared_memory = kind == "shared_memory"
+        if kind in _POINT_TO_POINT and all(_sendable(*grads[i], reduce_dtype) for i in bucket):
             # each gradient's rows sent from its own memory, summed into its own chunk
             ACCOUNTING.record("reduce_scatter", n * elem)
             outs = [grads[i][0].new_empty(grads[i][1] // world) for i in bucket]
             torch.ops.zerocompile.reduce_scatter_point_to_point_into([grads[i][0].reshape(-1) for i in bucket], outs,
-                                                                     world, group.name)
+                                                                     world, group.name, shared_memory)
             return bucket, outs, None
         if not slots:
             slots.extend(_slots(len(buckets), max(sum(grads[i][1] for i in b) for b in buckets), grads[0][0],
@@ -100,10 +104,10 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
             ACCOUNTING.record("all_reduce", n * elem)
             return bucket, rows, _c10d.all_reduce_(rows, "sum", group.name)
         ACCOUNTING.record("reduce_scatter", n * elem)
-        if kind == "point_to_point":
+        if kind in _POINT_TO_POINT:
             # the buffer stays as it is until the wait: sent without a copy
-            return bucket, None, torch.ops.zerocompile.reduce_scatter_point_to_point(rows.reshape(-1), "sum", world,
-                                                                                      group.name, copy_input=False)
+            return bucket, None, torch.ops.zerocompile.reduce_scatter_point_to_point(
+                rows.reshape(-1), "sum", world, group.name, copy_input=False, shared_memory=shared_memory)
         return bucket, None, _c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", world, group.name)
 
     def finish(bucket, rows, out):
@@ -147,7 +151,7 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
     once per call: the next bucket's gather is in flight while the previous one is written
     out, and no bucket allocates memory the system must fault in afresh (on the CPU a fresh
     large allocation costs about as much as a copy of it). ``choose(gathered bytes)``:
-    ``"point_to_point"`` to send the bucket to each rank and receive theirs instead of the
+    ``"point_to_point"`` (or ``"shared_memory"``) to send the bucket to each rank and receive theirs instead of the
     all-gather collective (``runtime/point_to_point.py``: the same bytes and values);
     None: the all-gather. ``places[i]``: where shard ``i`` of every rank ends up (``world *
     numel_i`` elements, this rank's row possibly ``shards[i]`` itself: a stage 1-2 replica); a
@@ -171,11 +175,12 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
         if prepare is not None:
             prepare(bucket)
         nbytes = world * sum(shards[i].numel() for i in bucket) * first.element_size()
-        if (places is not None and all(places[i] is not None for i in bucket)
-                and choose is not None and choose(nbytes) == "point_to_point"):
+        kind = "all_gather" if choose is None else choose(nbytes)
+        if places is not None and all(places[i] is not None for i in bucket) and kind in _POINT_TO_POINT:
             ACCOUNTING.record("all_gather", nbytes)
             outs = [places[i] for i in bucket]
-            torch.ops.zerocompile.all_gather_point_to_point_into([shards[i] for i in bucket], outs, world, group.name)
+            torch.ops.zerocompile.all_gather_point_to_point_into([shards[i] for i in bucket], outs, world, group.name,
+                                                                 kind == "shared_memory")
             return bucket, None, outs[0]
         if not mines:
             mines.extend(_slots(len(buckets), cap, first))
@@ -184,8 +189,9 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
         mine = torch.cat([shards[i].reshape(-1) for i in bucket], out=mines[k % len(mines)][:n])
         ACCOUNTING.record("all_gather", nbytes)
         out = gathers[k % len(gathers)][: world * n]
-        if choose is not None and choose(nbytes) == "point_to_point":
-            torch.ops.zerocompile.all_gather_point_to_point_out(mine, world, group.name, out, copy_input=False)
+        if kind in _POINT_TO_POINT:
+            torch.ops.zerocompile.all_gather_point_to_point_out(mine, world, group.name, out, copy_input=False,
+                                                                shared_memory=kind == "shared_memory")
             return bucket, n, out
         return bucket, n, start_all_gather_flat(mine, world, group.name, out=out)
 

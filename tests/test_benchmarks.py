@@ -253,15 +253,15 @@ COLLECTIVES = Path(__file__).resolve().parent.parent / "benchmarks" / "collectiv
 
 def test_collectives_benchmark_small(tmp_path):
     """benchmarks/collectives.py on a small buffer: every kind timed on 2 gloo ranks (the
-    point-to-point transfers too), the ratios to the all-reduce and the stages-1/2 sum written out."""
+    point-to-point transfers too, through the sockets and through shared memory), the ratios to the all-reduce and the stages-1/2 sum written out."""
     out = tmp_path / "coll.json"
     proc = subprocess.run([sys.executable, str(COLLECTIVES), "--numel", "300000", "--bucket-mb", "1", "--reps", "2",
                            "--out", str(out)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
-    assert set(result["ms"]) == {"all_reduce", "reduce_scatter", "all_gather", "point_to_point_reduce_scatter",
-                                 "point_to_point_gather", "point_to_point_reduce_scatter_in_place",
-                                 "point_to_point_gather_in_place"}
+    assert set(result["ms"]) == {"all_reduce", "reduce_scatter", "all_gather"} | {
+        f"{how}_{form}" for how in ("point_to_point", "shared_memory")
+        for form in ("reduce_scatter", "gather", "reduce_scatter_in_place", "gather_in_place")}
     assert all(v > 0 and math.isfinite(v) for v in result["ms"].values())
     assert result["x_all_reduce"]["all_reduce"] == 1.0
     total = result["ms"]["reduce_scatter"] + result["ms"]["all_gather"]
@@ -269,6 +269,7 @@ def test_collectives_benchmark_small(tmp_path):
     assert "| reduce-scatter |" in proc.stdout and "ZeRO stages 1-2" in proc.stdout
     assert "| point-to-point-gather |" in proc.stdout and "the same point to point" in proc.stdout
     assert "| point-to-point-gather-in-place |" in proc.stdout and "in place, as the stage 1-2 optimizer step" in proc.stdout
+    assert "| shared-memory-gather-in-place |" in proc.stdout and "through shared memory" in proc.stdout
 
 
 WHOLE_PARAM_STEP = Path(__file__).resolve().parent.parent / "benchmarks" / "whole_param_step.py"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import pytest
 import torch
@@ -85,23 +86,25 @@ def test_auto_is_measured_once_and_the_same_on_every_rank():
         choice = res["choice"]
         assert res["cached"] and choice["source"] == "measured"
         assert len(choice["ms"]) == len(choice["sizes"]) and all(t > 0 for pair in choice["ms"] for t in pair)
-        # the fastest of the three at each size
-        names = ("reduce_scatter", "all_reduce", "point_to_point")
-        assert all(len(t) == 3 for t in choice["ms"])
+        # the fastest of the four at each size (the ranks of this test share a host: the
+        # shared-memory transfers are timed too)
+        names = ("reduce_scatter", "all_reduce", "point_to_point", "shared_memory")
+        gathers = ("all_gather", "point_to_point", "shared_memory")
+        assert all(len(t) == 4 for t in choice["ms"])
         assert choice["kinds"] == [names[t.index(min(t))] for t in choice["ms"]]
         gather = choice["parameter_gather"]
-        assert len(gather["ms"]) == len(choice["sizes"]) and all(t > 0 for pair in gather["ms"] for t in pair)
-        assert gather["kinds"] == ["point_to_point" if p2p < ag else "all_gather" for ag, p2p in gather["ms"]]
+        assert len(gather["ms"]) == len(choice["sizes"]) and all(0 < t < float("inf") for ms in gather["ms"] for t in ms)
+        assert gather["kinds"] == [gathers[t.index(min(t))] for t in gather["ms"]]
         # collectives the step runs (stages 1-2's gathers, stage 1's reductions) timed as the step
         # runs them: packing and copy-out against in place
         for stage in ("stage1", "stage2"):
             step = res[stage]["parameter_gather"]
             assert len(step["ms"]) == len(choice["sizes"]) and step["ms"] != gather["ms"]
-            assert step["kinds"] == ["point_to_point" if p2p < ag else "all_gather" for ag, p2p in step["ms"]]
+            assert step["kinds"] == [gathers[t.index(min(t))] for t in step["ms"]]
         assert res["stage1"]["ms"] != choice["ms"]
         assert res["stage1"]["kinds"] == [names[t.index(min(t))] for t in res["stage1"]["ms"]]
-        # stage 3 has no all-reduce path: the faster of the other two
-        assert res["stage3"]["kinds"] == [names[0] if t[0] <= t[2] else names[2] for t in choice["ms"]]
+        # stage 3 has no all-reduce path: the fastest of the other three
+        assert res["stage3"]["kinds"] == [min((t[i], names[i]) for i in (0, 2, 3))[1] for t in choice["ms"]]
     # an option given is kept, the other measured
     forced = results[0]["forced"]
     assert forced["kinds"] == ["all_reduce"] and forced["source"] == "option"
@@ -120,7 +123,7 @@ def _gather_both_ways(rank, world):
     # under and over point_to_point.PACK_BELOW (64 KiB): packed together, and sent in place
     sizes = (5, 1, 700, 33, 4096, 20000, 3, 40000)
     out = {}
-    for how in ("all_gather", "point_to_point", "in place"):
+    for how in ("all_gather", "point_to_point", "point_to_point in place", "shared_memory", "shared_memory in place"):
         # a replica per shard, this rank's row the shard itself (stages 1-2 without a compute dtype)
         replicas = [torch.full((world * n,), float("nan")) for n in sizes]
         shards = [r.view(world, -1)[rank] for r in replicas]
@@ -128,35 +131,39 @@ def _gather_both_ways(rank, world):
         for t in shards:
             t.copy_(torch.randn(t.shape))
         rows = {}
+        kind = how.removesuffix(" in place")
         with CollectiveCounter() as counter:
             # 64 KiB buckets: several buckets, two in flight at a time
             all_gather_concat(shards, group, 65536, lambda i, r: rows.__setitem__(i, r.clone()),
-                              choose=lambda nbytes: "all_gather" if how == "all_gather" else "point_to_point",
-                              places=replicas if how == "in place" else None)
+                              choose=lambda nbytes: kind,
+                              places=replicas if how.endswith("in place") else None)
         out[how] = (rows, dict(counter.count), counter.point_to_point,
-                    [r.clone() for r in replicas] if how == "in place" else None)
+                    [r.clone() for r in replicas] if how.endswith("in place") else None)
     return out, [s.clone() for s in shards]
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_point_to_point_gathers_give_the_all_gathers_values(world):
-    """``all_gather_concat`` with ``"point_to_point"`` buckets, through bucket buffers or straight
-    into each shard's replica (``places``, the optimizer step's refresh): every rank's shards,
-    rank order, bit for bit those of the all-gather, the same count of gathers, none of them the
-    collective."""
+    """``all_gather_concat`` with ``"point_to_point"`` and ``"shared_memory"`` buckets, through
+    bucket buffers or straight into each shard's replica (``places``, the optimizer step's
+    refresh): every rank's shards, rank order, bit for bit those of the all-gather, the same
+    count of gathers, none of them the collective."""
     results = run_ranks(_gather_both_ways, world)
     shards = [s for _, s in results]
     for res, _ in results:
-        (gathered, counts, none, _), (sent, p2p_counts, p2p, _) = res["all_gather"], res["point_to_point"]
-        in_place, place_counts, place_p2p, replicas = res["in place"]
-        assert counts["all_gather"] >= 2 and counts == p2p_counts and none == 0 and p2p == counts["all_gather"], res
-        assert place_counts == counts and place_p2p == p2p
-        assert sorted(gathered) == sorted(sent) == sorted(in_place) == list(range(len(shards[0])))
-        for i in gathered:
-            for rank in range(world):
-                expected = shards[rank][i].view(torch.int32)
-                for got in (sent[i][rank], gathered[i][rank], in_place[i][rank], replicas[i].view(world, -1)[rank]):
-                    assert torch.equal(got.view(torch.int32), expected)
+        gathered, counts, none, _ = res["all_gather"]
+        assert counts["all_gather"] >= 2 and none == 0, res
+        for how in ("point_to_point", "shared_memory"):
+            sent, p2p_counts, p2p, _ = res[how]
+            in_place, place_counts, place_p2p, replicas = res[f"{how} in place"]
+            assert counts == p2p_counts and p2p == counts["all_gather"], res
+            assert place_counts == counts and place_p2p == p2p
+            assert sorted(gathered) == sorted(sent) == sorted(in_place) == list(range(len(shards[0])))
+            for i in gathered:
+                for rank in range(world):
+                    expected = shards[rank][i].view(torch.int32)
+                    for got in (sent[i][rank], gathered[i][rank], in_place[i][rank], replicas[i].view(world, -1)[rank]):
+                        assert torch.equal(got.view(torch.int32), expected)
 
 
 def test_auto_measures_nothing_on_one_rank_and_the_options_are_checked():
@@ -215,18 +222,19 @@ def test_the_pass_replaces_a_bucket_the_choice_all_reduces_by_an_all_reduce_and_
 
 
 @pytest.mark.parametrize("copy_input", [True, False])
-def test_the_transfers_copy_their_input_only_where_inductor_may_reuse_it(copy_input):
+@pytest.mark.parametrize("kind", ["point_to_point", "shared_memory"])
+def test_the_transfers_copy_their_input_only_where_inductor_may_reuse_it(copy_input, kind):
     """``collectives_as_point_to_point`` swaps the bucket's reduce-scatter for the transfers in
-    place; they send a copy of the bucket for inductor's graphs (which may reuse its memory as
-    soon as the op returns), the bucket itself for graphs run op by op."""
+    place, through the sockets or the shared-memory segment as chosen; they send a copy of the
+    bucket for inductor's graphs (which may reuse its memory as soon as the op returns), the
+    bucket itself for graphs run op by op."""
     from zerocompile.passes.point_to_point_collectives import collectives_as_point_to_point
 
     graph = _bucket_graph(world=2, numel=64)
-    replaced = collectives_as_point_to_point(graph, fixed_choice("point_to_point", "option"), "g",
-                                             copy_input=copy_input)
+    replaced = collectives_as_point_to_point(graph, fixed_choice(kind, "option"), "g", copy_input=copy_input)
     assert replaced == {"all_gather": [], "reduce_scatter": [256]}
     (node,) = graph.find_nodes(op="call_function", target=torch.ops.zerocompile.reduce_scatter_point_to_point.default)
-    assert node.args[1:] == ("sum", 2, "g", copy_input)
+    assert node.args[1:] == ("sum", 2, "g", copy_input, kind == "shared_memory")
     assert node.meta["zerocompile"]["bucket"] == "bw.reduce_scatter.0"
     assert next(iter(node.users)).target is _c10d.wait_tensor.default
 
@@ -260,20 +268,25 @@ def test_a_saved_choice_round_trips_and_a_damaged_one_is_ignored(tmp_path):
     assert saved.load(2, "gloo", "cpu") is None
 
 
-def _overwrite_while_in_flight(rank, world):
+def _overwrite_while_in_flight(rank, world, shared_memory):
     from zerocompile.runtime import point_to_point  # noqa: F401  (registers the ops)
     from zerocompile.runtime.comm import resolve_group
 
     group = resolve_group()
     wait = torch.ops._c10d_functional.wait_tensor
     torch.manual_seed(rank)
-    x = torch.randn(world * (1 << 20))
+    # through shared memory 6 MiB per row: the reduce-scatter's fits the 8 MiB ring when it
+    # starts, the gather's only in part (the rest is sent from a copy)
+    n = (1536 << 10) if shared_memory else (1 << 20)
+    x = torch.randn(world * n)
     expected_sum = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x, "sum", world, group.name)).clone()
-    shard = x[: 1 << 20].clone()
+    shard = x[:n].clone()
     expected_rows = _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(
-        shard, world, group.name, out=torch.empty(world << 20))).clone()
-    reduced = torch.ops.zerocompile.reduce_scatter_point_to_point(x, "sum", world, group.name)
-    gathered = torch.ops.zerocompile.all_gather_point_to_point(shard, world, group.name)
+        shard, world, group.name, out=torch.empty(world * n))).clone()
+    if shared_memory and rank == 1:
+        time.sleep(0.5)          # rank 0 finds the ring full (nothing read yet): it must copy the rest
+    reduced = torch.ops.zerocompile.reduce_scatter_point_to_point(x, "sum", world, group.name, True, shared_memory)
+    gathered = torch.ops.zerocompile.all_gather_point_to_point(shard, world, group.name, True, shared_memory)
     x.fill_(float("nan"))       # what a compiled graph reusing the inputs' memory would do
     shard.fill_(float("nan"))
     return torch.equal(wait(reduced), expected_sum), torch.equal(wait(gathered), expected_rows)
@@ -309,8 +322,10 @@ def test_without_the_copy_the_input_stays_alive_until_the_wait():
     assert run_ranks(_inputs_held_until_the_wait, 2) == [[True, True], [True, True]]
 
 
-def test_point_to_point_ops_do_not_read_their_inputs_after_returning():
-    """The transfers send copies: inputs overwritten right after the ops return (inductor may
-    reuse their memory for the next buffer) change nothing of the results, which are the
-    collectives' bit for bit (4 MiB per rank, large enough to be in flight)."""
-    assert run_ranks(_overwrite_while_in_flight, 2) == [(True, True), (True, True)]
+@pytest.mark.parametrize("shared_memory", [False, True])
+def test_point_to_point_ops_do_not_read_their_inputs_after_returning(shared_memory):
+    """The transfers send copies (through shared memory: what did not fit the segment when they
+    started): inputs overwritten right after the ops return (inductor may reuse their memory for
+    the next buffer) change nothing of the results, which are the collectives' bit for bit (4
+    MiB per rank, large enough to be in flight)."""
+    assert run_ranks(_overwrite_while_in_flight, 2, shared_memory) == [(True, True), (True, True)]

@@ -71,19 +71,20 @@ def _p2p_worker(rank, world):
     kept = [t.clone() for t in grads]
     padded = [-(-n // world) * world for n in P2P_SIZES]
     out = {}
-    for cap in (1, 200 * 1024, 10**9):
-        with CollectiveCounter() as counter:
-            chunks = reduce_scatter_mean(list(zip(grads, padded)), group, cap, torch.float32,
-                                         choose=lambda nbytes: "point_to_point")
-        out[cap] = (chunks, counter.point_to_point, dict(counter.count), dict(counter.bytes))
+    for kind in ("point_to_point", "shared_memory"):
+        for cap in (1, 200 * 1024, 10**9):
+            with CollectiveCounter() as counter:
+                chunks = reduce_scatter_mean(list(zip(grads, padded)), group, cap, torch.float32,
+                                             choose=lambda nbytes: kind)
+            out[(kind, cap)] = (chunks, counter.point_to_point, dict(counter.count), dict(counter.bytes))
     return out, all(torch.equal(a, b) for a, b in zip(grads, kept))
 
 
 def test_point_to_point_step_reduction_sums_in_rank_order():
     """Stage 1's step reduction point to point (``reduce_scatter_point_to_point_into`` where no cast
-    or padding is needed, the bucket buffer elsewhere): each rank's chunk of the mean, summed in
-    rank order, bit for bit; one collective counted per bucket with the bucket's bytes; the
-    gradients themselves unchanged."""
+    or padding is needed, the bucket buffer elsewhere), through the sockets and through shared
+    memory: each rank's chunk of the mean, summed in rank order, bit for bit; one collective
+    counted per bucket with the bucket's bytes; the gradients themselves unchanged."""
     results = run_ranks(_p2p_worker, WORLD)
     every = []
     for r in range(WORLD):
@@ -92,7 +93,7 @@ def test_point_to_point_step_reduction_sums_in_rank_order():
     padded_bytes = sum(-(-n // WORLD) * WORLD * 4 for n in P2P_SIZES)
     for rank, (res, unchanged) in enumerate(results):
         assert unchanged
-        for cap, (chunks, p2p, count, nbytes) in res.items():
+        for (_, cap), (chunks, p2p, count, nbytes) in res.items():
             assert p2p == count["reduce_scatter"] >= (1 if cap == 10**9 else 2), (cap, count)
             assert nbytes["reduce_scatter"] == padded_bytes
             for i, n in enumerate(P2P_SIZES):

@@ -207,7 +207,7 @@ def test_custom_node_meta_reaches_the_joint_graph_forward_and_backward():
     assert aten.tanh_backward.default in marked, "node.meta['custom'] no longer reaches the backward nodes"
 
 
-def test_collective_backend_pending_collectives_and_traced_tensors():
+def test_collective_backend_group_timeout_pending_collectives_and_traced_tensors():
     import datetime
     import socket
 
@@ -225,6 +225,7 @@ def test_collective_backend_pending_collectives_and_traced_tensors():
         assert _torch_compat.collective_backend(name, torch.device("cpu")) == "gloo"
         assert _torch_compat.collective_backend("no such group", "cpu") is None
         assert _torch_compat.process_group_named(name) is dist.group.WORLD, "functional group names no longer resolve"
+        assert _torch_compat.group_timeout_s(dist.group.WORLD) == 30.0, "a gloo group's timeout is no longer readable"
         c10d = torch.ops._c10d_functional
         before = _torch_compat.pending_collectives()
         out = c10d.all_reduce(torch.ones(2), "sum", name)

@@ -130,6 +130,24 @@ def collective_backend(group_name: str, device: torch.device) -> str | None:
         return None
 
 
+DEFAULT_GROUP_TIMEOUT_S = 1800.0
+"""What ``group_timeout_s`` answers where the group's own timeout cannot be read: the default
+of torch's non-NCCL process groups (30 minutes)."""
+
+
+def group_timeout_s(process_group) -> float:
+    """The timeout, in seconds, that ``process_group``'s CPU backend applies to its operations
+    (``init_process_group(timeout=...)``): how long ``runtime/shared_memory.py`` waits for a rank
+    before raising, as gloo would.
+
+    Why private: torch has no public reader of a group's timeout; its backend's ``options._timeout``
+    holds it (gloo). Where that is missing, ``DEFAULT_GROUP_TIMEOUT_S``."""
+    try:
+        return process_group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return DEFAULT_GROUP_TIMEOUT_S
+
+
 def is_traced_tensor(t: torch.Tensor) -> bool:
     """Whether ``t`` is a tracing stand-in (a fake or functional tensor of Dynamo or
     AOTAutograd, or a tensor under make_fx's proxy mode) rather than real data.

@@ -68,26 +68,31 @@ class ZeroConfig:
     stage 1/2 all-gather of updated parameters) are grouped the same way. 0 turns bucketing
     off: one collective per parameter."""
 
-    gradient_reduction: Literal["auto", "reduce_scatter", "all_reduce", "point_to_point"] = "auto"
+    gradient_reduction: Literal["auto", "reduce_scatter", "all_reduce", "point_to_point", "shared_memory"] = "auto"
     """Stages 1-3: the collective that reduces the gradients (the eager step's buckets at stage 1,
     the backward graph's buckets at stages 2 and 3). ``"reduce_scatter"``; ``"all_reduce"``
     (stages 1 and 2; stage 3 reduce-scatters instead): each rank keeps its slice of the summed
     bucket (the same values; the full result is a transient, so the model state is the same);
     ``"point_to_point"``: row ``r`` of the bucket goes to rank ``r``, which sums what it
     received in rank order (the reduce-scatter's bytes, and on two ranks its values bit for bit);
-    ``"auto"``: whichever is fastest for the bucket's size on the process group, timed once per
+    ``"shared_memory"``: the same transfers through a shared-memory segment instead of the
+    process group's sockets, where every rank is on one host and tensors are on the CPU
+    (``runtime/shared_memory.py``; 2-3x faster than gloo here; anything else is refused with the
+    reason when the first frame compiles); ``"auto"``: whichever is fastest for the bucket's size on the process group, timed once per
     group and process when the first stage 1-3 frame compiles (the slowest rank's times, so every
     rank chooses the same); where nothing can be timed (world size 1, ``zerocompile plan``'s fake
     ranks: the hardware profile's choice) ``"reduce_scatter"``. Stage 0 ignores it (it
     all-reduces whole gradients). See ``runtime/reduction_choice.py``."""
 
-    parameter_gather: Literal["auto", "all_gather", "point_to_point"] = "auto"
+    parameter_gather: Literal["auto", "all_gather", "point_to_point", "shared_memory"] = "auto"
     """How the parameters' all-gathers travel: at stages 1 and 2 the updated shards after the
     optimizer step (the replicas' refresh), at stage 3 the compiled graphs' gathers (pass
     ``point_to_point_collectives``). ``"all_gather"``: the all-gather collective;
     ``"point_to_point"``: each rank sends its shard to every other rank and receives theirs
     (the same bytes, copied, so the same parameters bit for bit; on gloo 1.2-3x faster than its
-    all-gather at 16-64 MiB); ``"auto"``: the faster for the bucket's size, timed by the probe
+    all-gather at 16-64 MiB); ``"shared_memory"``: the same transfers through a shared-memory
+    segment, where every rank is on one host (see ``gradient_reduction``; 3x gloo's all-gather
+    here); ``"auto"``: the fastest for the bucket's size, timed by the probe
     ``gradient_reduction`` uses (once per group and process, the slowest rank's times, so
     every rank chooses the same); ``"all_gather"`` where nothing can be timed. Stage 0 ignores
     it. See ``runtime/reduction_choice.py`` and ``runtime/point_to_point.py``."""
