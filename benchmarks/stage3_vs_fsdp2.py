@@ -324,6 +324,11 @@ def main(argv=None) -> int:
         print("≥: with inductor the peak is a lower bound: buffers inductor allocates and frees inside a "
               "compiled graph bypass the dispatcher, so the tracker does not see them.")
     for name, e in summary.items():
+        shm = (e.get("zero_stats") or {}).get("shared_memory_bytes", 0)
+        if shm:
+            print(f"{e['label']} also maps a {shm / 2**20:.1f} MiB shared-memory segment for its transfers "
+                  f"(stats().shared_memory_bytes: one per host, shared by the {args.world_size} ranks), not in "
+                  "the peak; gloo's socket buffers are not in FSDP2's either.")
         if e.get("zero_stats_match") is False:
             print(f"note: zerocompile.stats() disagrees with the dispatch-mode count for {name}: "
                   f"{e['zero_stats']} vs {e['comm_by_kind']}")

@@ -79,7 +79,7 @@ class ZeroStats:
     beside the model state and counted in none of the figures above."""
     shared_memory_bytes: int = 0
     """Bytes of the shared-memory segments this process maps for transfers between the ranks of
-    one host (``"shared_memory"`` collectives, ``runtime/shared_memory.py``): ``world * 8 MiB``
+    one host (``"shared_memory"`` collectives, ``runtime/shared_memory.py``): ``world * 4 MiB``
     per process group that uses them. One segment per host, shared by its ranks (the host holds
     it once, not once per rank); counted in none of the figures above."""
     all_to_all: CollectiveTotals = field(default_factory=CollectiveTotals)

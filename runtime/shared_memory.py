@@ -53,11 +53,13 @@ from zerocompile.runtime.accounting import ACCOUNTING
 __all__ = ["CAPACITY", "CHUNK", "SharedMemoryChannel", "SharedMemoryUnavailable", "host_identity", "make_channel",
            "open_channel", "release_channel", "unavailable_reason"]
 
-CAPACITY = 8 * 2**20
+CAPACITY = 4 * 2**20
 """Bytes of each rank's ring: the segment holds ``world * CAPACITY`` bytes (plus a few cache
-lines of counters), mapped by every rank of the host (``SharedMemoryChannel.nbytes``). Twice a
-typical bucket's shard, so that a prefetched gather is written whole when it starts."""
-CHUNK = 2 * 2**20
+lines of counters), mapped by every rank of the host (``SharedMemoryChannel.nbytes``). Larger
+rings bought nothing measurable: the 6-block GPT's stage 3 step (``benchmarks/stage3_vs_fsdp2.py
+--n-layers 6 --inner-compiler eager``) took 0.73-0.80x FSDP2's with 8 MiB, 0.77x with 4 and
+0.75x with 2, within this machine's noise."""
+CHUNK = 2**20
 """The most bytes one record holds: a transfer larger than the ring flows through it in records
 of this size, four to a ring, each written as soon as the other ranks have read the one it
 overwrites."""

@@ -275,16 +275,20 @@ def _overwrite_while_in_flight(rank, world, shared_memory):
     group = resolve_group()
     wait = torch.ops._c10d_functional.wait_tensor
     torch.manual_seed(rank)
-    # through shared memory 6 MiB per row: the reduce-scatter's fits the 8 MiB ring when it
+    # through shared memory 3 MiB per row: the reduce-scatter's fits the 4 MiB ring when it
     # starts, the gather's only in part (the rest is sent from a copy)
-    n = (1536 << 10) if shared_memory else (1 << 20)
+    n = (768 << 10) if shared_memory else (1 << 20)
     x = torch.randn(world * n)
     expected_sum = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x, "sum", world, group.name)).clone()
     shard = x[:n].clone()
     expected_rows = _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(
         shard, world, group.name, out=torch.empty(world * n))).clone()
-    if shared_memory and rank == 1:
-        time.sleep(0.5)          # rank 0 finds the ring full (nothing read yet): it must copy the rest
+    if shared_memory:
+        from zerocompile.runtime.shared_memory import open_channel
+
+        open_channel(group.name)     # opening is a collective: done before rank 1 falls behind
+        if rank == 1:
+            time.sleep(0.5)          # rank 0 finds the ring full (nothing read yet): it must copy the rest
     reduced = torch.ops.zerocompile.reduce_scatter_point_to_point(x, "sum", world, group.name, True, shared_memory)
     gathered = torch.ops.zerocompile.all_gather_point_to_point(shard, world, group.name, True, shared_memory)
     x.fill_(float("nan"))       # what a compiled graph reusing the inputs' memory would do

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from dist_utils import run_ranks
 from harness import Run, assert_matches, reference, zero_train_many
+from zerocompile.runtime import shared_memory
 
 _c10d = torch.ops._c10d_functional
 
@@ -82,7 +83,7 @@ def _ops_both_ways(rank, world):
     group = resolve_group()
     ops = torch.ops.zerocompile
     out = {}
-    # under a record, over a record (chunked), over the 8 MiB ring (flows through it)
+    # under a record, over a record (chunked), over the 4 MiB ring (flows through it)
     for numel in (1001, 700_000, 2_300_000):
         torch.manual_seed(rank * 7 + numel)
         shard, bucket = torch.randn(numel), torch.randn(world * numel)
@@ -190,7 +191,7 @@ def test_training_through_shared_memory_is_the_single_process_training(stage):
         assert torch.equal(value, shm["state"][key]), key
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         assert shm["stats"][kind] == sockets["stats"][kind], kind
-    assert shm["stats"]["shared_memory_bytes"] == 2 * 2 * 64 + 2 * 8 * 2**20
+    assert shm["stats"]["shared_memory_bytes"] == 2 * 2 * 64 + 2 * shared_memory.CAPACITY
     assert sockets["stats"]["shared_memory_bytes"] == 0
     for report in shm["reports"]:
         assert report["results"]["gradient_reduction"]["kinds"] == ["shared_memory"]
@@ -222,5 +223,5 @@ def _segment_kept_only_where_chosen(rank, world):
 
 
 def test_the_segment_is_kept_only_where_a_choice_takes_it():
-    size = 2 * 2 * 64 + 2 * 8 * 2**20
+    size = 2 * 2 * 64 + 2 * shared_memory.CAPACITY
     assert run_ranks(_segment_kept_only_where_chosen, 2) == [[size, 0, size]] * 2
