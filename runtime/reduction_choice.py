@@ -230,14 +230,14 @@ def gradient_reduction(option: str, group: CommGroup, device=None, parameter_gat
         measured = dataclasses.replace(measured, kinds=(option,), ms=(), source="option", gather_source="measured")
     elif parameter_gather != "auto":
         measured = dataclasses.replace(measured, gather_kinds=(parameter_gather,), gather_ms=(), gather_source="option")
-    _keep_shared_memory_if_chosen(measured, group.name, device)
+    # stage 3 reduces without all-reduces (its caller takes ``without_all_reduce``)
+    _keep_shared_memory_if_chosen(measured.without_all_reduce() if stage == 3 else measured, group.name, device)
     return measured
 
 
 def uses_shared_memory(choice: ReductionChoice) -> bool:
-    """Whether ``choice`` sends something through shared memory, at some size (stage 3's
-    reductions, which cannot all-reduce, included)."""
-    return "shared_memory" in (*choice.kinds, *choice.gather_kinds, *choice.without_all_reduce().kinds)
+    """Whether ``choice`` sends something through shared memory, at some size."""
+    return "shared_memory" in (*choice.kinds, *choice.gather_kinds)
 
 
 def _keep_shared_memory_if_chosen(choice: ReductionChoice, group_name: str, device: torch.device) -> None:
