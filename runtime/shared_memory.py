@@ -22,8 +22,9 @@ overwrites. So a transfer larger than the ring flows through it record by record
 Waits: a rank progresses every transfer it started, in the order started, whenever it starts a
 transfer or waits for one (``_ChannelWork.wait``): writes what fits, reads what arrived, and
 polls the counters until the transfer waited for is read (spinning for a few microseconds, then
-yielding the core, then sleeping; a peer that does not come within the process group's timeout
-is a ``RuntimeError`` naming it, not a hang).
+yielding the core, then sleeping; a peer whose process exited is a ``RuntimeError`` naming it
+within half a second, as gloo's closed socket would be, and one that does not come within the
+process group's timeout too: never a hang).
 
 Memory order: the counters are aligned 64-bit words written after the data they announce and
 read before it; x86-64 keeps stores in order and loads in order, which is all this needs, so
@@ -115,11 +116,13 @@ class SharedMemoryChannel:
     counters; ``timeout_s``: how long a rank waits for another before raising."""
 
     def __init__(self, segment: torch.Tensor, rank: int, world: int, group_name: str, timeout_s: float,
-                 capacity: int = CAPACITY, chunk: int = CHUNK):
+                 capacity: int = CAPACITY, chunk: int = CHUNK, pids: list[int] | None = None):
         if chunk > capacity:
             raise ValueError(f"chunk ({chunk}) must fit the ring ({capacity})")
         self.segment, self.rank, self.world, self.group_name = segment, rank, world, group_name
         self.timeout_s, self.capacity, self.chunk = timeout_s, capacity, chunk
+        self.pids = pids
+        """Each rank's process id (same host): a wait notices a rank that exited."""
         base = segment.data_ptr()
         # views of the counters (the segment keeps the memory mapped as long as this object lives)
         self._head = [ctypes.c_int64.from_address(base + _LINE * r) for r in range(world)]
@@ -251,12 +254,14 @@ class SharedMemoryChannel:
 
 class _Patience:
     """Polling: a few hundred spins (a peer that is already on its way answers in microseconds),
-    then yielding the core, then 50 us sleeps; past the channel's timeout, a ``RuntimeError``."""
+    then yielding the core, then 50 us sleeps; every half second a look whether the ranks waited
+    for still run (a ``RuntimeError`` naming one that exited, as gloo's closed socket would); past
+    the channel's timeout, a ``RuntimeError``."""
 
-    SPINS, YIELDS = 256, 4096
+    SPINS, YIELDS, LOOK_S = 256, 4096, 0.5
 
     def __init__(self, channel: SharedMemoryChannel):
-        self.channel, self.count, self.deadline = channel, 0, None
+        self.channel, self.count, self.deadline, self.look = channel, 0, None, None
 
     def pause(self) -> None:
         self.count += 1
@@ -264,8 +269,11 @@ class _Patience:
             return
         now = time.monotonic()
         if self.deadline is None:
-            self.deadline = now + self.channel.timeout_s
-        elif now > self.deadline:
+            self.deadline, self.look = now + self.channel.timeout_s, now + self.LOOK_S
+        elif now > self.look:
+            self.look = now + self.LOOK_S
+            self._raise_if_a_rank_exited()
+        if now > self.deadline:
             c = self.channel
             raise RuntimeError(
                 f"zerocompile: a shared-memory transfer on process group {c.group_name!r} (rank {c.rank} of "
@@ -273,6 +281,18 @@ class _Patience:
                 "transfers than this rank (every rank must compile and run the same graphs). The process group's "
                 "timeout bounds this wait.")
         time.sleep(0 if self.count <= self.YIELDS else 50e-6)
+
+    def _raise_if_a_rank_exited(self) -> None:
+        c = self.channel
+        for peer in c.lagging() if c.pids else ():
+            try:
+                os.kill(c.pids[peer], 0)             # signal 0: only asks whether the process exists
+            except ProcessLookupError:
+                raise RuntimeError(
+                    f"zerocompile: rank {peer} of process group {c.group_name!r} (process {c.pids[peer]}) exited "
+                    f"while rank {c.rank} waited for its shared-memory transfer; see that rank's error") from None
+            except PermissionError:                  # exists, under another user
+                pass
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -316,12 +336,13 @@ def make_channel(process_group, group_name: str, rank: int, world: int, capacity
     ``capacity`` bytes and records of at most ``chunk``: a collective, at the same point on every
     rank (``open_channel`` makes one per group and keeps it open). Every rank learns every other's
     answer, so all of them raise ``SharedMemoryUnavailable`` or none does."""
-    here = (host_identity(), unavailable_reason("cpu"), f"/dev/shm/zerocompile-{os.getpid()}-{uuid.uuid4().hex}")
+    here = (host_identity(), unavailable_reason("cpu"), f"/dev/shm/zerocompile-{os.getpid()}-{uuid.uuid4().hex}",
+            os.getpid())
     everyone = _each_rank(here, world, process_group)
-    reasons = [reason for _, reason, _ in everyone if reason]
+    reasons = [reason for _, reason, _, _ in everyone if reason]
     if reasons:
         raise SharedMemoryUnavailable(reasons[0])
-    hosts = sorted({host for host, _, _ in everyone})
+    hosts = sorted({host for host, _, _, _ in everyone})
     if len(hosts) > 1:
         raise SharedMemoryUnavailable(
             f"the ranks of process group {group_name!r} are on {len(hosts)} hosts "
@@ -337,7 +358,7 @@ def make_channel(process_group, group_name: str, rank: int, world: int, capacity
     if rank == 0:
         os.unlink(path)
     return SharedMemoryChannel(segment, rank, world, group_name, _torch_compat.group_timeout_s(process_group),
-                               capacity, chunk)
+                               capacity, chunk, pids=[pid for _, _, _, pid in everyone])
 
 
 def _each_rank(value, world: int, process_group) -> list:

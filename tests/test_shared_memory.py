@@ -138,6 +138,40 @@ def _a_rank_that_never_comes(rank, world):
     return error
 
 
+def _a_rank_that_exited(rank, world):
+    import subprocess
+    import sys
+    import time
+
+    from zerocompile.runtime import shared_memory
+
+    group = dist.group.WORLD
+    channel = shared_memory.make_channel(group, group.group_name, rank, world)
+    assert channel.pids is not None and channel.pids[rank] == os.getpid()
+    error, waited = None, None
+    if rank == 0:
+        # rank 1 as if its process had died: a process id that no longer exists
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        channel.pids[1] = gone.pid
+        x, rows = torch.ones(10), torch.empty(world, 10)
+        start = time.monotonic()
+        try:
+            for w in channel.exchange([(lambda peer: x, lambda peer: rows[peer])]):
+                w.wait()
+        except RuntimeError as err:
+            error, waited = str(err), time.monotonic() - start
+    dist.barrier()
+    return error, waited
+
+
+def test_a_rank_that_exited_is_an_error_naming_it_within_a_second():
+    """Not after the process group's timeout (90 s here): the wait looks for the ranks it waits for."""
+    error, waited = run_ranks(_a_rank_that_exited, 2)[0]
+    assert error is not None and "rank 1 of process group" in error and "exited while rank 0 waited" in error, error
+    assert waited < 5, waited
+
+
 def test_a_rank_that_does_not_come_is_an_error_naming_it():
     error = run_ranks(_a_rank_that_never_comes, 2)[0]
     assert error is not None and "waited 1 s for rank(s) [1]" in error and "same graphs" in error, error
