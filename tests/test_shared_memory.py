@@ -209,23 +209,23 @@ def test_ranks_on_different_hosts_are_refused_and_auto_measures_without_it():
         assert "shared_memory n/a" in auto["description"]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_training_through_shared_memory_is_the_single_process_training(stage):
+@pytest.mark.parametrize("stage, world", [(1, 2), (2, 2), (3, 2), (3, 3)])
+def test_training_through_shared_memory_is_the_single_process_training(stage, world):
     """Tied weights, 2 micro-batches per step, clipping, small buckets (many transfers in
     flight): forced through shared memory, the single-process reference, and bit for bit the run
     through the sockets; the graphs' collectives became the transfers, stats() counts the
     same bytes and reports the segment."""
-    runs = [Run(model="tied", stage=stage, opt="adamw", steps=3, accum=2, clip=0.5,
+    runs = [Run(model="tied", stage=stage, opt="adamw", steps=3, accum=2, clip=0.5, batch=4 * world,
                 options=(("gradient_reduction", how), ("parameter_gather", how), ("bucket_mb", 2 / 1024)))
             for how in ("point_to_point", "shared_memory")]
-    sockets, shm = run_ranks(zero_train_many, 2, runs)[0]
+    sockets, shm = run_ranks(zero_train_many, world, runs)[0]
     assert_matches(shm, reference(runs[1]))
     assert shm["losses"] == sockets["losses"]
     for key, value in sockets["state"].items():
         assert torch.equal(value, shm["state"][key]), key
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         assert shm["stats"][kind] == sockets["stats"][kind], kind
-    assert shm["stats"]["shared_memory_bytes"] == 2 * 2 * 64 + 2 * shared_memory.CAPACITY
+    assert shm["stats"]["shared_memory_bytes"] == 2 * world * 64 + world * shared_memory.CAPACITY
     assert sockets["stats"]["shared_memory_bytes"] == 0
     for report in shm["reports"]:
         assert report["results"]["gradient_reduction"]["kinds"] == ["shared_memory"]
