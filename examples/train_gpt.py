@@ -221,6 +221,9 @@ def train(args, rank: int, world: int) -> None:
         print(f"done: stage {args.stage}, {world} rank(s), final loss {last[0]:.4f}, "
               f"mem/formula {last[1]}, wire/formula {last[2]}, "
               f"{sum(steady) / len(steady):.0f} ms/step after the first ({times[0]:.0f} ms)", flush=True)
+        if st.shared_memory_bytes:
+            print(f"the ranks' transfers went through a {st.shared_memory_bytes / MiB:.1f} MiB shared-memory segment "
+                  "(one per host, beside the model state: zerocompile.stats().shared_memory_bytes)", flush=True)
 
 
 # --------------------------------------------------------------------------- launch
