@@ -208,13 +208,13 @@ def gradient_reduction(option: str, group: CommGroup, device=None, parameter_gat
     check_parameter_gather(parameter_gather)
     gather = DEFAULT_GATHER if parameter_gather == "auto" else parameter_gather
     device = torch.device(device or "cpu")
-    if "shared_memory" in (option, parameter_gather) and group.world > 1 and not is_fake_group(group) \
-            and device.type != "meta":
+    real = group.world > 1 and not is_fake_group(group) and device.type != "meta"   # transfers that run
+    if real and "shared_memory" in (option, parameter_gather):
         _require_shared_memory(group.name, device, "gradient_reduction" if option == "shared_memory"
                                else "parameter_gather")
     if option != "auto" and parameter_gather != "auto":
         choice = fixed_choice(option, "option", gather)
-        if group.world > 1 and not is_fake_group(group) and device.type != "meta":
+        if real:
             _keep_shared_memory_if_chosen(choice, group.name, device)
         return choice
     kind = DEFAULT_KIND if option == "auto" else option
@@ -254,30 +254,23 @@ def _keep_shared_memory_if_chosen(choice: ReductionChoice, group_name: str, devi
 
 def _require_shared_memory(group_name: str, device: torch.device, option: str) -> None:
     """``ZeroConfigError`` naming the reason where option ``option`` = ``"shared_memory"`` cannot be
-    had (a collective on CPU groups: every rank opens the group's segment)."""
-    if device.type != "cpu":
-        reason = shared_memory.unavailable_reason(device)
-    else:
-        try:
-            shared_memory.open_channel(group_name)
-            return
-        except shared_memory.SharedMemoryUnavailable as err:
-            reason = str(err)
-    raise ZeroConfigError(f"option {option!r} = 'shared_memory' cannot be used: {reason}; use 'point_to_point' "
-                          "(the same transfers through the process group's sockets) or 'auto'")
+    had (``_shared_memory_unavailable``: a collective on CPU groups)."""
+    reason = _shared_memory_unavailable(group_name, device)
+    if reason is not None:
+        raise ZeroConfigError(f"option {option!r} = 'shared_memory' cannot be used: {reason}; use 'point_to_point' "
+                              "(the same transfers through the process group's sockets) or 'auto'")
 
 
-def _shared_memory_ready(group_name: str, device: torch.device) -> bool:
-    """Whether the group's ranks can share memory (its segment then opened): a collective on
-    CPU groups, so every rank answers the same."""
+def _shared_memory_unavailable(group_name: str, device: torch.device) -> str | None:
+    """Why the group's ranks cannot share memory, or None (its segment then opened): a collective
+    on CPU groups, so every rank answers the same."""
     if device.type != "cpu":
-        return False
+        return shared_memory.unavailable_reason(device)
     try:
         shared_memory.open_channel(group_name)
-        return True
+        return None
     except shared_memory.SharedMemoryUnavailable as err:
-        log.info("zerocompile: shared-memory transfers not measured on process group %r: %s", group_name, err)
-        return False
+        return str(err)
 
 
 SAVED_VERSION = 4
@@ -365,7 +358,10 @@ def _every_rank_holds(choice: "ReductionChoice | None", group_name: str, world: 
 
 
 def _measure(group_name: str, world: int, device: str, where: tuple[str, str]) -> ReductionChoice:
-    skip = () if _shared_memory_ready(group_name, torch.device(device)) else ("shared_memory",)
+    unavailable = _shared_memory_unavailable(group_name, torch.device(device))
+    if unavailable is not None:
+        log.info("zerocompile: shared-memory transfers not measured on process group %r: %s", group_name, unavailable)
+    skip = () if unavailable is None else ("shared_memory",)
     ms = probe_times(group_name, world, torch.device(device), site=where[0], skip=skip)
     gather_ms = probe_gather_times(group_name, world, torch.device(device), site=where[1], skip=skip)
     kinds = tuple(_fastest(REDUCTIONS, times) for times in ms)
