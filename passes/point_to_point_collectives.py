@@ -37,14 +37,13 @@ import torch.fx
 
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.graph_utils import tag, tensor_nbytes
-from zerocompile.runtime import point_to_point  # noqa: F401  (registers the zerocompile:: ops below)
+from zerocompile.runtime import point_to_point  # registers the zerocompile:: ops below
 
 _c10d = torch.ops._c10d_functional
 _GATHER = torch.ops.zerocompile.all_gather_point_to_point.default
 _REDUCE = torch.ops.zerocompile.reduce_scatter_point_to_point.default
 _GATHER_ROLES = ("param_gather", "bucket_gather")
 _REDUCE_ROLES = ("grad_reduce_scatter", "bucket_reduce_scatter")
-_POINT_TO_POINT = ("point_to_point", "shared_memory")
 
 
 def collectives_as_point_to_point(graph: torch.fx.Graph, choice, group_name: str, copy_input: bool = True) -> dict:
@@ -61,7 +60,7 @@ def collectives_as_point_to_point(graph: torch.fx.Graph, choice, group_name: str
             continue
         nbytes = tensor_nbytes(node.meta["val"])
         kind = choice.gather_kind_for(nbytes)
-        if kind in _POINT_TO_POINT:
+        if kind in point_to_point.KINDS:
             node.target = _GATHER
             node.args = (*node.args, copy_input, kind == "shared_memory")
             replaced["all_gather"].append(nbytes)
@@ -71,7 +70,7 @@ def collectives_as_point_to_point(graph: torch.fx.Graph, choice, group_name: str
             continue
         nbytes = tensor_nbytes(flat.meta["val"])
         kind = choice.kind_for(nbytes)
-        if kind in _POINT_TO_POINT:
+        if kind in point_to_point.KINDS:
             node.target = _REDUCE
             node.args = (*node.args, copy_input, kind == "shared_memory")
             replaced["reduce_scatter"].append(nbytes)
@@ -84,7 +83,7 @@ def point_to_point_collectives(gm: torch.fx.GraphModule, ctx: PassContext, copy_
     op by op, ``inner_compiler="eager"``)."""
     choice = ctx.gradient_reduction
     results = ctx.results.setdefault("point_to_point_collectives", {})
-    if choice is None or ctx.group.world == 1 or not set(_POINT_TO_POINT) & {*choice.gather_kinds, *choice.kinds}:
+    if choice is None or ctx.group.world == 1 or not set(point_to_point.KINDS) & {*choice.gather_kinds, *choice.kinds}:
         results[ctx.graph_kind] = {kind: {"replaced": 0, "bytes": 0} for kind in ("all_gather", "reduce_scatter")}
         return gm
     replaced = collectives_as_point_to_point(gm.graph, choice, ctx.group.name, copy_input=copy_input)

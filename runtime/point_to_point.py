@@ -46,7 +46,11 @@ import torch
 import torch.distributed as dist
 
 from zerocompile import _torch_compat
-from zerocompile.runtime.shared_memory import open_channel
+from zerocompile.runtime.shared_memory import channel_of
+
+KINDS = ("point_to_point", "shared_memory")
+"""The choices (``runtime/reduction_choice.py``) these ops carry out: through the process group's
+sockets, or through its shared-memory segment (their ``shared_memory`` argument)."""
 
 
 def _exchange(pairs: list, rank: int, world: int, group, shared_memory: bool = False,
@@ -57,7 +61,7 @@ def _exchange(pairs: list, rank: int, world: int, group, shared_memory: bool = F
     segment (``shared_memory``: ``runtime/shared_memory.py``, which sends from a copy of what
     it could not write at once where ``copy_input``). Returns what to ``wait()`` for."""
     if shared_memory:
-        return open_channel(group.group_name).exchange(pairs, copy_input)
+        return channel_of(group).exchange(pairs, copy_input)
     transfers = []
     for peer in range(world):
         if peer != rank:

@@ -52,7 +52,7 @@ from zerocompile import _torch_compat
 from zerocompile.runtime.accounting import ACCOUNTING
 
 __all__ = ["CAPACITY", "CHUNK", "SharedMemoryChannel", "SharedMemoryUnavailable", "host_identity", "make_channel",
-           "open_channel", "release_channel", "unavailable_reason"]
+           "channel_of", "open_channel", "release_channel", "unavailable_reason"]
 
 CAPACITY = 4 * 2**20
 """Bytes of each rank's ring: the segment holds ``world * CAPACITY`` bytes (plus a few cache
@@ -96,6 +96,8 @@ class _Step:
     nbytes: int
     write: Callable[[torch.Tensor], None]
     read: Callable[[int, torch.Tensor], None]
+    sources: list
+    """The tensors ``write`` reads (the transfer's, replaced by copies if the caller may reuse them)."""
 
 
 class _ChannelWork:
@@ -173,7 +175,7 @@ class SharedMemoryChannel:
             for sources in deferred:
                 # whatever of this pair is still unwritten is sent from a copy (started steps of
                 # the pair are a tail of the queue, so any unwritten one is still in it)
-                if any(s.write.sources is sources for s in self._unwritten):   # type: ignore[attr-defined]
+                if any(step.sources is sources for step in self._unwritten):
                     sources[:] = [s.clone() for s in sources]
         return [_ChannelWork(self, until)]
 
@@ -189,13 +191,12 @@ class SharedMemoryChannel:
         def write(record):
             for i, src in enumerate(sources):
                 record[i * n : (i + 1) * n].copy_(src[a:b])
-        write.sources = sources                        # type: ignore[attr-defined]
 
         def read(sender, record):
             slot = 0 if one else rank - (rank > sender)
             receives[sender][a:b].copy_(record[slot * n : (slot + 1) * n])
 
-        step = _Step(pos, nbytes, write, read)
+        step = _Step(pos, nbytes, write, read, sources)
         self._unwritten.append(step)
         self._unread.append(step)
         self._steps += 1
@@ -401,7 +402,12 @@ def open_channel(group_name: str) -> SharedMemoryChannel:
     collective (every rank of the group calls it at the same point: the probe, the choice of the
     collectives, or the first transfer). ``SharedMemoryUnavailable`` on every rank when one of
     them cannot share memory with the others."""
-    return _OPEN.get(_torch_compat.process_group_named(group_name), group_name)
+    return channel_of(_torch_compat.process_group_named(group_name))
+
+
+def channel_of(process_group) -> SharedMemoryChannel:
+    """``open_channel`` for the ``ProcessGroup`` itself (the transfers hold it already)."""
+    return _OPEN.get(process_group, process_group.group_name)
 
 
 def release_channel(group_name: str) -> None:

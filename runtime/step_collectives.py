@@ -12,12 +12,10 @@ from typing import Callable
 import torch
 
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime import point_to_point  # noqa: F401  (registers the zerocompile:: point-to-point ops)
+from zerocompile.runtime import point_to_point  # registers the zerocompile:: point-to-point ops
 from zerocompile.runtime.comm import CommGroup, pad_flat, start_all_gather_flat
 
 _c10d = torch.ops._c10d_functional
-_POINT_TO_POINT = ("point_to_point", "shared_memory")
-"""Choices sent by the point-to-point ops: through the sockets, or the group's shared-memory segment."""
 
 
 def bucket_indices(sizes: list[int], cap: int, breaks: list[bool] | None = None) -> list[list[int]]:
@@ -81,7 +79,7 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
         n = sum(grads[i][1] for i in bucket)
         kind = "reduce_scatter" if choose is None else choose(n * elem)
         shared_memory = kind == "shared_memory"
-        if kind in _POINT_TO_POINT and all(_sendable(*grads[i], reduce_dtype) for i in bucket):
+        if kind in point_to_point.KINDS and all(_sendable(*grads[i], reduce_dtype) for i in bucket):
             # each gradient's rows sent from its own memory, summed into its own chunk
             ACCOUNTING.record("reduce_scatter", n * elem)
             outs = [grads[i][0].new_empty(grads[i][1] // world) for i in bucket]
@@ -104,7 +102,7 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
             ACCOUNTING.record("all_reduce", n * elem)
             return bucket, rows, _c10d.all_reduce_(rows, "sum", group.name)
         ACCOUNTING.record("reduce_scatter", n * elem)
-        if kind in _POINT_TO_POINT:
+        if kind in point_to_point.KINDS:
             # the buffer stays as it is until the wait: sent without a copy
             return bucket, None, torch.ops.zerocompile.reduce_scatter_point_to_point(
                 rows.reshape(-1), "sum", world, group.name, copy_input=False, shared_memory=shared_memory)
@@ -176,7 +174,7 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
             prepare(bucket)
         nbytes = world * sum(shards[i].numel() for i in bucket) * first.element_size()
         kind = "all_gather" if choose is None else choose(nbytes)
-        if places is not None and all(places[i] is not None for i in bucket) and kind in _POINT_TO_POINT:
+        if places is not None and all(places[i] is not None for i in bucket) and kind in point_to_point.KINDS:
             ACCOUNTING.record("all_gather", nbytes)
             outs = [places[i] for i in bucket]
             torch.ops.zerocompile.all_gather_point_to_point_into([shards[i] for i in bucket], outs, world, group.name,
@@ -189,7 +187,7 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
         mine = torch.cat([shards[i].reshape(-1) for i in bucket], out=mines[k % len(mines)][:n])
         ACCOUNTING.record("all_gather", nbytes)
         out = gathers[k % len(gathers)][: world * n]
-        if kind in _POINT_TO_POINT:
+        if kind in point_to_point.KINDS:
             torch.ops.zerocompile.all_gather_point_to_point_out(mine, world, group.name, out, copy_input=False,
                                                                 shared_memory=kind == "shared_memory")
             return bucket, n, out
