@@ -114,6 +114,7 @@ def _collective_table() -> dict:
         ("_c10d_functional", "all_to_all_single"): ("reduce_scatter", "input"),
         # zerocompile's point-to-point transfers (parameter_gather, gradient_reduction): the bytes of what they replace
         ("zerocompile", "all_gather_point_to_point"): ("all_gather", "return"),
+        ("zerocompile", "all_gather_point_to_point_unpacked"): ("all_gather", "return"),
         ("zerocompile", "all_gather_point_to_point_out"): ("all_gather", "out"),
         ("zerocompile", "all_gather_point_to_point_into"): ("all_gather", "outs"),
         ("zerocompile", "reduce_scatter_point_to_point"): ("reduce_scatter", "x"),

@@ -23,6 +23,7 @@ COLLECTIVE_KINDS_BY_OP = {
     _c10d.all_to_all_single.default: ("reduce_scatter", "in"),
     # point-to-point transfers (passes/point_to_point_collectives.py): the bytes of what they replace
     torch.ops.zerocompile.all_gather_point_to_point.default: ("all_gather", "out"),
+    torch.ops.zerocompile.all_gather_point_to_point_unpacked.default: ("all_gather", "out"),   # its outputs together
     torch.ops.zerocompile.reduce_scatter_point_to_point.default: ("reduce_scatter", "in"),
 }
 
@@ -49,9 +50,10 @@ def summarize_collectives(graph: torch.fx.Graph, world: int = 1) -> CollectiveSu
             continue
         kind, which = COLLECTIVE_KINDS_BY_OP[node.target]
         src = node if which == "out" else node.args[0]
-        val = src.meta.get("val")
-        if val is None:
+        vals = src.meta.get("val")
+        vals = list(vals) if isinstance(vals, (list, tuple)) else [vals]
+        if not vals or any(v is None for v in vals):
             raise RuntimeError(f"zerocompile: collective node {node} has no shape metadata")
-        summary.add(kind, tensor_nbytes(val), dtype=str(val.dtype).removeprefix("torch."),
+        summary.add(kind, sum(tensor_nbytes(v) for v in vals), dtype=str(vals[0].dtype).removeprefix("torch."),
                     group_size=collective_group_size(node.target, node.args, world))
     return summary

@@ -13,19 +13,23 @@ each rank's buffer goes to rank ``r``, which sums the rows it received in rank o
 result is waited for; half the bytes of an all-reduce, and on two ranks the one addition of a
 reduce-scatter, so its result bit for bit (on more ranks the same terms in a fixed order).
 
-Two gather ops, so that compiled graphs and the eager optimizer step use one code path and dispatch
-modes see one op per gather (``zerocompile.stats()`` counts it as an all-gather):
+The ops come in several forms, so that compiled graphs and the eager optimizer step use one code
+path and dispatch modes see one op per collective (``zerocompile.stats()`` counts each as the
+collective it replaces):
 
 - ``zerocompile::all_gather_point_to_point(x, world, group_name)``: a new tensor of ``world``
   rows, the graph form (``passes/point_to_point_collectives.py`` puts it in place of an
   ``all_gather_into_tensor``);
+- ``zerocompile::all_gather_point_to_point_unpacked(x, world, group_name, chunks)``: a bucket's
+  gather straight into its members, one new tensor each, the graph form where the transfers go
+  through shared memory (no buffer of gathered rows, and no copy out of it);
 - ``zerocompile::all_gather_point_to_point_out(x, world, group_name, out)``: into ``out`` (the
-  optimizer step's reused buffers).
-
+  optimizer step's reused buffers);
 - ``zerocompile::all_gather_point_to_point_into(xs, outs, world, group_name)``: many tensors
   at once, each straight into its own ``out`` (the optimizer step's refresh of the stage 1-2
-  replicas, whose receive buffers are the replicas themselves: no bucket buffer, no copy out).
-
+  replicas, whose receive buffers are the replicas themselves: no bucket buffer, no copy out);
+- ``zerocompile::reduce_scatter_point_to_point(x, "sum", world, group_name)``: the graph form
+  of the reduce-scatter;
 - ``zerocompile::reduce_scatter_point_to_point_into(xs, outs, world, group_name)``: the
   reduce-scatter of many tensors at once, each sent from its own memory and summed into its
   own ``out`` (the stage 1 optimizer step's reduction of the full gradients).
@@ -153,6 +157,45 @@ def all_gather_point_to_point_out(x: torch.Tensor, world: int, group_name: str, 
 @all_gather_point_to_point_out.register_fake
 def _all_gather_point_to_point_out_fake(x, world, group_name, out, copy_input=True, shared_memory=False):
     return None
+
+
+def start_point_to_point_gather_unpacked(x: torch.Tensor, chunks: list, rank: int, world: int, group, outs: list,
+                                         copy_input: bool = True, shared_memory: bool = False) -> list:
+    """A bucket's all-gather received straight into its members: ``x`` is this rank's shards of the
+    bucket's parameters, concatenated (``chunks[i]`` elements each); ``outs[i]`` (``world *
+    chunks[i]`` elements) receives every rank's shard of parameter ``i``, in rank order, this rank's
+    copied here. One transfer per parameter and peer, so no buffer of the gathered rows exists and
+    nothing is copied out of one (``unpack_gathered_bucket``): what shared memory is for, where a
+    transfer costs no message of its own. ``copy_input`` as ``start_point_to_point_gather``.
+    Returns the transfers' ``Work`` handles."""
+    flat = x.reshape(-1).clone() if copy_input and not shared_memory else x.reshape(-1)
+    offsets = [sum(chunks[:i]) for i in range(len(chunks))]
+    pieces = [flat[a : a + c] for a, c in zip(offsets, chunks)]
+    rows = [out.view(world, -1) for out in outs]
+    pairs = [(lambda peer, piece=piece: piece, lambda peer, row=row: row[peer]) for piece, row in zip(pieces, rows)]
+    works = _exchange(pairs, rank, world, group, shared_memory, copy_input)
+    for piece, row in zip(pieces, rows):
+        row[rank].copy_(piece)
+    return works
+
+
+@torch.library.custom_op("zerocompile::all_gather_point_to_point_unpacked", mutates_args=())
+def all_gather_point_to_point_unpacked(x: torch.Tensor, world: int, group_name: str, chunks: list[int],
+                                       copy_input: bool = True, shared_memory: bool = False) -> list[torch.Tensor]:
+    """``unpack_gathered_bucket(all_gather_into_tensor(x, world, group_name), world, chunks)`` in one
+    op, by point-to-point transfers straight into the members (``start_point_to_point_gather_unpacked``):
+    read each result after its own ``wait_tensor`` (every one waits for all the transfers)."""
+    group = _torch_compat.process_group_named(group_name)
+    outs = [x.new_empty(world * chunk) for chunk in chunks]
+    works = start_point_to_point_gather_unpacked(x, chunks, dist.get_rank(group), world, group, outs, copy_input,
+                                                 shared_memory)
+    _torch_compat.register_pending_works(outs, works)
+    return outs
+
+
+@all_gather_point_to_point_unpacked.register_fake
+def _all_gather_point_to_point_unpacked_fake(x, world, group_name, chunks, copy_input=True, shared_memory=False):
+    return [x.new_empty(world * chunk) for chunk in chunks]
 
 
 @torch.library.custom_op("zerocompile::reduce_scatter_point_to_point", mutates_args=())

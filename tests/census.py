@@ -42,7 +42,8 @@ class StorageCensus(LiveStorageTracker):
 _P2P = torch.ops.zerocompile
 _GATHERS = (_c10d.all_gather_into_tensor.default,
             _c10d.all_gather_into_tensor_out.default,  # the form all-gathers run in on gloo
-            _P2P.all_gather_point_to_point.default)    # parameter_gather="point_to_point"
+            _P2P.all_gather_point_to_point.default,    # parameter_gather="point_to_point"
+            _P2P.all_gather_point_to_point_unpacked.default)   # a bucket's, through shared memory
 
 _KINDS = {
     _c10d.all_gather_into_tensor.default: ("all_gather", "out"),
@@ -52,6 +53,7 @@ _KINDS = {
     _c10d.all_reduce_.default: ("all_reduce", "in"),   # in place: the optimizer step's buckets
     _c10d.all_to_all_single.default: ("all_to_all", "in"),   # the quantized reduce-scatter (qgZ)
     _P2P.all_gather_point_to_point.default: ("all_gather", "out"),
+    _P2P.all_gather_point_to_point_unpacked.default: ("all_gather", "out"),
     _P2P.all_gather_point_to_point_out.default: ("all_gather", "out"),
     _P2P.reduce_scatter_point_to_point.default: ("reduce_scatter", "in"),
     _P2P.all_gather_point_to_point_into.default: ("all_gather", "outs"),
@@ -72,7 +74,8 @@ class CollectiveCounter(_RuntimeMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in (_P2P.all_gather_point_to_point.default, _P2P.all_gather_point_to_point_out.default,
+        if func in (_P2P.all_gather_point_to_point.default, _P2P.all_gather_point_to_point_unpacked.default,
+                    _P2P.all_gather_point_to_point_out.default,
                     _P2P.reduce_scatter_point_to_point.default, _P2P.all_gather_point_to_point_into.default,
                     _P2P.reduce_scatter_point_to_point_into.default):
             self.point_to_point += 1
@@ -83,6 +86,8 @@ class CollectiveCounter(_RuntimeMode):
             else:
                 tensors = [args[3] if func is _P2P.all_gather_point_to_point_out.default else out if which == "out"
                            else args[0]]
+                if func is _P2P.all_gather_point_to_point_unpacked.default:
+                    tensors = out               # one tensor per member of the bucket
             self.count[kind] += 1
             self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
         return out

@@ -6,6 +6,7 @@ the collective that ran, and ``"auto"`` the same choice on every rank."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import time
 
@@ -232,11 +233,69 @@ def test_the_transfers_copy_their_input_only_where_inductor_may_reuse_it(copy_in
 
     graph = _bucket_graph(world=2, numel=64)
     replaced = collectives_as_point_to_point(graph, fixed_choice(kind, "option"), "g", copy_input=copy_input)
-    assert replaced == {"all_gather": [], "reduce_scatter": [256]}
+    assert replaced == {"all_gather": [], "reduce_scatter": [256], "unpacked": 0}
     (node,) = graph.find_nodes(op="call_function", target=torch.ops.zerocompile.reduce_scatter_point_to_point.default)
     assert node.args[1:] == ("sum", 2, "g", copy_input, kind == "shared_memory")
     assert node.meta["zerocompile"]["bucket"] == "bw.reduce_scatter.0"
     assert next(iter(node.users)).target is _c10d.wait_tensor.default
+
+
+def _bucket_gather_graph(world: int, chunks: list[int]):
+    """A forward-like graph: a bucket's shards packed, gathered, waited for and unpacked (what the
+    bucketing pass makes), each member read by an op."""
+    from zerocompile.passes.graph_utils import call
+    from zerocompile.runtime import bucket_ops  # noqa: F401  (registers the ops)
+
+    graph, mode = torch.fx.Graph(), FakeTensorMode()
+    shards = []
+    for i, chunk in enumerate(chunks):
+        shards.append(graph.placeholder(f"shard{i}"))
+        with mode:
+            shards[-1].meta["val"] = torch.empty(chunk)
+    with mode:
+        packed = call(graph, torch.ops.zerocompile.pack_shards.default, (shards,), role="bucket_pack")
+        gathered = call(graph, _c10d.all_gather_into_tensor.default, (packed, world, "g"), role="bucket_gather",
+                        params=[f"p{i}" for i in range(len(chunks))])
+        waited = call(graph, _c10d.wait_tensor.default, (gathered,), role="bucket_gather_wait")
+        unpacked = call(graph, torch.ops.zerocompile.unpack_gathered_bucket.default, (waited, world, chunks),
+                        role="bucket_unpack")
+        members = [call(graph, operator.getitem, (unpacked, i), role="bucket_unpack", param=f"p{i}")
+                   for i in range(len(chunks))]
+        sums = [call(graph, torch.ops.aten.sum.default, (m,)) for m in members]
+    graph.output(sums)
+    return graph
+
+
+@pytest.mark.parametrize("kind", ["point_to_point", "shared_memory"])
+def test_a_bucket_gather_through_shared_memory_lands_in_its_members(kind):
+    """Through shared memory the bucket's gather, its wait and the copy out of its rows become one
+    ``all_gather_point_to_point_unpacked`` with a wait per member, where the bucket's wait was;
+    over the sockets it stays one message per peer, unpacked as before."""
+    from zerocompile.passes.point_to_point_collectives import collectives_as_point_to_point
+
+    chunks = [8, 3, 5]
+    graph = _bucket_gather_graph(world=2, chunks=chunks)
+    replaced = collectives_as_point_to_point(graph, fixed_choice("reduce_scatter", "option", gather=kind), "g",
+                                             copy_input=True)
+    graph.lint()
+    assert replaced == {"all_gather": [2 * 16 * 4], "reduce_scatter": [], "unpacked": int(kind == "shared_memory")}
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    if kind == "point_to_point":
+        assert torch.ops.zerocompile.unpack_gathered_bucket.default in targets
+        assert torch.ops.zerocompile.all_gather_point_to_point.default in targets
+        return
+    assert torch.ops.zerocompile.unpack_gathered_bucket.default not in targets
+    assert _c10d.all_gather_into_tensor.default not in targets
+    (fused,) = graph.find_nodes(op="call_function", target=torch.ops.zerocompile.all_gather_point_to_point_unpacked.default)
+    assert fused.args[1:] == (2, "g", chunks, True, True) and fused.meta["zerocompile"]["role"] == "bucket_gather"
+    assert [tuple(v.shape) for v in fused.meta["val"]] == [(16,), (6,), (10,)]
+    waits = graph.find_nodes(op="call_function", target=_c10d.wait_tensor.default)
+    assert len(waits) == 3 and all(w.args[0].args == (fused, i) for i, w in enumerate(waits))
+    # every member's wait comes before any read of a member
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    reads = graph.find_nodes(op="call_function", target=torch.ops.aten.sum.default)
+    assert max(order[w] for w in waits) < min(order[r] for r in reads)
+    assert [r.args[0] for r in reads] == waits
 
 
 def test_a_saved_choice_round_trips_and_a_damaged_one_is_ignored(tmp_path):
@@ -269,7 +328,7 @@ def test_a_saved_choice_round_trips_and_a_damaged_one_is_ignored(tmp_path):
 
 
 def _overwrite_while_in_flight(rank, world, shared_memory):
-    from zerocompile.runtime import point_to_point  # noqa: F401  (registers the ops)
+    from zerocompile.runtime import bucket_ops, point_to_point  # noqa: F401  (register the ops)
     from zerocompile.runtime.comm import resolve_group
 
     group = resolve_group()
@@ -289,32 +348,41 @@ def _overwrite_while_in_flight(rank, world, shared_memory):
         open_channel(group.name)     # opening is a collective: done before rank 1 falls behind
         if rank == 1:
             time.sleep(0.5)          # rank 0 finds the ring full (nothing read yet): it must copy the rest
+    chunks = [n // 4, n // 2, n - n // 4 - n // 2]      # a bucket of three parameters' shards
+    expected_members = torch.ops.zerocompile.unpack_gathered_bucket(expected_rows, world, chunks)
+    bucket = shard.clone()
     reduced = torch.ops.zerocompile.reduce_scatter_point_to_point(x, "sum", world, group.name, True, shared_memory)
     gathered = torch.ops.zerocompile.all_gather_point_to_point(shard, world, group.name, True, shared_memory)
-    x.fill_(float("nan"))       # what a compiled graph reusing the inputs' memory would do
-    shard.fill_(float("nan"))
-    return torch.equal(wait(reduced), expected_sum), torch.equal(wait(gathered), expected_rows)
+    members = torch.ops.zerocompile.all_gather_point_to_point_unpacked(bucket, world, group.name, chunks, True,
+                                                                        shared_memory)
+    for t in (x, shard, bucket):
+        t.fill_(float("nan"))   # what a compiled graph reusing the inputs' memory would do
+    return (torch.equal(wait(reduced), expected_sum), torch.equal(wait(gathered), expected_rows),
+            all(torch.equal(wait(m), e) for m, e in zip(members[::-1], expected_members[::-1])))
 
 
 def _inputs_held_until_the_wait(rank, world):
     import gc
     import weakref
 
-    from zerocompile.runtime import point_to_point  # noqa: F401  (registers the ops)
+    from zerocompile.runtime import bucket_ops, point_to_point  # noqa: F401  (register the ops)
     from zerocompile.runtime.comm import resolve_group
 
     group = resolve_group()
     held = []
-    for op in (torch.ops.zerocompile.reduce_scatter_point_to_point, torch.ops.zerocompile.all_gather_point_to_point):
+    ops = torch.ops.zerocompile
+    for op in (ops.reduce_scatter_point_to_point, ops.all_gather_point_to_point, ops.all_gather_point_to_point_unpacked):
         x = torch.randn(world * (1 << 20))
         storage = weakref.ref(x.untyped_storage())
-        args = (x, "sum", world, group.name) if op is torch.ops.zerocompile.reduce_scatter_point_to_point else (
-            x, world, group.name)
+        args = {ops.reduce_scatter_point_to_point: (x, "sum", world, group.name),
+                ops.all_gather_point_to_point: (x, world, group.name),
+                ops.all_gather_point_to_point_unpacked: (x, world, group.name, [1 << 20, x.numel() - (1 << 20)])}[op]
         result = op(*args, copy_input=False)
         del x
         gc.collect()
         alive_in_flight = storage() is not None
-        _c10d.wait_tensor(result)
+        for t in result if isinstance(result, list) else [result]:
+            _c10d.wait_tensor(t)
         held.append(alive_in_flight)
     return held
 
@@ -323,7 +391,7 @@ def test_without_the_copy_the_input_stays_alive_until_the_wait():
     """Graphs run op by op send the input itself (``copy_input=False``): dropped by the graph
     right after the op (the generated code frees each value after its last use), its memory
     must stay allocated, and so unchanged, until the wait; the transfers hold it."""
-    assert run_ranks(_inputs_held_until_the_wait, 2) == [[True, True], [True, True]]
+    assert run_ranks(_inputs_held_until_the_wait, 2) == [[True, True, True], [True, True, True]]
 
 
 @pytest.mark.parametrize("shared_memory", [False, True])
@@ -332,4 +400,4 @@ def test_point_to_point_ops_do_not_read_their_inputs_after_returning(shared_memo
     started): inputs overwritten right after the ops return (inductor may reuse their memory for
     the next buffer) change nothing of the results, which are the collectives' bit for bit (4
     MiB per rank, large enough to be in flight)."""
-    assert run_ranks(_overwrite_while_in_flight, 2, shared_memory) == [(True, True), (True, True)]
+    assert run_ranks(_overwrite_while_in_flight, 2, shared_memory) == [(True, True, True), (True, True, True)]

@@ -77,7 +77,7 @@ def test_transfers_flow_through_a_ring_smaller_than_them_in_any_wait_order(world
 
 
 def _ops_both_ways(rank, world):
-    from zerocompile.runtime import point_to_point  # noqa: F401  (registers the ops)
+    from zerocompile.runtime import bucket_ops, point_to_point  # noqa: F401  (register the ops)
     from zerocompile.runtime.comm import resolve_group
 
     group = resolve_group()
@@ -94,12 +94,14 @@ def _ops_both_ways(rank, world):
             ops.all_gather_point_to_point_into([shard], [into], world, group.name, shm)
             chunk = torch.empty(numel)
             ops.reduce_scatter_point_to_point_into([bucket], [chunk], world, group.name, shm)
-            results = [_c10d.wait_tensor(t) for t in (chunk, into, reduced, gathered)]   # waited out of order
-            out[(numel, shm)] = [t.clone() for t in results]
+            chunks = [numel // 3, 1, numel - numel // 3 - 1]     # a bucket's members, one of one element
+            members = ops.all_gather_point_to_point_unpacked(shard, world, group.name, chunks, True, shm)
+            results = [_c10d.wait_tensor(t) for t in (chunk, into, reduced, *members[::-1], gathered)]  # out of order
+            out[(numel, shm)] = [t.clone() for t in results[:3]] + [torch.cat(results[3:-1][::-1]), results[-1]]
         reference = [_c10d.wait_tensor(_c10d.reduce_scatter_tensor(bucket, "sum", world, group.name)),
                      _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(shard, world, group.name,
                                                                         out=torch.empty(world * numel)))]
-        out[(numel, "collectives")] = reference
+        out[(numel, "collectives")] = reference + [torch.cat(ops.unpack_gathered_bucket(reference[1], world, chunks))]
     return out
 
 
@@ -112,8 +114,8 @@ def test_the_point_to_point_ops_through_shared_memory_give_what_the_sockets_give
             sockets, shm = res[(numel, False)], res[(numel, True)]
             for a, b in zip(sockets, shm):
                 assert torch.equal(a.view(torch.int32), b.view(torch.int32)), numel
-            rs, ag = res[(numel, "collectives")]
-            assert torch.equal(shm[1], ag) and torch.equal(shm[3], ag)
+            rs, ag, members = res[(numel, "collectives")]
+            assert torch.equal(shm[1], ag) and torch.equal(shm[4], ag) and torch.equal(shm[3], members)
             if world == 2:
                 assert torch.equal(shm[0], rs) and torch.equal(shm[2], rs)
             else:
@@ -233,6 +235,10 @@ def test_training_through_shared_memory_is_the_single_process_training(stage, wo
         replaced = [r["results"]["point_to_point_collectives"][graph][kind]["replaced"] for r in shm["reports"]
                     for graph, kind in (("forward", "all_gather"), ("backward", "reduce_scatter"))]
         assert all(n > 0 for n in replaced), replaced
+        # the bucket gathers land straight in their members (no rows buffer, no copy out of it)
+        unpacked = [r["results"]["point_to_point_collectives"][graph]["all_gather"]["unpacked"] for r in shm["reports"]
+                    for graph in ("forward", "backward") if graph in r["results"]["point_to_point_collectives"]]
+        assert sum(unpacked) > 0, unpacked
 
 
 def _segment_kept_only_where_chosen(rank, world):

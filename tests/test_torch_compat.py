@@ -282,6 +282,31 @@ def test_register_pending_works_makes_wait_tensor_wait_for_each():
     _torch_compat.register_pending_works(t, [Recorded(log, "a"), Recorded(log, "b")])
     torch.ops._c10d_functional.wait_tensor(t)
     assert log == ["a", "b"], "wait_tensor no longer calls a registered Python Work's wait"
+    # several tensors filled by the same transfers: the first wait waits for each once, the
+    # others find them done (a gloo send waited for twice blocks)
+    log, many = [], [torch.zeros(2), torch.zeros(3), torch.zeros(4)]
+    _torch_compat.register_pending_works(many, [Recorded(log, "a"), Recorded(log, "b")], then=lambda: log.append("then"))
+    for t in many[::-1]:
+        torch.ops._c10d_functional.wait_tensor(t)
+    assert log == ["a", "b", "then"], log
+
+
+def test_profiled_allocations_has_every_allocation_and_free_with_its_block_and_op():
+    """What ``AllocatorPeak`` reads from the profiler: each allocation and free of the CPU allocator,
+    in order, with its size, its block's address and the op that made it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        a = torch.empty(1 << 20)
+        b = torch.ones(1 << 18)
+        del a
+        c = b * 2
+        del b, c
+    events = [e for e in _torch_compat.profiled_allocations(prof) if abs(e[1]) >= 1 << 18]
+    assert [e[1] for e in events] == [4 << 20, 1 << 20, -(4 << 20), 1 << 20, -(1 << 20), -(1 << 20)], events
+    assert [e[0] for e in events] == sorted(e[0] for e in events)
+    assert events[0][2] == events[2][2] and events[0][3] == "aten::empty", events
+    assert events[3][3] == "aten::mul" and {events[4][2], events[5][2]} == {events[1][2], events[3][2]}, events
 
 
 def test_never_a_frame_skips_the_frame_and_keeps_the_inlining():

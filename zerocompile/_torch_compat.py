@@ -231,12 +231,17 @@ def register_pending(tensor: torch.Tensor, future: "torch.futures.Future") -> No
     torch._C._distributed_c10d._register_work(tensor, _FutureWork(future))
 
 
-def register_pending_works(tensor: torch.Tensor, works: list, then=None) -> None:
+def register_pending_works(tensor: torch.Tensor | list, works: list, then=None) -> None:
     """Make ``torch.ops._c10d_functional.wait_tensor(tensor)`` wait for every ``Work`` of
     ``works`` (the point-to-point transfers of ``runtime/point_to_point.py`` filling ``tensor``),
     then call ``then()`` (what makes ``tensor`` from what they moved), as it waits for a
-    functional collective's result. Private for the reason ``register_pending`` gives."""
-    torch._C._distributed_c10d._register_work(tensor, _WorksDone(works, then))
+    functional collective's result. ``tensor`` may be a list of tensors that the same transfers
+    fill: the first of their waits waits for the transfers, the others find them done (a gloo
+    ``Work`` must be waited for once: a second ``wait`` of a send blocks for a send that never
+    comes). Private for the reason ``register_pending`` gives."""
+    done = _WorksDone(works, then)
+    for t in tensor if isinstance(tensor, (list, tuple)) else [tensor]:
+        torch._C._distributed_c10d._register_work(t, done)
 
 
 class _WorksDone(torch._C._distributed_c10d.Work):
@@ -248,7 +253,8 @@ class _WorksDone(torch._C._distributed_c10d.Work):
         self.then = then
 
     def wait(self, timeout=None) -> bool:
-        for work in self.works:
+        works, self.works = self.works, []       # each waited for once
+        for work in works:
             work.wait()
         if self.then is not None:
             then, self.then = self.then, None
@@ -615,3 +621,27 @@ def boxed_python_code(gm: torch.fx.GraphModule):
     gm.graph.set_codegen(_BoxedCodeGen())
     gm.recompile()
     return gm.forward
+
+
+def profiled_allocations(prof) -> list[tuple[int, int, int, str]]:
+    """The CPU allocator's allocations and frees that ``prof`` (a finished
+    ``torch.profiler.profile(profile_memory=True)``) recorded, in time order: ``(time_ns,
+    nbytes, address, op)``, ``nbytes`` negative for a free, ``op`` the innermost op running then
+    ("" outside any).
+
+    Why private: the public ``prof.events()`` keeps only some of the ``[memory]`` events, and
+    none says which block it allocates or frees; the profiler's event tree
+    (``kineto_results.experimental_event_tree()``, whose allocation events carry
+    ``alloc_size`` and ``ptr``) has every one."""
+    from torch._C._profiler import _EventType
+
+    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.typed[0] == _EventType.Allocation:
+            fields = event.typed[1]
+            parent = event.parent
+            out.append((event.start_time_ns, fields.alloc_size, fields.ptr, parent.name if parent is not None else ""))
+    out.sort(key=lambda a: a[0])
+    return out
