@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from common import CollectiveBytes, all_ranks_ok, optional_pass_names, quantile
+from zerocompile.runtime.memory_tracker import AllocatorPeak
 
 MEASURE_ROUNDS = 2
 """Untimed rounds under the dispatch modes at the end; the figures are the last one's, after
@@ -55,6 +56,8 @@ class System:
     step_ms: list = field(default_factory=list)
     losses: list = field(default_factory=list)
     peak_bytes: list = field(default_factory=list)
+    allocator_peak_bytes: list = field(default_factory=list)
+    allocator_at_peak: dict | None = None
     comm: dict | None = None
 
     def train_step(self, x, y, measure: bool) -> torch.Tensor:
@@ -101,9 +104,16 @@ def run_round(systems: list[System], round_index: int, phase: str, batch) -> Non
                 system.counter.reset()
                 system.before_measure()
                 with system.tracker, system.counter:
+                    system.tracker.track(x)      # made before the round: live in the step, before its start
+                    system.tracker.track(y)
                     system.tracker.reset_peak()
-                    loss = system.train_step(x, y, measure=True)
+                    # the allocator's view as well: it also sees the buffers inductor's code
+                    # allocates without the dispatcher, which the tracker cannot
+                    with AllocatorPeak(start=system.tracker.live_bytes()) as allocator:
+                        loss = system.train_step(x, y, measure=True)
                 system.peak_bytes.append(system.tracker.peak)
+                system.allocator_peak_bytes.append(allocator.peak)
+                system.allocator_at_peak = allocator.at_peak
                 system.comm = {"totals": system.counter.totals, "ops": dict(system.counter.ops),
                                "unknown": dict(system.counter.unknown)}
                 system.after_measure()
@@ -162,7 +172,9 @@ def run_rounds(systems: list[System], example, rank: int, world: int, *, vocab: 
 def step_figures(per_rank: list[dict]) -> dict:
     """Time and memory of one system from its ranks' figures: per timed step the slowest rank's
     time, their median, range and quartiles, the slowest first step, and the peaks of the last
-    measurement round (per rank and the highest)."""
+    measurement round (per rank and the highest): the live tensor storages' (``peak_bytes``,
+    ``LiveStorageTracker``) and the CPU allocator's (``allocator_peak_bytes``, ``AllocatorPeak``:
+    the same, plus what inductor's code and kernels allocate without the dispatcher)."""
     steps = [max(p["step_ms"][i] for p in per_rank) for i in range(len(per_rank[0]["step_ms"]))]
     return dict(
         step_ms=steps, median_ms=statistics.median(steps), min_ms=min(steps), max_ms=max(steps),
@@ -170,6 +182,8 @@ def step_figures(per_rank: list[dict]) -> dict:
         first_step_s=max(p["first_s"] for p in per_rank),
         peak_bytes_per_rank=[p["peak_bytes"][-1] for p in per_rank],
         peak_bytes=max(p["peak_bytes"][-1] for p in per_rank),
+        allocator_peak_bytes_per_rank=[p["allocator_peak_bytes"][-1] for p in per_rank],
+        allocator_peak_bytes=max(p["allocator_peak_bytes"][-1] for p in per_rank),
     )
 
 

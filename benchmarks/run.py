@@ -317,7 +317,8 @@ def rank_main(rank: int, world: int, args, spec: dict) -> dict:
     return {
         "psi": psi, "disabled_passes": disabled, "pass_note": note,
         "systems": {s.name: {"error": s.error, "skipped": s.skipped, "first_s": s.first_s, "step_ms": s.step_ms,
-                             "losses": s.losses, "peak_bytes": s.peak_bytes, "state_bytes": s.state_bytes,
+                             "losses": s.losses, "peak_bytes": s.peak_bytes,
+                             "allocator_peak_bytes": s.allocator_peak_bytes, "state_bytes": s.state_bytes,
                              "comm": s.comm}
                     for s in systems},
     }
@@ -413,8 +414,7 @@ def format_markdown(workload: str, spec: dict, result: dict, world: int) -> str:
             lines.append(f"| {e['label']} | {e['status'].upper()}: {error_line(e['error'])[:150].replace('|', '/')} "
                          "| | | | | | |")
             continue
-        bound = "≥" if inner == "inductor" and (name.startswith("zero") or name == "fsdp2-compile") else ""
-        mem = (f"{bound}{e['peak_bytes'] / MiB:.1f} | {e['state_bytes'] / MiB:.1f} "
+        mem = (f"{e['allocator_peak_bytes'] / MiB:.1f} | {e['state_bytes'] / MiB:.1f} "
                f"({e['state_formula_bytes'] / MiB:.1f}) | {e['comm_wire_bytes'] / MiB:.1f} "
                f"({e['comm_formula_bytes'] / MiB:.1f})")
         check = f"{'yes' if e['status'] == 'ok' else 'NO'} ({e['max_rel_loss_diff']:.0e})"
@@ -427,8 +427,8 @@ def format_markdown(workload: str, spec: dict, result: dict, world: int) -> str:
 
 
 def plot(results: dict, specs: dict, path: Path) -> str | None:
-    """Step time and peak memory per system, one pair of panels per workload (hatched: a lower
-    bound, compiled by inductor); None when written, else why not."""
+    """Step time and peak memory per system, one pair of panels per workload; None when
+    written, else why not."""
     try:
         import matplotlib
 
@@ -442,7 +442,6 @@ def plot(results: dict, specs: dict, path: Path) -> str | None:
     fig, axes = plt.subplots(len(names), 2, figsize=(13, 3.8 * len(names)), squeeze=False)
     for row, workload in enumerate(names):
         entries = [(name, e) for name, e in results[workload]["systems"].items() if e["status"] in ("ok", "diverged")]
-        inductor = specs[workload]["inner_compiler"] == "inductor"
         labels = [e["label"] for _, e in entries]
         speed = [e["median_ms"] if e["status"] == "ok" else 0.0 for _, e in entries]
         lo = [e["median_ms"] - e["min_ms"] if e["status"] == "ok" else 0.0 for _, e in entries]
@@ -450,11 +449,8 @@ def plot(results: dict, specs: dict, path: Path) -> str | None:
         axes[row][0].barh(labels, speed, xerr=[lo, hi], color="tab:blue")
         axes[row][0].set_title(f"{workload}: median step time (min–max), ms")
         axes[row][0].invert_yaxis()
-        bars = axes[row][1].barh(labels, [e["peak_bytes"] / MiB for _, e in entries], color="tab:orange")
-        for bar, (name, _) in zip(bars, entries):
-            if inductor and (name.startswith("zero") or name == "fsdp2-compile"):
-                bar.set_hatch("//")
-        axes[row][1].set_title(f"{workload}: peak live MiB per rank" + (" (hatched: lower bound)" if inductor else ""))
+        axes[row][1].barh(labels, [e["allocator_peak_bytes"] / MiB for _, e in entries], color="tab:orange")
+        axes[row][1].set_title(f"{workload}: peak MiB per rank (CPU allocator)")
         axes[row][1].invert_yaxis()
         axes[row][1].set_yticklabels([])
     fig.tight_layout()
@@ -524,8 +520,9 @@ def main(argv=None) -> int:
         f"(lr {args.lr}, weight decay {args.weight_decay}); load average before {load_before[0]:.1f}.",
         "ms/step: median over timed steps of the slowest rank (min–max); × is the ratio of medians to the "
         "reference. first step: includes compilation where there is one.",
-        "peak: largest live tensor-storage bytes during one step (LiveStorageTracker), highest rank. ≥: "
-        "with inductor a lower bound, buffers inductor allocates inside compiled code are not seen.",
+        "peak: largest bytes allocated by the CPU allocator during one step (AllocatorPeak: the live tensor "
+        "storages when the step began, plus the largest rise the profiler's allocator events show, "
+        "inductor's own buffers included), highest rank.",
         "model state: live bytes right after the optimizer step (before zero_grad), against the ZeRO formula "
         "16Ψ / 8Ψ+8Ψ/N / 4Ψ+12Ψ/N / 16Ψ/N (FSDP2 = stage 3, DDP = stage 0; 8Ψ/N with the optimizer state "
         "offloaded, 4Ψ/N with the parameters too, plus buffers). DeepSpeed frees its "

@@ -61,7 +61,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveStorageTracker"]
+__all__ = ["AllocatorPeak", "LiveStorageTracker", "PeakAnatomy"]
 
 
 def _plain_tensors(value, fake_mode=None):
@@ -310,3 +310,69 @@ class PeakAnatomy(LiveStorageTracker):
         if self.peak > before:
             self._snapshot()
         return out
+
+
+class AllocatorPeak:
+    """The peak of a piece of code's memory as the CPU allocator saw it, including what
+    ``LiveStorageTracker`` cannot see: buffers that inductor's generated code allocates and frees
+    without the dispatcher, and temporaries inside kernels.
+
+    Around the code (e.g. one training step)::
+
+        with AllocatorPeak(start=tracker.live_bytes()) as alloc:
+            step()
+        alloc.peak                      # start + the largest rise of allocated bytes
+
+    It runs ``torch.profiler.profile(profile_memory=True)``, whose allocator hook reports every
+    allocation and free of c10's CPU allocator made on this thread
+    (``_torch_compat.profiled_allocations``); ``rise`` is the largest sum of those over the code's
+    prefixes, and ``peak`` that plus ``start``, the bytes live when the code began (the tracker's
+    figure then, exact where only the model's state is alive: between steps).
+
+    Limits: allocations of other threads (gloo's workers, file I/O threads) are not reported, as
+    the dispatch mode does not see them either; memory not from c10's allocator (a mapped
+    shared-memory segment) is not counted; a free made on another thread is not seen, so the
+    block counts as live to the end (the figure errs high, never low). ``at_peak`` groups the
+    blocks live at the peak that the code allocated by the op that allocated them. For
+    measurements, not for timing: the profiler slows every op."""
+
+    def __init__(self, start: int = 0):
+        self.start = start
+        self.rise = 0
+        self.net = 0
+        self.at_peak: dict[str, int] = {}
+        self._profile = None
+
+    @property
+    def peak(self) -> int:
+        return self.start + self.rise
+
+    def __enter__(self) -> "AllocatorPeak":
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from zerocompile import _torch_compat
+
+        self._profile.__exit__(*exc)
+        events = _torch_compat.profiled_allocations(self._profile)
+        self._profile = None
+        total, best, best_at = 0, 0, -1
+        for i, (_, nbytes, _, _) in enumerate(events):
+            total += nbytes
+            if total > best:
+                best, best_at = total, i
+        self.rise, self.net = best, total
+        live: dict[int, tuple[int, str]] = {}
+        for _, nbytes, address, op in events[: best_at + 1]:
+            if nbytes > 0:
+                live[address] = (nbytes, op)
+            else:
+                live.pop(address, None)
+        groups: dict[str, int] = {}
+        for nbytes, op in live.values():
+            groups[op] = groups.get(op, 0) + nbytes
+        self.at_peak = dict(sorted(groups.items(), key=lambda kv: -kv[1]))

@@ -55,3 +55,31 @@ def _gathered_peak(rank, world):
 def test_inductor_stage3_keeps_few_parameters_gathered_at_once():
     """Inductor's code frees each gathered parameter after its last use too."""
     assert run_ranks(_gathered_peak, 2)[0] < 0.5
+
+
+def test_allocator_peak_sees_the_buffers_inductor_allocates_that_the_tracker_cannot():
+    """``AllocatorPeak`` (the benchmarks' peak): inductor's code allocates its buffers without the
+    dispatcher (``empty_strided_cpu``), so a buffer that no dispatched op reads, here the
+    function's result, dropped at once, is invisible to the tracker; the allocator's events see
+    it, and see it freed."""
+    import torch
+
+    from zerocompile.runtime.memory_tracker import AllocatorPeak, LiveStorageTracker
+
+    n = 512
+    nbytes = n * n * 4
+    f = torch.compile(lambda x: x.sin() * 2, backend="inductor")
+    x = torch.randn(n, n)
+    f(x)
+    tracker = LiveStorageTracker(exact_peak=True, track_inputs=True)
+    with tracker:
+        tracker.track(x)
+        tracker.reset_peak()
+        start = tracker.live_bytes()
+        with AllocatorPeak(start=start) as allocator:
+            out = f(x)
+            del out
+    assert start == nbytes and tracker.peak == start, (start, tracker.peak)
+    assert nbytes <= allocator.rise < nbytes + (1 << 16), allocator.rise
+    assert allocator.peak == start + allocator.rise and abs(allocator.net) < 1 << 16, allocator.net
+    assert sum(allocator.at_peak.values()) >= nbytes, allocator.at_peak
