@@ -12,6 +12,9 @@ shapes (``--tensors`` weights of ``--rows`` x ``--cols`` fp32 elements, 16 x 102
   kernel, ``csrc/fused_adam.cpp``, where it builds); ``opt.kernel`` is printed.
 - ``zerocompile stage 3, torch fused``: the same with ``kernel="torch", fused=True`` (the
   wrapper around torch's own fused kernel).
+- ``deepspeed cpu adam``: DeepSpeed's ``DeepSpeedCPUAdam`` (AdamW mode) on plain parameters,
+  the optimizer ZeRO-Offload runs on the CPU; skipped, with the reason, where DeepSpeed is not
+  installed or its op does not build.
 - ``memory floor``: what the step would cost if its arithmetic were free: the C++ extension's
   ``memory_floor`` (``p += g; m += g; v += g`` over float32 tensors of the same element count,
   scheduled as the fused kernel is), which reads and writes the 28 bytes per element an fp32
@@ -123,6 +126,32 @@ def _floor(args):
     return (floor, None) if floor.module is not None else (None, None)
 
 
+class Unavailable(Exception):
+    """A variant that cannot run here (the message says why); the table lists it as skipped."""
+
+
+def _deepspeed(args):
+    """DeepSpeed's CPU Adam (``DeepSpeedCPUAdam``, ZeRO-Offload's optimizer: AVX-512 and OpenMP,
+    one pass over p, g, m, v), in AdamW mode on the same parameters, where DeepSpeed is installed
+    (``pip install -e '.[bench]'``) and its op builds (g++, ninja; built on first use)."""
+    if args.dtype != "float32":
+        raise Unavailable("float32 only here")
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception as err:  # noqa: BLE001 - any import failure means: not here
+        raise Unavailable(f"DeepSpeed is not installed ({type(err).__name__})") from None
+    torch.manual_seed(0)
+    params = list(LinearStack(args.tensors, args.rows, args.cols).parameters())
+    for p, g in zip(params, _gradients([(p.shape, p.dtype) for p in params])):
+        p.grad = g
+    try:
+        opt = DeepSpeedCPUAdam(params, lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)
+    except Exception as err:  # noqa: BLE001 - its op did not build
+        raise Unavailable(f"DeepSpeed's cpu_adam op did not build: {str(err).splitlines()[0][:120]}") from None
+    opt.kernel = "deepspeed"
+    return opt, None
+
+
 VARIANTS = {
     "torch fused": lambda a: _plain(a, fused=True),
     "torch foreach": lambda a: _plain(a, foreach=True),
@@ -130,6 +159,7 @@ VARIANTS = {
     "zerocompile stage 3": lambda a: _stage3(a),
     "zerocompile stage 3, torch fused": lambda a: _stage3(a, kernel="torch", fused=True),
     "memory floor": _floor,
+    "deepspeed cpu adam": _deepspeed,
 }
 
 
@@ -153,9 +183,14 @@ def _one_step(opt, max_norm: float | None):
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     names = [n for n in VARIANTS if not args.variants or n in args.variants]
-    opts = {}
+    opts, skipped = {}, {}
     for name in list(names):
-        opt, _model = VARIANTS[name](args)
+        try:
+            opt, _model = VARIANTS[name](args)
+        except Unavailable as why:
+            names.remove(name)
+            skipped[name] = str(why)
+            continue
         if opt is None:                               # memory floor: bfloat16, or no extension
             names.remove(name)
             continue
@@ -179,6 +214,8 @@ def run(args) -> dict:
             entry["x_peer"] = med / statistics.median(peer)
             entry["x_peer_paired"] = statistics.median(t / p for t, p in zip(times[name], peer))
         out[name] = entry
+    for name, why in skipped.items():
+        out[name] = {"skipped": why}
     return out
 
 
@@ -207,6 +244,9 @@ def main(argv=None) -> int:
     moved = 7 * DTYPES[args.dtype].itemsize       # reads p, g, m, v; writes p, m, v
     print(f"{'variant':<36}{'kernel':>14}{'ms/step':>10}{'Gelem/s':>10}{'GB/s':>8}{'x ' + PEER:>15}{'paired':>9}")
     for name, e in results.items():
+        if "skipped" in e:
+            print(f"{name:<36}{'skipped: ' + e['skipped']}")
+            continue
         ratio = f"{e['x_peer']:.2f}" if "x_peer" in e else "-"
         paired = f"{e['x_peer_paired']:.2f}" if "x_peer_paired" in e else "-"
         print(f"{name:<36}{e['kernel'] or '-':>14}{e['ms_per_step']:>10.1f}{e['elements_per_s'] / 1e9:>10.2f}"

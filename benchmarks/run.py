@@ -56,6 +56,7 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -64,6 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -275,6 +277,40 @@ def build_system(name: str, args, spec: dict, example, device: torch.device, dis
     return system
 
 
+def disk_floor_ms(nbytes: int, rounds: int = 3) -> float:
+    """What the disk alone costs an offloaded optimizer step: every rank at once reads ``nbytes``
+    (its optimizer state's moments, 8 Psi/N for fp32 AdamW) from a swap file and writes as many
+    to another, both in flight together, through zerocompile's ``SwapFile`` with the offload's
+    default threads and request size (``O_DIRECT`` where the filesystem allows), as the step's
+    tiles are read and written. The median over ``rounds`` of this rank's ms. No offloaded step
+    whose file I/O runs inside the step can cost less than this over the same step without
+    offload."""
+    from zerocompile.runtime.offload_settings import OffloadSettings
+    from zerocompile.runtime.swap_file import SwapFile, aligned_empty
+
+    settings = OffloadSettings(device="nvme", nvme_path=tempfile.gettempdir())
+    n = nbytes // 4
+    times = []
+    with tempfile.TemporaryDirectory(prefix="zerocompile-bench-floor-") as directory:
+        swap = SwapFile(directory, "floor", threads=settings.threads, block_bytes=settings.block_size)
+        try:
+            source, target = aligned_empty(n, torch.float32), aligned_empty(n, torch.float32)
+            source.fill_(1.0)
+            for key in ("in", "out"):
+                swap.reserve(key, n * 4)
+            swap.write("in", source).wait()
+            for _ in range(rounds):
+                dist.barrier()
+                start = time.perf_counter()
+                reading, writing = swap.read("in", target), swap.write("out", source)
+                reading.wait()
+                writing.wait()
+                times.append(time.perf_counter() - start)
+        finally:
+            swap.close()
+    return statistics.median(times) * 1e3
+
+
 def rank_main(rank: int, world: int, args, spec: dict) -> dict:
     """Everything one rank does for one workload; returns its figures."""
     device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
@@ -313,9 +349,12 @@ def rank_main(rank: int, world: int, args, spec: dict) -> dict:
         if s.swap_dir is not None:
             s.opt = s.model = None                 # the optimizer deletes its swap file when collected
             shutil.rmtree(s.swap_dir, ignore_errors=True)
+    floor_ms = None
+    if any(s.name in OFFLOADED and s.name.startswith("zero") and s.error is None for s in systems):
+        floor_ms = disk_floor_ms(8 * psi // world)
 
     return {
-        "psi": psi, "disabled_passes": disabled, "pass_note": note,
+        "psi": psi, "disabled_passes": disabled, "pass_note": note, "disk_floor_ms": floor_ms,
         "systems": {s.name: {"error": s.error, "skipped": s.skipped, "first_s": s.first_s, "step_ms": s.step_ms,
                              "losses": s.losses, "peak_bytes": s.peak_bytes,
                              "allocator_peak_bytes": s.allocator_peak_bytes, "state_bytes": s.state_bytes,
@@ -385,8 +424,10 @@ def summarise(ranks: list[dict], args, world: int) -> dict:
         entry["comm_ratio"] = (entry["comm_wire_bytes"] / entry["comm_formula_bytes"]
                                if entry["comm_formula_bytes"] else None)
         out[name] = entry
+    floors = [r.get("disk_floor_ms") for r in ranks]
+    floor = max(floors) if all(f is not None for f in floors) else None
     if reference is None:
-        return {"psi": psi, "reference": None, "systems": out}
+        return {"psi": psi, "reference": None, "systems": out, "disk_floor_ms": floor}
     ref = out[reference]
     for name, entry in out.items():
         if entry["status"] != "ok":
@@ -396,7 +437,7 @@ def summarise(ranks: list[dict], args, world: int) -> dict:
         if not worst <= APPROXIMATE.get(name, args.rtol):
             entry["status"] = "diverged"
         entry.update(harness.speed_ratios(entry, ref))
-    return {"psi": psi, "reference": reference, "systems": out}
+    return {"psi": psi, "reference": reference, "systems": out, "disk_floor_ms": floor}
 
 
 def format_markdown(workload: str, spec: dict, result: dict, world: int) -> str:
@@ -423,6 +464,17 @@ def format_markdown(workload: str, spec: dict, result: dict, world: int) -> str:
             continue
         lines.append(f"| {e['label']} | {e['median_ms']:.1f} ({e['min_ms']:.1f}–{e['max_ms']:.1f}) | "
                      f"{e['first_step_s']:.2f} | ×{e['ms_ratio']:.2f} | {mem} | {check} |")
+    floor = result.get("disk_floor_ms")
+    if floor is not None:
+        lines += ["", f"Disk floor: every rank at once reading and writing its {8 * result['psi'] / world / 1e6:.0f} MB "
+                  f"of moments (8Ψ/N) through a swap file takes {floor:.1f} ms (`disk_floor_ms`, slowest rank)."]
+        base = result["systems"].get("zero3", {})
+        for name in ("zero3-offload", "zero3-infinity"):
+            e = result["systems"].get(name, {})
+            if e.get("status") == "ok" and base.get("status") == "ok":
+                lines.append(f"{e['label']}: {e['median_ms'] - base['median_ms']:.1f} ms over stage 3's step "
+                             f"(×{e['median_ms'] / base['median_ms']:.2f}); stage 3 plus the floor would be "
+                             f"×{(base['median_ms'] + floor) / base['median_ms']:.2f}.")
     return "\n".join(lines)
 
 
