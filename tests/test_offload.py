@@ -365,3 +365,44 @@ def test_offload_tiles_are_sized_to_the_offloaded_state(tmp_path, elements, sett
     opt = OffloadedAdam([p], OffloadSettings(device="cpu", **settings), name="t", lr=1e-3)
     opt._plan()
     assert opt._tile_elems() == tile
+
+
+@pytest.mark.parametrize("tile", [2048, 65536])
+def test_a_tile_of_several_parameters_steps_each_and_keeps_the_others(tmp_path, tile):
+    """Parameters share tiles in the swap file (one read and one write per moment and tile): a
+    step where only some of them have gradients updates those, and leaves the others' moments as
+    they were, including a never-stepped one beside an already stepped one (no read is skipped
+    for a tile that holds any written moments). Every figure bit for bit FusedAdam's, with the
+    resident state, after each step; and a parameter larger than a tile spans several."""
+    from zerocompile.runtime.fused_adam import FusedAdam
+    from zerocompile.runtime.offload_settings import OffloadSettings
+    from zerocompile.runtime.offloaded_adam import OffloadedAdam
+
+    torch.manual_seed(0)
+    sizes = [300, 5000, 7, 70_000, 129]
+    make = lambda: [torch.nn.Parameter(torch.randn(n, dtype=torch.float32)) for n in sizes]  # noqa: E731
+    ref_params = make()
+    off_params = [torch.nn.Parameter(p.detach().clone()) for p in ref_params]
+    hyper = dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
+    ref = FusedAdam(ref_params, **hyper)
+    settings = OffloadSettings(device="nvme", nvme_path=str(tmp_path), buffer_size=tile, buffer_count=2)
+    off = OffloadedAdam(off_params, settings, name="tiles", **hyper)
+    # which parameters have gradients at each step: the first steps leave some never stepped
+    schedule = [[0, 3], [1], [2, 4], [0, 1, 2, 3, 4], [4]]
+    for step, present in enumerate(schedule):
+        g = torch.Generator().manual_seed(step)
+        for i, (r, o) in enumerate(zip(ref_params, off_params)):
+            grad = torch.randn(r.numel(), generator=g)
+            r.grad = grad.clone() if i in present else None
+            o.grad = grad.clone() if i in present else None
+        ref.step()
+        off.step()
+        for r, o in zip(ref_params, off_params):
+            assert torch.equal(r, o), step
+            want, got = ref.state.get(r, {}), off.param_state(o)
+            assert set(want) == set(got), step
+            for key, value in want.items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(got[key])), (step, key)
+    assert off._tile_elems() == tile and len(off._layouts) == 1
+    off.close()
+    assert not os.listdir(tmp_path)

@@ -171,7 +171,8 @@ class _ReadEvents(torch.utils._python_dispatch.TorchDispatchMode):
             self.events.append(("wait", self.reading.pop(args[0].untyped_storage()._cdata)))
         elif func in (torch.ops._c10d_functional.all_gather_into_tensor.default,
                       torch.ops._c10d_functional.all_gather_into_tensor_out.default,
-                      torch.ops.zerocompile.all_gather_point_to_point.default):
+                      torch.ops.zerocompile.all_gather_point_to_point.default,
+                      torch.ops.zerocompile.all_gather_point_to_point_unpacked.default):  # what "auto" takes
             self.events.append(("gather", None))
         return out
 
