@@ -16,7 +16,8 @@ system after the other, on every rank (2 gloo ranks by default), and reports ran
   all-gather and reduce ranges), **optimizer** (the fused Adam steps), **other** (the rest,
   mostly the own time of annotated ranges: Python);
 - the ops that pack and unpack the collectives' buffers (zerocompile's ``pack_shards``,
-  ``pack_gradients``, ``unpack_gathered_bucket``; FSDP2's ``all_gather_copy_in``,
+  ``pack_gradients``, ``unpack_gathered_bucket``, which is gone where a bucket's gather lands
+  straight in its parameters through shared memory; FSDP2's ``all_gather_copy_in``,
   ``split_with_sizes_copy``, ``chunk_cat``) with their time including the copies inside them;
 - the ``--top-ops`` compute ops with the most self time, with their calls per step;
 - the matmuls' time, and what it would be at the speed of the same calls (op and shapes) run

@@ -263,14 +263,16 @@ class OffloadedAdam(FusedAdam):
     def _tile_elems(self) -> int:
         """Elements per tile: sized to what the buffers serve, ``1 / (8 * buffer_count)`` of the
         offloaded elements (so the ``buffer_count`` buffers hold about an eighth of the
-        offloaded state), at least ``MIN_TILE`` and at most ``buffer_size``, in whole pages of
-        every dtype (2048 elements: 8 KiB of fp32, 4 KiB of 16-bit). Fixed once the
-        parameters to offload are chosen (the first step)."""
-        pages = lambda n: -(-n // 2048) * 2048      # noqa: E731
-        cap = max(2048, pages(self.settings.buffer_size))
+        offloaded state), at least ``MIN_TILE`` and at most ``buffer_size``, and never more
+        than a ``buffer_count``-th of the offloaded elements (a small model's buffers together
+        never outgrow the state they stream), in whole pages of every dtype (``ALIGN``
+        elements: 8 KiB of fp32, 4 KiB of 16-bit). Fixed once the parameters to offload are
+        chosen (the first step)."""
+        pages = lambda n: -(-n // ALIGN) * ALIGN      # noqa: E731
+        cap = max(ALIGN, pages(self.settings.buffer_size))
         total = sum(p.numel() for p in (self._offloaded or {}))
         share = pages(total // (TILE_FRACTION * self.settings.buffer_count))
-        return min(cap, max(MIN_TILE, share))
+        return min(cap, max(MIN_TILE, share), max(ALIGN, pages(-(-total // self.settings.buffer_count))))
 
     def _ensure_slots(self, tiles: list) -> None:
         """The pipeline's buffers, once: ``buffer_count`` slots of one tile (the largest any

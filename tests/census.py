@@ -148,14 +148,16 @@ class GatheredBytes(_RuntimeMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in _GATHERS:
-            st = out.untyped_storage()
-            key, nbytes = st._cdata, st.nbytes()
-            if key not in self._refs:
-                self._refs[key] = weakref.ref(st, lambda _, key=key, n=nbytes: self._freed(key, n))
-                self.alive += nbytes
-                self.peak = max(self.peak, self.alive)
             self.started_behind_another += bool(self._pending)
-            self._pending[key] = nbytes
+            # a bucket's gather through shared memory returns its members, each waited for apart
+            for t in out if isinstance(out, (list, tuple)) else [out]:
+                st = t.untyped_storage()
+                key, nbytes = st._cdata, st.nbytes()
+                if key not in self._refs:
+                    self._refs[key] = weakref.ref(st, lambda _, key=key, n=nbytes: self._freed(key, n))
+                    self.alive += nbytes
+                    self.peak = max(self.peak, self.alive)
+                self._pending[key] = nbytes
             self.inflight_peak = max(self.inflight_peak, sum(self._pending.values()))
         elif func is _c10d.wait_tensor.default:
             self._pending.pop(args[0].untyped_storage()._cdata, None)

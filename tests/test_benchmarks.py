@@ -186,8 +186,8 @@ def test_step_breakdown_quick(tmp_path):
         assert system["step_ms"] > 0
         assert system["classes_ms"]["compute"] > 0 and system["classes_ms"]["copies"] > 0, system
         assert system["classes_ms"]["collectives"] > 0, system
-    assert {"zerocompile::pack_shards", "zerocompile::pack_gradients",
-            "zerocompile::unpack_gathered_bucket"} <= set(zero3["packing"]), zero3["packing"]
+    # no unpack_gathered_bucket where "auto" takes shared memory: the gathers land in the parameters
+    assert {"zerocompile::pack_shards", "zerocompile::pack_gradients"} <= set(zero3["packing"]), zero3["packing"]
     assert {"fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy"} <= set(fsdp2["packing"]), fsdp2["packing"]
     for system in (fsdp2, zero3):
         c = system["contention"]

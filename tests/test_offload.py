@@ -350,14 +350,16 @@ def test_the_kernel_writes_the_replica_copy_bitwise_as_a_cast(tmp_path, stage):
 
 @pytest.mark.parametrize("elements, settings, tile", [
     (3_000_000, {}, 94208),                      # 1/32 of the offloaded elements, in whole pages
-    (100_000, {}, 65536),                        # the floor: a small model's buffers stay small
+    (300_000, {}, 65536),                        # the floor: a small model's buffers stay small
+    (100_000, {}, 26624),                        # all buffers together at most the state: 1/4 of it
     (300_000_000, {}, 4194304),                  # the cap: buffer_size
     (3_000_000, {"buffer_size": 2048}, 2048),    # a smaller buffer_size wins over the floor
     (3_000_000, {"buffer_count": 2}, 188416),
 ])
 def test_offload_tiles_are_sized_to_the_offloaded_state(tmp_path, elements, settings, tile):
     """The buffers hold about 1/8 of the offloaded state (buffer_count tiles of 1/(8 buffer_count)
-    of its elements), at least 65536 elements per tile, at most buffer_size."""
+    of its elements), at least 65536 elements per tile, at most buffer_size, and all together
+    never more than the state itself."""
     from zerocompile.runtime.offload_settings import OffloadSettings
     from zerocompile.runtime.offloaded_adam import OffloadedAdam
 
@@ -403,6 +405,11 @@ def test_a_tile_of_several_parameters_steps_each_and_keeps_the_others(tmp_path, 
             assert set(want) == set(got), step
             for key, value in want.items():
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(got[key])), (step, key)
-    assert off._tile_elems() == tile and len(off._layouts) == 1
+    (layout,) = off._layouts.values()
+    size = off._tile_elems()
+    if tile == 2048:       # parameters larger than a tile span several
+        assert size == 2048 and len([a for a in range(0, layout.size, size) if layout.pieces(a, a + size)]) > len(sizes)
+    else:                  # small parameters share a tile (at most a buffer_count-th of the state: 38912)
+        assert size == 38912 and len(layout.pieces(0, size)) == 4, [(a, b) for _, a, b in layout.pieces(0, size)]
     off.close()
     assert not os.listdir(tmp_path)
