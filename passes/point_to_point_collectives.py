@@ -107,10 +107,12 @@ def _gather_unpacked(graph: torch.fx.Graph, gather: torch.fx.Node, copy_input: b
         return False
     unpack = unpacks[0]
     members = list(unpack.users)
-    if any(m.target is not operator.getitem for m in members):
-        return False
     x, world, name = gather.args
     chunks = unpack.args[2]
+    # every member read (each gets the wait that completes it: none is left registered unwaited)
+    if any(m.target is not operator.getitem for m in members) or {m.args[1] for m in members} != set(
+            range(len(chunks))):
+        return False
     with graph.inserting_before(gather):
         fused = graph.call_function(_GATHER_UNPACKED, (x, world, name, list(chunks), copy_input, True))
     fused.meta = {**gather.meta, "val": unpack.meta["val"]}

@@ -401,3 +401,22 @@ def test_point_to_point_ops_do_not_read_their_inputs_after_returning(shared_memo
     the next buffer) change nothing of the results, which are the collectives' bit for bit (4
     MiB per rank, large enough to be in flight)."""
     assert run_ranks(_overwrite_while_in_flight, 2, shared_memory) == [(True, True, True), (True, True, True)]
+
+
+def test_a_bucket_gather_with_an_unread_member_keeps_its_rows():
+    """A member no op reads would get no wait of its own: such a bucket keeps the gather of rows."""
+    from zerocompile.passes.point_to_point_collectives import collectives_as_point_to_point
+
+    graph = _bucket_gather_graph(world=2, chunks=[8, 3, 5])
+    unread = next(n for n in graph.nodes if n.target is operator.getitem and n.args[1] == 1)
+    for user in list(unread.users):
+        output = next(iter(graph.find_nodes(op="output")))
+        output.args = ([a for a in output.args[0] if a is not user],)
+        graph.erase_node(user)
+    graph.erase_node(unread)
+    replaced = collectives_as_point_to_point(graph, fixed_choice("reduce_scatter", "option", gather="shared_memory"),
+                                             "g", copy_input=True)
+    assert replaced["unpacked"] == 0 and len(replaced["all_gather"]) == 1
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert torch.ops.zerocompile.all_gather_point_to_point.default in targets
+    assert torch.ops.zerocompile.unpack_gathered_bucket.default in targets
