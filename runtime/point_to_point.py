@@ -89,11 +89,7 @@ def start_point_to_point_gather(x: torch.Tensor, rank: int, world: int, group, o
     the transfers hold a reference, so ``x`` is not freed before). Through shared memory
     (``shared_memory``) ``x`` is copied into the segment when the transfer starts, and only
     what does not fit yet is copied aside (``SharedMemoryChannel.exchange``)."""
-    flat = x.reshape(-1).clone() if copy_input and not shared_memory else x.reshape(-1)
-    rows = out.view(world, -1)
-    works = _exchange([(lambda peer: flat, lambda peer: rows[peer])], rank, world, group, shared_memory, copy_input)
-    rows[rank].copy_(flat)
-    return works
+    return start_point_to_point_gather_unpacked(x, [x.numel()], rank, world, group, [out], copy_input, shared_memory)
 
 
 def start_point_to_point_reduce_scatter(x: torch.Tensor, rank: int, world: int, group,
