@@ -288,7 +288,7 @@ def disk_floor_ms(nbytes: int, rounds: int = 3) -> float:
     from zerocompile.runtime.offload_settings import OffloadSettings
     from zerocompile.runtime.swap_file import SwapFile, aligned_empty
 
-    settings = OffloadSettings(device="nvme", nvme_path=tempfile.gettempdir())
+    settings = OffloadSettings()               # the offload's defaults: threads, request size
     n = nbytes // 4
     times = []
     with tempfile.TemporaryDirectory(prefix="zerocompile-bench-floor-") as directory:

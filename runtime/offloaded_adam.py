@@ -27,6 +27,7 @@ offload. The moments of offloaded parameters are not in ``self.state`` (only ``s
 
 from __future__ import annotations
 
+import bisect
 import logging
 
 import torch
@@ -56,19 +57,25 @@ class _Layout:
 
     def __init__(self, key: tuple, params: list):
         self.key, self.params, self.offset = key, params, {}
+        self.starts = []                     # offset of each of ``params``, ascending
         at = 0
         for p in params:
             self.offset[p] = at
+            self.starts.append(at)
             at += -(-p.numel() // ALIGN) * ALIGN
         self.size = at
         self.dtype = params[0].dtype
+        self.itemsize = params[0].element_size()
 
     def pieces(self, start: int, end: int) -> list:
         """``(p, a, b)`` for each parameter with elements in ``[start, end)`` of the run: its
-        elements ``a:b``, at ``offset[p] + a`` in the run."""
+        elements ``a:b``, at ``offset[p] + a`` in the run. Only the parameters that can overlap
+        are looked at (a step asks for every tile: a scan of all would cost tiles x parameters)."""
         out = []
-        for p in self.params:
-            o = self.offset[p]
+        for i in range(max(bisect.bisect_right(self.starts, start) - 1, 0), len(self.params)):
+            p, o = self.params[i], self.starts[i]
+            if o >= end:
+                break
             a, b = max(start - o, 0), min(end - o, p.numel())
             if a < b:
                 out.append((p, a, b))
@@ -150,7 +157,7 @@ class OffloadedAdam(FusedAdam):
             self._plan()
             for layout in self._layouts.values():
                 for moment in MOMENTS:
-                    self._swap.reserve((layout.key, moment), layout.size * layout.params[0].element_size())
+                    self._swap.reserve((layout.key, moment), layout.size * layout.itemsize)
         return self._swap
 
     def _place(self, p, values: dict[str, torch.Tensor]) -> None:
@@ -301,6 +308,11 @@ class OffloadedAdam(FusedAdam):
         offloaded = self._offloaded
         nvme = self.settings.device == "nvme"
 
+        def runs_of(i) -> list:
+            """Tile ``i``'s ``[exp_avg, exp_avg_sq]`` runs in its slot's buffers (nvme)."""
+            layout, start, end, _ = tiles[i]
+            return [self._slots[i % n].view(m, layout.dtype, end - start) for m in MOMENTS]
+
         def moments_of(i) -> list:
             """Per piece of tile ``i``, its ``[exp_avg, exp_avg_sq]``: views of the slot's buffers
             (nvme), or of the host tensors."""
@@ -308,8 +320,7 @@ class OffloadedAdam(FusedAdam):
             if not nvme:
                 return [[offloaded[p]["host"].setdefault(m, _zeros_host(p, self._pin(p)))[a:b] for m in MOMENTS]
                         for p, a, b in pieces]
-            slot = self._slots[i % n]
-            runs = [slot.view(m, layout.dtype, end - start) for m in MOMENTS]
+            runs = runs_of(i)
             return [[run[layout.offset[p] + a - start : layout.offset[p] + b - start] for run in runs]
                     for p, a, b in pieces]
 
@@ -319,17 +330,16 @@ class OffloadedAdam(FusedAdam):
             slot.wait("writes")
             if not nvme:
                 return
-            runs = [slot.view(m, layout.dtype, end - start) for m in MOMENTS]
-            fresh = [offloaded[p]["fresh"] for p, _, _ in pieces]
+            runs = runs_of(i)
             if all(offloaded[p]["fresh"] for p, _, _ in layout.pieces(start, end)):
                 # nothing in the run was ever written (the write back covers all of it, also
                 # the parameters not stepped now): no read
                 for run in runs:
                     run.zero_()
                 return
-            es = layout.params[0].element_size()
-            slot.reads = [self._swapfile().read((layout.key, m), run, start=start * es) for m, run in zip(MOMENTS, runs)]
-            slot.zero_after_read = [views for views, f in zip(moments_of(i), fresh) if f]
+            slot.reads = [self._swapfile().read((layout.key, m), run, start=start * layout.itemsize)
+                          for m, run in zip(MOMENTS, runs)]
+            slot.zero_after_read = [views for views, (p, _, _) in zip(moments_of(i), pieces) if offloaded[p]["fresh"]]
 
         for i in range(min(n - 1, len(tiles))):
             start_reads(i)
@@ -358,9 +368,8 @@ class OffloadedAdam(FusedAdam):
             for target, source in back:
                 target.copy_(source)
             if nvme:
-                es = layout.params[0].element_size()
-                slot.writes = [self._swapfile().write((layout.key, m), slot.view(m, layout.dtype, end - start),
-                                                      start=start * es) for m in MOMENTS]
+                slot.writes = [self._swapfile().write((layout.key, m), run, start=start * layout.itemsize)
+                               for m, run in zip(MOMENTS, runs_of(i))]
             if i + n - 1 < len(tiles):
                 start_reads(i + n - 1)
         for slot in self._slots:
