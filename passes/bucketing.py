@@ -15,7 +15,8 @@ into one collective on a flat bucket of at most ``bucket_mb``:
 - gradient reduce-scatters (``grad_reduce_scatter``): each padded flat gradient is
   viewed as ``[world, chunk]``, the rows are concatenated along dim 1
   (``zerocompile::pack_gradients``), reduced once, divided by the world size once (where
-  each member was), and each parameter's chunk is a slice of the result. The bucket is reduced where its
+  each member was; ``zerocompile::divide_reduced``, also for a reduce-scatter left alone), and
+  each parameter's chunk is a slice of the result. The bucket is reduced where its
   last member's gradient is ready.
 
 Buckets follow the model's blocks: a bucket that already holds at least ``1/16`` of
@@ -49,6 +50,7 @@ _aten = torch.ops.aten
 _UNPACK = torch.ops.zerocompile.unpack_gathered_bucket.default
 _PACK_SHARDS = torch.ops.zerocompile.pack_shards.default
 _PACK_GRADIENTS = torch.ops.zerocompile.pack_gradients.default
+_DIVIDE = torch.ops.zerocompile.divide_reduced.default
 _MB = 2**20
 FIRST_BUCKET_FRACTION = 1 / 8
 BLOCK_BUCKET_FRACTION = 1 / 16
@@ -176,13 +178,9 @@ def _bucket_gathers(graph: torch.fx.Graph, bucket: Bucket, bucket_id: str) -> No
 def _common_division(members: list[Member]) -> tuple | None:
     """``(divisor, divisions)`` when every member's reduced chunk is read only by a division by
     the same number (``divisions``: those nodes, in member order), else None."""
-    divisions = []
-    for m in members:
-        users = list(m.wait.users)
-        if (len(users) != 1 or users[0].target is not _aten.div.Tensor or users[0].args[0] is not m.wait
-                or not isinstance(users[0].args[1], (int, float)) or users[0].kwargs):
-            return None
-        divisions.append(users[0])
+    divisions = [_numeric_division(m.wait) for m in members]
+    if None in divisions:
+        return None
     divisors = {d.args[1] for d in divisions}
     return (divisors.pop(), divisions) if len(divisors) == 1 else None
 
@@ -202,7 +200,7 @@ def _bucket_reduce_scatters(graph: torch.fx.Graph, bucket: Bucket, bucket_id: st
         # (a kernel with a loop per parameter), where every member is divided by the same number
         division = _common_division(members)
         if division is not None:
-            waited = call(graph, _aten.div.Tensor, (waited, division[0]), role="bucket_unpack", bucket=bucket_id)
+            waited = call(graph, _DIVIDE, (waited, float(division[0])), role="bucket_unpack", bucket=bucket_id)
         # what each member's slice replaces: its division when the bucket was divided, else its wait
         replaced = division[1] if division is not None else [m.wait for m in members]
         offset = 0
@@ -213,10 +211,33 @@ def _bucket_reduce_scatters(graph: torch.fx.Graph, bucket: Bucket, bucket_id: st
             old.replace_all_uses_with(part)
             if division is not None:
                 graph.erase_node(old)
+            else:
+                _divide_as_op(graph, part, bucket_id)
             offset += chunk
     for m in members:
         graph.erase_node(m.wait)
         graph.erase_node(m.coll)
+
+
+def _numeric_division(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The only user of ``node`` when it is ``aten.div(node, number)``, else None."""
+    users = list(node.users)
+    if (len(users) != 1 or users[0].target is not _aten.div.Tensor or users[0].args[0] is not node
+            or not isinstance(users[0].args[1], (int, float)) or users[0].kwargs):
+        return None
+    return users[0]
+
+
+def _divide_as_op(graph: torch.fx.Graph, node: torch.fx.Node, bucket_id: str) -> None:
+    """Where ``node`` (a reduced gradient) is only divided by a number, the division becomes
+    ``zerocompile::divide_reduced`` (runtime/bucket_ops.py says why not ``aten.div``)."""
+    old = _numeric_division(node)
+    if old is None:
+        return
+    with graph.inserting_before(old):
+        new = call(graph, _DIVIDE, (node, float(old.args[1])), **{**tag(old), "bucket": bucket_id})
+    old.replace_all_uses_with(new)
+    graph.erase_node(old)
 
 
 def bucket_collectives(graph: torch.fx.Graph, cap_bytes: int, prefix: str) -> dict:
@@ -234,6 +255,8 @@ def bucket_collectives(graph: torch.fx.Graph, cap_bytes: int, prefix: str) -> di
                 rewrite(graph, bucket, bucket_id)
             else:
                 set_tag(bucket.members[0].coll, bucket=bucket_id)
+                if kind == "reduce_scatter":
+                    _divide_as_op(graph, bucket.members[0].wait, bucket_id)
         report[kind] = {"before": len(members), "after": len(buckets),
                         "bucket_bytes": [b.nbytes for b in buckets]}
     stable_topological_sort(graph)

@@ -13,6 +13,12 @@ run as an extern kernel (one ``split_with_sizes_copy``: one loop on CPU, one ker
 and the kernels that read a parameter read it from a buffer of its own, the same for every
 block.
 
+The average of a reduced gradient over ranks (the reduce-scatter's sum divided by the world
+size) is an op of its own too. Written as ``aten.div``, inductor makes one kernel of it per
+bucket, with the bucket's length in the kernel's code, so no two share one: four buckets of the
+4M GPT's backward cost four C++ compiles (about a second each, cold) for one vectorised loop.
+``torch.div`` computes the same IEEE quotients, element by element, at run time.
+
 The copies into a bucket (the shards before an all-gather, the padded gradients before a
 reduce-scatter) are ops of their own for the same reason and one more: as a ``cat`` they
 become one generated kernel with a loop per parameter (hundreds of lines of C++ for a
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pack_gradients", "pack_shards", "unpack_gathered_bucket"]
+__all__ = ["divide_reduced", "pack_gradients", "pack_shards", "unpack_gathered_bucket"]
 
 
 @torch.library.custom_op("zerocompile::unpack_gathered_bucket", mutates_args=())
@@ -67,3 +73,15 @@ def pack_gradients(grads: list[torch.Tensor], world: int) -> torch.Tensor:
 @pack_gradients.register_fake
 def _pack_gradients_fake(grads, world):
     return grads[0].new_empty(sum(g.numel() for g in grads))
+
+
+@torch.library.custom_op("zerocompile::divide_reduced", mutates_args=())
+def divide_reduced(reduced: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``reduced / divisor``, a new tensor: the average over ranks of a reduced gradient, the
+    quotients bitwise those of ``aten.div`` (generated or not)."""
+    return torch.div(reduced, divisor)
+
+
+@divide_reduced.register_fake
+def _divide_reduced_fake(reduced, divisor):
+    return torch.empty_like(reduced)

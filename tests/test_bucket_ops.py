@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerocompile.runtime.bucket_ops import pack_gradients, pack_shards, unpack_gathered_bucket
+from zerocompile.runtime.bucket_ops import divide_reduced, pack_gradients, pack_shards, unpack_gathered_bucket
 
 
 def _reference_unpack(gathered, world, chunks):
@@ -48,11 +48,30 @@ def test_pack_shards_is_cat():
     assert torch.equal(pack_shards(shards), torch.cat(shards))
 
 
+def _generated_division(x, divisor):
+    return x / divisor
+
+
+@pytest.mark.parametrize("divisor", [2, 3, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_divide_reduced_is_the_quotient_aten_and_inductor_compute(divisor, dtype):
+    """The average the bucketing pass writes as an op is bitwise what ``aten.div`` and
+    inductor's generated kernel compute, which is what it replaces; a new tensor."""
+    reduced = (torch.randn(1000, generator=torch.Generator().manual_seed(divisor)) * 1e3).to(dtype)
+    got = divide_reduced(reduced, float(divisor))
+    assert got.dtype == dtype and got.untyped_storage().data_ptr() != reduced.untyped_storage().data_ptr()
+    assert torch.equal(got, torch.ops.aten.div.Tensor(reduced, divisor))
+    torch._dynamo.reset()                 # one compile per case, not a recompile of the last one's
+    generated = torch.compile(_generated_division, backend="inductor", fullgraph=True, dynamic=False)
+    assert torch.equal(got, generated(reduced, divisor))
+
+
 @pytest.mark.parametrize("op, args", [
     (unpack_gathered_bucket, lambda: (torch.randn(2 * 9), 2, [4, 5])),
     (pack_shards, lambda: ([torch.randn(4), torch.randn(5)],)),
     (pack_gradients, lambda: ([torch.randn(4), torch.randn(6)], 2)),
-], ids=["unpack_gathered_bucket", "pack_shards", "pack_gradients"])
+    (divide_reduced, lambda: (torch.randn(6), 2.0)),
+], ids=["unpack_gathered_bucket", "pack_shards", "pack_gradients", "divide_reduced"])
 def test_opcheck(op, args):
     """Schema, fake kernel and aliasing as torch.library checks them for custom ops."""
     torch.library.opcheck(op, args(), test_utils=("test_schema", "test_faketensor"))
