@@ -73,6 +73,7 @@ def _registry() -> list[GraphPass]:
     from zerocompile.passes.cast_before_gather import cast_before_gather
     from zerocompile.passes.cast_forward_inputs import cast_forward_inputs
     from zerocompile.passes.hierarchical_partition import hierarchical_partition
+    from zerocompile.passes.offload_activations import offload_activations
     from zerocompile.passes.insert_param_collectives import insert_param_collectives
     from zerocompile.passes.point_to_point_collectives import point_to_point_collectives
     from zerocompile.passes.prefetch import prefetch
@@ -168,6 +169,13 @@ def _registry() -> list[GraphPass]:
                           "as faster",
                   required_because="it is what parameter_gather / gradient_reduction ask for (set "
                                    "parameter_gather='all_gather' and gradient_reduction='reduce_scatter' instead)"),
+        GraphPass("offload_activations", offload_activations, ("forward", "backward"), optional=False,
+                  enabled=lambda config: config.offload_activations.enabled,
+                  bind=lambda config: {"settings": config.offload_activations},
+                  summary="copy saved activations out after forward makes them and read them back ahead of "
+                          "their use in backward",
+                  required_because="it is what offload_activations asks for (set offload_activations=None "
+                                   "instead)"),
     ]
 
 

@@ -101,3 +101,80 @@ def parse_offload(name: str, value) -> OffloadSettings:
     if not isinstance(kw.get("pin_memory", True), bool):
         raise ValueError(f"option '{name}.pin_memory' = {kw['pin_memory']!r} is invalid; allowed: True, False")
     return OffloadSettings(**kw)
+
+
+ACTIVATION_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class ActivationOffloadSettings:
+    """Where the activations a forward saves for backward wait for it (the ``offload_activations``
+    option; see docs/offload.md)."""
+
+    device: str = "none"
+    """``"none"``: they stay in memory; ``"nvme"``: files under ``nvme_path``, one per process;
+    ``"cpu"``: page-locked host memory for a CUDA model (a logged no-op for a CPU model)."""
+
+    nvme_path: str | None = None
+    """Directory of the swap files (``"nvme"``); created if missing; the files are deleted at exit."""
+
+    budget_mb: float | str | None = None
+    """None: offload every saved activation worth it (at least ``min_kb``). A number: MiB per rank
+    of saved activations that may stay in memory; the planner (``plan_activations`` pass) chooses
+    per block among keep, recompute and offload, least estimated time first, until the rest fits.
+    ``"auto"``: that budget is what ``memory_limit_mb`` leaves after the other transient tensors of
+    the simulated step."""
+
+    min_kb: float = 64.0
+    """Smaller saved tensors stay in memory (a transfer's latency outweighs their bytes)."""
+
+    pin_memory: bool = True
+    """``"cpu"``: page-lock the host copies (CUDA copies them asynchronously only then)."""
+
+    memory_limit_mb: float | None = None
+    """The ``memory_limit_mb`` option of the frame, for ``budget_mb="auto"`` (set by ``ZeroConfig``)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+def parse_activation_offload(value) -> ActivationOffloadSettings:
+    """``value`` (None, ``"none"``, an ``ActivationOffloadSettings`` or a dict of its fields) -> settings;
+    every unknown key or bad value a ``ValueError`` naming it and what is allowed."""
+    name = "offload_activations"
+    if value is None or value == "none":
+        return ActivationOffloadSettings()
+    if isinstance(value, ActivationOffloadSettings):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"option '{name}' = {value!r} is invalid; allowed: None or a dict like "
+                         "{'device': 'nvme', 'nvme_path': '/local_nvme'}")
+    fields = set(ActivationOffloadSettings.__dataclass_fields__) - {"memory_limit_mb"}
+    for key in value:
+        if key not in fields:
+            raise ValueError(f"unknown key '{name}.{key}'; allowed: {', '.join(sorted(fields))}"
+                             + ("; the memory limit is the option memory_limit_mb" if key == "memory_limit_mb" else ""))
+    kw = dict(value)
+    device = kw.get("device", "none")
+    if device not in ACTIVATION_DEVICES:
+        raise ValueError(f"option '{name}.device' = {device!r} is invalid; allowed: "
+                         f"{', '.join(map(repr, ACTIVATION_DEVICES))}")
+    path = kw.get("nvme_path")
+    if device == "nvme" and not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"option '{name}.device' = 'nvme' needs '{name}.nvme_path', a directory for the swap files")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"option '{name}.nvme_path' = {path!r} is invalid; allowed: a directory path")
+    if path is not None:
+        kw["nvme_path"] = os.fspath(path)
+    budget = kw.get("budget_mb")
+    if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                                     or math.isnan(budget) or budget < 0):
+        raise ValueError(f"option '{name}.budget_mb' = {budget!r} is invalid; allowed: None, a number of MiB >= 0, "
+                         "or 'auto'")
+    min_kb = kw.get("min_kb", 64.0)
+    if isinstance(min_kb, bool) or not isinstance(min_kb, (int, float)) or math.isnan(min_kb) or min_kb < 0:
+        raise ValueError(f"option '{name}.min_kb' = {min_kb!r} is invalid; allowed: a number of KiB >= 0")
+    if not isinstance(kw.get("pin_memory", True), bool):
+        raise ValueError(f"option '{name}.pin_memory' = {kw['pin_memory']!r} is invalid; allowed: True, False")
+    return ActivationOffloadSettings(**kw)

@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import shutil
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -83,7 +84,17 @@ class Transfer:
 
     def __init__(self, futures: list, keep_alive):
         self._futures = futures
-        self._keep_alive = keep_alive      # the host tensor must live until the I/O is done
+        self._keep_alive = keep_alive      # the host tensor must live until the I/O is done, not longer
+        self._left = len(futures)
+        self._lock = threading.Lock()
+        for f in futures:
+            f.add_done_callback(self._one_done)
+
+    def _one_done(self, _future) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left == 0:
+                self._keep_alive = None
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)

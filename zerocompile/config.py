@@ -20,7 +20,7 @@ from zerocompile import deepspeed_config
 from zerocompile.errors import ZeroConfigError, unknown_key_message
 from zerocompile.loss_scale import parse_loss_scale
 from zerocompile.passes.manager import check_disabled_passes, check_pipeline, check_stages
-from zerocompile.runtime.offload_settings import parse_offload
+from zerocompile.runtime.offload_settings import parse_activation_offload, parse_offload
 from zerocompile.runtime.reduction_choice import check_gradient_reduction, check_parameter_gather
 
 _DTYPES = {
@@ -195,6 +195,18 @@ class ZeroConfig:
     read and written in parallel); ``pin_memory`` and ``block_size`` are accepted and have no
     effect; ``ratio`` must stay 1. Stage 3 only. See docs/offload.md."""
 
+    offload_activations: object = None
+    """Where the activations a forward saves for backward wait for it (the ``offload_activations``
+    pass): None (in memory) or a dict ``{"device": "nvme", "nvme_path": DIR}``: each saved tensor of
+    at least ``min_kb`` (64 KiB) is copied to a file under ``DIR`` right after it is made, freed
+    from memory once the forward is done with it, and read back ahead of its first use in backward
+    (the read of block k overlaps the backward of block k+1); the values are bitwise the same.
+    ``"device": "cpu"``: page-locked host memory for a CUDA model (a logged no-op for a CPU model).
+    ``budget_mb``: MiB of saved activations that may stay in memory, the planner choosing per block
+    among keep, recompute and offload by estimated time (``"auto"``: what ``memory_limit_mb``
+    leaves). DeepSpeed's ``activation_checkpointing.cpu_checkpointing`` maps onto ``"cpu"``. See
+    docs/offload.md."""
+
     zero_quantized_weights: bool = False
     """ZeRO++ qwZ (DeepSpeed's key of the same name): every parameter all-gather of the
     compiled graphs moves blockwise-quantized int8 values with one float32 scale per 256
@@ -365,6 +377,16 @@ class ZeroConfig:
                                   "parameter shard is offloaded (allowed: 1); partial offload is offload_optimizer's")
         object.__setattr__(self, "offload_param", offload_param)
         object.__setattr__(self, "recompute", _parse_recompute(self.recompute))
+        try:
+            activations = parse_activation_offload(self.offload_activations)
+        except ValueError as err:
+            raise ZeroConfigError(str(err)) from None
+        if activations.budget_mb == "auto":
+            if self.memory_limit_mb is None:
+                raise ZeroConfigError("option 'offload_activations.budget_mb' = 'auto' needs 'memory_limit_mb' (the "
+                                      "per-rank MiB the simulated peak may reach); set it, or give budget_mb a number")
+            activations = dataclasses.replace(activations, memory_limit_mb=float(self.memory_limit_mb))
+        object.__setattr__(self, "offload_activations", activations)
         object.__setattr__(self, "cost_model", _parse_cost_model(self.cost_model))
         if self.dump is not None and not isinstance(self.dump, (str, os.PathLike)):
             raise ZeroConfigError(f"option 'dump' = {self.dump!r} is invalid; allowed: a directory path, or None")

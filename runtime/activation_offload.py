@@ -1,0 +1,299 @@
+"""Saved activations out of memory between forward and backward: the ops of the
+``offload_activations`` pass and the stores behind them.
+
+The pass (passes/offload_activations.py) puts two ops into the compiled graphs:
+
+- ``zerocompile::offload_activation(t, device, nvme_path)`` in the forward graph, right after
+  ``t`` is made: copies ``t``'s bytes out (to a file under ``nvme_path``, or to pinned host
+  memory for a CUDA tensor) and returns a *token*, a one-element int64 CPU tensor naming the
+  copy. The forward graph saves the token for backward instead of ``t``, so ``t``'s memory is
+  freed as soon as the forward's last use of it is done. The op returns once ``t`` has been
+  copied into a page-aligned staging buffer (a memory copy; for CUDA, a copy queued on a side
+  stream that the allocator waits for), so inductor may reuse ``t``'s buffer at once; the
+  write to the file runs on the store's I/O threads.
+- ``zerocompile::reload_activation(token, device, nvme_path, size, stride, dtype, device)`` in
+  the backward graph, started ahead of the first use (the pass places it), and a
+  ``_c10d_functional.wait_tensor`` of its result right before that use: the read runs on the
+  I/O threads while the backward computes, and the wait blocks until the bytes are in (as a
+  functional collective's wait does; ``_torch_compat.register_pending_works``). The copy is
+  then released: its file region goes back to the store's free list.
+
+A token that no backward reloads (a forward whose loss is never backpropagated) releases its
+copy when autograd drops it.
+
+**Stores.** One ``FileStore`` per ``nvme_path`` and process (a ``SwapFile``, ``O_DIRECT``
+where the filesystem allows it, deleted at exit) and one ``HostStore`` per process; the ops
+find theirs by their arguments (``stores``), so graphs replayed from the compile cache after a
+restart find one too. Regions are reserved with ``posix_fallocate`` the first time a copy of
+their size is made (the first step): a full disk is a ``SwapFileError`` naming the directory
+and the bytes there, raised by the first forward, not a short write later. Regions are reused
+by later copies of the same size (the same tensor in the next micro-batch), so the file grows
+to the bytes one forward offloads (times the forwards in flight before their backward).
+
+**Host memory in flight.** A write's staging buffer lives until the write is done; when the
+buffers waiting to be written exceed ``in_flight_bytes`` the op waits for the oldest first,
+so a forward that makes activations faster than the disk takes them is slowed down rather
+than growing memory without bound. A reload reads straight into the page-aligned tensor it
+returns.
+
+The values are the bytes that were written: a reloaded tensor is bitwise the saved one.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import weakref
+
+import torch
+
+from zerocompile import _torch_compat
+from zerocompile.runtime.swap_file import PAGE, SwapFile, aligned_empty
+
+log = logging.getLogger("zerocompile")
+
+IN_FLIGHT_BYTES = 64 << 20
+"""Most bytes of staging buffers waiting to be written before an offload waits for the oldest."""
+
+
+def dense_span(size, stride) -> int | None:
+    """Elements of the storage span of a tensor of ``size`` and ``stride`` when it is
+    non-overlapping and dense (contiguous up to a permutation of its dimensions), else None.
+    Such a tensor is its span's bytes in memory order, whatever its strides."""
+    dims = sorted((int(st), int(sz)) for sz, st in zip(size, stride) if int(sz) != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return None
+        expected *= sz
+    numel = 1
+    for sz in size:
+        numel *= int(sz)
+    return numel
+
+
+def _flat_span(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements in memory order, as a 1-D view (``t`` dense, see ``dense_span``)."""
+    return t.as_strided((t.numel(),), (1,))
+
+
+class _Pending:
+    """Writes started and not known to be done, oldest first, with their staging bytes."""
+
+    def __init__(self) -> None:
+        self.queue: collections.deque = collections.deque()
+        self.bytes = 0
+
+    def add(self, transfer, nbytes: int) -> None:
+        self.queue.append((transfer, nbytes))
+        self.bytes += nbytes
+
+    def drain(self, limit: int) -> None:
+        """Forget the writes that are done; wait for the oldest while over ``limit`` bytes."""
+        while self.queue and (self.queue[0][0].done() or self.bytes > limit):
+            transfer, nbytes = self.queue.popleft()
+            transfer.wait()
+            self.bytes -= nbytes
+
+
+class FileStore:
+    """Copies of activations in one swap file under ``nvme_path`` (see the module docstring)."""
+
+    def __init__(self, nvme_path: str, in_flight_bytes: int = IN_FLIGHT_BYTES):
+        self.file = SwapFile(nvme_path, "activations")
+        self.in_flight_bytes = in_flight_bytes
+        self._lock = threading.Lock()
+        self._free: dict[int, list] = {}          # region bytes -> free region keys
+        self._writes: dict[int, object] = {}      # slot -> its write (the read waits for it)
+        self._region_of: dict[int, int] = {}      # slot -> region key
+        self._next_slot = 0
+        self._next_region = 0
+        self._pending = _Pending()
+        self.offloaded_bytes = 0
+        """Bytes copied out so far (for stats)."""
+
+    def _region(self, nbytes: int) -> int:
+        free = self._free.get(nbytes)
+        if free:
+            return free.pop()
+        key = self._next_region
+        self._next_region += 1
+        self.file.reserve(key, nbytes)
+        return key
+
+    def offload(self, t: torch.Tensor) -> int:
+        nbytes = t.numel() * t.element_size()
+        with self._lock:
+            self._pending.drain(self.in_flight_bytes)
+            region = self._region(nbytes)
+            slot = self._next_slot
+            self._next_slot += 1
+        staging = aligned_empty(t.numel(), t.dtype)
+        staging.copy_(_flat_span(t))
+        write = self.file.write(region, staging)
+        with self._lock:
+            self._writes[slot] = write
+            self._region_of[slot] = region
+            self._pending.add(write, nbytes)
+            self.offloaded_bytes += nbytes
+        return slot
+
+    def reload(self, slot: int, size, stride, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``size``/``stride`` that the read of ``slot`` fills; its wait is registered."""
+        with self._lock:
+            write, region = self._writes.pop(slot), self._region_of[slot]
+        numel = dense_span(size, stride)
+        raw = aligned_empty(numel, dtype)
+        out = raw.as_strided(tuple(size), tuple(stride))
+        write.wait()                               # the bytes are in the file (or this raises)
+        read = self.file.read(region, raw)
+
+        def done():
+            read.wait()
+            self.release(slot)
+
+        _torch_compat.register_pending_works(out, [], then=done)
+        return out
+
+    def release(self, slot: int) -> None:
+        """The copy of ``slot`` is no longer needed: its region goes back to the free list."""
+        with self._lock:
+            region = self._region_of.pop(slot, None)
+            write = self._writes.pop(slot, None)
+            if region is None:
+                return
+        if write is not None:
+            write.wait()                           # never reuse a region a write still fills
+        with self._lock:
+            self._free.setdefault(self.file.regions[region].nbytes, []).append(region)
+
+    def live_slots(self) -> int:
+        with self._lock:
+            return len(self._region_of)
+
+
+class HostStore:
+    """Copies of CUDA activations in page-locked host memory (see the module docstring)."""
+
+    def __init__(self, pin_memory: bool = True):
+        self.pin_memory = pin_memory
+        self._lock = threading.Lock()
+        self._copies: dict[int, tuple] = {}
+        self._next_slot = 0
+        self._streams: dict = {}
+        self.offloaded_bytes = 0
+
+    def _stream(self, device: torch.device):
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def offload(self, t: torch.Tensor) -> int:
+        stream = self._stream(t.device)
+        host = torch.empty(t.numel(), dtype=t.dtype, pin_memory=self.pin_memory)
+        stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(stream):
+            host.copy_(_flat_span(t), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        t.record_stream(stream)                   # its memory is not reused before the copy is done
+        with self._lock:
+            slot = self._next_slot
+            self._next_slot += 1
+            self._copies[slot] = (host, done)
+            self.offloaded_bytes += host.numel() * host.element_size()
+        return slot
+
+    def reload(self, slot: int, size, stride, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            host, written = self._copies.pop(slot)
+        stream = self._stream(device)
+        out = torch.empty_strided(tuple(size), tuple(stride), dtype=dtype, device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        stream.wait_event(written)
+        with torch.cuda.stream(stream):
+            _flat_span(out).copy_(host, non_blocking=True)
+            read = torch.cuda.Event()
+            read.record(stream)
+        out.record_stream(stream)
+
+        def done():
+            # the pinned copy may be freed at once: its allocator waits for the copy's event
+            torch.cuda.current_stream(device).wait_event(read)
+
+        _torch_compat.register_pending_works(out, [], then=done)
+        return out
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self._copies.pop(slot, None)
+
+    def live_slots(self) -> int:
+        with self._lock:
+            return len(self._copies)
+
+
+class _Stores:
+    """This process's stores, by what the ops name them with (``("nvme", path)`` or ``("cpu", "")``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_key: dict[tuple, object] = {}
+
+    def get(self, device: str, nvme_path: str):
+        key = (device, os.path.abspath(nvme_path) if device == "nvme" else "")
+        with self._lock:
+            store = self._by_key.get(key)
+            if store is None:
+                store = self._by_key[key] = FileStore(key[1]) if device == "nvme" else HostStore()
+            return store
+
+    def all(self) -> list:
+        with self._lock:
+            return list(self._by_key.values())
+
+
+stores = _Stores()
+"""The stores of this process (the ops' only state; files are deleted at exit by ``SwapFile``)."""
+
+
+def _release_later(token: torch.Tensor, store, slot: int) -> None:
+    # a token autograd drops without a backward (a loss never backpropagated) frees its copy
+    weakref.finalize(token, store.release, slot)
+
+
+@torch.library.custom_op("zerocompile::offload_activation", mutates_args=())
+def offload_activation(t: torch.Tensor, device: str, nvme_path: str) -> torch.Tensor:
+    """Copy ``t`` out (see the module docstring); the token naming the copy."""
+    store = stores.get(device, nvme_path)
+    slot = store.offload(t)
+    token = torch.tensor([slot], dtype=torch.int64)
+    _release_later(token, store, slot)
+    return token
+
+
+@offload_activation.register_fake
+def _offload_activation_fake(t, device, nvme_path):
+    return torch.empty(1, dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("zerocompile::reload_activation", mutates_args=())
+def reload_activation(token: torch.Tensor, device: str, nvme_path: str, size: list[int], stride: list[int],
+                      dtype: torch.dtype, target: torch.device) -> torch.Tensor:
+    """Start reading the copy ``token`` names back into a new tensor of ``size``/``stride``/``dtype``
+    on ``target``; ``_c10d_functional.wait_tensor`` of the result waits for it."""
+    store = stores.get(device, nvme_path)
+    slot = int(token.item())
+    if device == "nvme":
+        return store.reload(slot, size, stride, dtype)
+    return store.reload(slot, size, stride, dtype, target)
+
+
+@reload_activation.register_fake
+def _reload_activation_fake(token, device, nvme_path, size, stride, dtype, target):
+    return torch.empty_strided(size, stride, dtype=dtype, device=target)
+
+
+__all__ = ["FileStore", "HostStore", "PAGE", "dense_span", "offload_activation", "reload_activation", "stores"]
