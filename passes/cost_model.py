@@ -31,7 +31,8 @@ from zerocompile.runtime.comm import CommGroup, all_gather_flat, is_fake_group
 
 log = logging.getLogger("zerocompile")
 
-DEFAULT_RATES = {"flops_per_s": 5e10, "alpha_us": 50.0, "bandwidth_gbps": 2.0, "memory_gbps": 10.0}
+DEFAULT_RATES = {"flops_per_s": 5e10, "alpha_us": 50.0, "bandwidth_gbps": 2.0, "memory_gbps": 10.0,
+                 "offload_gbps": 1.0}
 
 
 @dataclass(frozen=True)
@@ -46,16 +47,21 @@ class CostModel:
     """Bytes per second one rank sends in a collective."""
     memory_bandwidth: float = DEFAULT_RATES["memory_gbps"] * 1e9
     """Bytes per second a memory-bound op reads and writes."""
+    offload_bandwidth: float = DEFAULT_RATES["offload_gbps"] * 1e9
+    """Bytes per second one rank writes to (or reads from) the tier activations are offloaded to
+    (files under ``nvme_path``; the host link for ``"cpu"``)."""
 
     @classmethod
     def from_rates(cls, rates: dict) -> "CostModel":
         r = {**DEFAULT_RATES, **rates}
         return cls(flops_per_s=float(r["flops_per_s"]), alpha_s=float(r["alpha_us"]) * 1e-6,
-                   bandwidth=float(r["bandwidth_gbps"]) * 1e9, memory_bandwidth=float(r["memory_gbps"]) * 1e9)
+                   bandwidth=float(r["bandwidth_gbps"]) * 1e9, memory_bandwidth=float(r["memory_gbps"]) * 1e9,
+                   offload_bandwidth=float(r["offload_gbps"]) * 1e9)
 
     def as_dict(self) -> dict:
         return {"flops_per_s": self.flops_per_s, "alpha_us": self.alpha_s * 1e6,
-                "bandwidth_gbps": self.bandwidth / 1e9, "memory_gbps": self.memory_bandwidth / 1e9}
+                "bandwidth_gbps": self.bandwidth / 1e9, "memory_gbps": self.memory_bandwidth / 1e9,
+                "offload_gbps": self.offload_bandwidth / 1e9}
 
     # -------------------------------------------------------------------- estimates
     def collective_time(self, kind: str, nbytes: int, world: int) -> float:

@@ -74,6 +74,7 @@ def _registry() -> list[GraphPass]:
     from zerocompile.passes.cast_forward_inputs import cast_forward_inputs
     from zerocompile.passes.hierarchical_partition import hierarchical_partition
     from zerocompile.passes.offload_activations import offload_activations
+    from zerocompile.passes.plan_activations import plan_activations
     from zerocompile.passes.insert_param_collectives import insert_param_collectives
     from zerocompile.passes.point_to_point_collectives import point_to_point_collectives
     from zerocompile.passes.prefetch import prefetch
@@ -128,6 +129,14 @@ def _registry() -> list[GraphPass]:
                   enabled=lambda config: config.recompute != "none",
                   bind=lambda config: {"recompute": config.recompute},
                   summary="recompute activations in backward instead of saving them"),
+        GraphPass("plan_activations", plan_activations, ("joint",), requires=("tags",), optional=False,
+                  enabled=lambda config: config.offload_activations.enabled
+                  and config.offload_activations.budget_mb is not None,
+                  bind=lambda config: {"settings": config.offload_activations},
+                  summary="choose per block among keeping, recomputing and offloading its saved activations "
+                          "to fit offload_activations.budget_mb",
+                  required_because="it is what offload_activations.budget_mb asks for (drop budget_mb to "
+                                   "offload every saved activation instead)"),
         GraphPass("bucketing", bucketing, ("forward", "backward", "inference"), stages=(2, 3), requires=("tags",),
                   provides=("buckets",), enabled=lambda config: config.bucket_mb > 0,
                   bind=lambda config: {"bucket_mb": config.bucket_mb},

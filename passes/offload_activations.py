@@ -67,6 +67,8 @@ def eligible(node: torch.fx.Node, outputs: set, min_bytes: float, planned: bool)
         return "a forward output"
     if val.device.type not in ("cpu", "cuda"):
         return f"on {val.device.type}"
+    if any(isinstance(x, torch.SymInt) for x in (*val.shape, *val.stride())):
+        return "symbolic shape"
     if activation_offload.dense_span([concrete_int(s) for s in val.shape],
                                      [concrete_int(s) for s in val.stride()]) is None:
         return "not dense"

@@ -230,6 +230,10 @@ class SavedBytesEstimator:
     def saved_bytes(self, plan: dict) -> int:
         """Estimated saved bytes with ``plan`` (from ``plan_tags``) applied on top of the
         tags already in the graph."""
+        return sum(self.root_bytes.get(r, 0) for r in self.saved_roots(plan))
+
+    def saved_roots(self, plan: dict) -> set:
+        """The storages (their defining nodes) saved for backward with ``plan`` applied."""
 
         def policy(node):
             return plan.get(node) or (node.meta.get("recompute"), node.meta.get("ac_graph_id"))
@@ -253,7 +257,7 @@ class SavedBytesEstimator:
                 continue
             if node in self.read_by_backward or any(u in recomputed for u in self.readers[node]):
                 saved_roots.add(self.root[node])
-        return sum(self.root_bytes.get(r, 0) for r in saved_roots)
+        return saved_roots
 
 
 def block_time(block: Block, cost: CostModel) -> float:

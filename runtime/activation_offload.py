@@ -11,15 +11,15 @@ The pass (passes/offload_activations.py) puts two ops into the compiled graphs:
   copied into a page-aligned staging buffer (a memory copy; for CUDA, a copy queued on a side
   stream that the allocator waits for), so inductor may reuse ``t``'s buffer at once; the
   write to the file runs on the store's I/O threads.
-- ``zerocompile::reload_activation(token, device, nvme_path, size, stride, dtype, device)`` in
+- ``zerocompile::reload_activation(token, device, nvme_path, size, stride, dtype, target)`` in
   the backward graph, started ahead of the first use (the pass places it), and a
   ``_c10d_functional.wait_tensor`` of its result right before that use: the read runs on the
   I/O threads while the backward computes, and the wait blocks until the bytes are in (as a
   functional collective's wait does; ``_torch_compat.register_pending_works``). The copy is
-  then released: its file region goes back to the store's free list.
-
-A token that no backward reloads (a forward whose loss is never backpropagated) releases its
-copy when autograd drops it.
+  kept until autograd drops the token (after the backward, or with ``retain_graph=True`` after
+  the last one), and then released: its file region goes back to the store's free list, for
+  the next forward's copies. A token no backward reads (a loss never backpropagated) is
+  released the same way.
 
 **Stores.** One ``FileStore`` per ``nvme_path`` and process (a ``SwapFile``, ``O_DIRECT``
 where the filesystem allows it, deleted at exit) and one ``HostStore`` per process; the ops
@@ -30,18 +30,19 @@ and the bytes there, raised by the first forward, not a short write later. Regio
 by later copies of the same size (the same tensor in the next micro-batch), so the file grows
 to the bytes one forward offloads (times the forwards in flight before their backward).
 
-**Host memory in flight.** A write's staging buffer lives until the write is done; when the
-buffers waiting to be written exceed ``in_flight_bytes`` the op waits for the oldest first,
-so a forward that makes activations faster than the disk takes them is slowed down rather
-than growing memory without bound. A reload reads straight into the page-aligned tensor it
-returns.
+**Host memory in flight.** A tensor is copied, in pieces of at most ``CHUNK_BYTES``, into
+page-aligned staging buffers, each written by the I/O threads and given back to the store's
+pool when its write is done. The pool keeps them by size for the next step (which copies
+tensors of the same sizes), and holds at most ``IN_FLIGHT_BYTES``: when the buffers waiting to
+be written fill it, the next copy waits for one, so a forward that makes activations faster
+than the disk takes them is slowed down rather than growing memory. A reload reads straight
+into the page-aligned tensor it returns.
 
 The values are the bytes that were written: a reloaded tensor is bitwise the saved one.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import threading
@@ -50,12 +51,14 @@ import weakref
 import torch
 
 from zerocompile import _torch_compat
-from zerocompile.runtime.swap_file import PAGE, SwapFile, aligned_empty
+from zerocompile.runtime.swap_file import PAGE, SwapFile, aligned_empty, round_up
 
 log = logging.getLogger("zerocompile")
 
 IN_FLIGHT_BYTES = 64 << 20
-"""Most bytes of staging buffers waiting to be written before an offload waits for the oldest."""
+"""Most bytes of staging buffers (copies waiting to be written) a file store holds."""
+CHUNK_BYTES = 4 << 20
+"""Bytes of one staging buffer; a larger tensor is copied and written in pieces of this size."""
 
 
 def dense_span(size, stride) -> int | None:
@@ -79,38 +82,67 @@ def _flat_span(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.numel(),), (1,))
 
 
-class _Pending:
-    """Writes started and not known to be done, oldest first, with their staging bytes."""
+class _StagingPool:
+    """Page-aligned host buffers that copies wait in until written, by size (page-rounded; a step
+    copies tensors of the sizes the last one did, so after the first step it allocates none).
+    The buffers in use plus the idle ones hold at most ``max_bytes``: idle buffers of other sizes
+    are freed to make room, and when the ones in use fill it, ``acquire`` waits for one to be
+    given back (its write done)."""
 
-    def __init__(self) -> None:
-        self.queue: collections.deque = collections.deque()
-        self.bytes = 0
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._idle: dict[int, list] = {}
+        self._idle_bytes = 0
+        self._in_use_bytes = 0
+        self._ready = threading.Condition()
 
-    def add(self, transfer, nbytes: int) -> None:
-        self.queue.append((transfer, nbytes))
-        self.bytes += nbytes
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        size = round_up(max(nbytes, 1))
+        with self._ready:
+            while True:
+                idle = self._idle.get(size)
+                if idle:
+                    self._idle_bytes -= size
+                    self._in_use_bytes += size
+                    return idle.pop()
+                while self._idle_bytes and self._in_use_bytes + self._idle_bytes + size > self.max_bytes:
+                    other = next(k for k, v in self._idle.items() if v)
+                    self._idle[other].pop()               # freed here, on the thread that copies
+                    self._idle_bytes -= other
+                if self._in_use_bytes == 0 or self._in_use_bytes + size <= self.max_bytes:
+                    self._in_use_bytes += size
+                    break
+                self._ready.wait()
+        return aligned_empty(size, torch.uint8)
 
-    def drain(self, limit: int) -> None:
-        """Forget the writes that are done; wait for the oldest while over ``limit`` bytes."""
-        while self.queue and (self.queue[0][0].done() or self.bytes > limit):
-            transfer, nbytes = self.queue.popleft()
-            transfer.wait()
-            self.bytes -= nbytes
+    def give_back(self, chunk: torch.Tensor) -> None:
+        size = chunk.numel()
+        with self._ready:
+            self._in_use_bytes -= size
+            self._idle.setdefault(size, []).append(chunk)
+            self._idle_bytes += size
+            self._ready.notify_all()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the staging buffers held now (in use and idle)."""
+        with self._ready:
+            return self._in_use_bytes + self._idle_bytes
 
 
 class FileStore:
     """Copies of activations in one swap file under ``nvme_path`` (see the module docstring)."""
 
-    def __init__(self, nvme_path: str, in_flight_bytes: int = IN_FLIGHT_BYTES):
+    def __init__(self, nvme_path: str, in_flight_bytes: int = IN_FLIGHT_BYTES, chunk_bytes: int = CHUNK_BYTES):
         self.file = SwapFile(nvme_path, "activations")
-        self.in_flight_bytes = in_flight_bytes
+        self.staging = _StagingPool(in_flight_bytes)
+        self.chunk_bytes = chunk_bytes
         self._lock = threading.Lock()
         self._free: dict[int, list] = {}          # region bytes -> free region keys
-        self._writes: dict[int, object] = {}      # slot -> its write (the read waits for it)
+        self._writes: dict[int, list] = {}        # slot -> the writes of its pieces (a read waits for them)
         self._region_of: dict[int, int] = {}      # slot -> region key
         self._next_slot = 0
         self._next_region = 0
-        self._pending = _Pending()
         self.offloaded_bytes = 0
         """Bytes copied out so far (for stats)."""
 
@@ -124,47 +156,60 @@ class FileStore:
         return key
 
     def offload(self, t: torch.Tensor) -> int:
+        """Copy ``t`` (dense) piece by piece into staging buffers and start writing each; its slot."""
         nbytes = t.numel() * t.element_size()
         with self._lock:
-            self._pending.drain(self.in_flight_bytes)
             region = self._region(nbytes)
             slot = self._next_slot
             self._next_slot += 1
-        staging = aligned_empty(t.numel(), t.dtype)
-        staging.copy_(_flat_span(t))
-        write = self.file.write(region, staging)
+        source = _flat_span(t).view(torch.uint8) if nbytes else None
+        writes = []
+        for start in range(0, nbytes, self.chunk_bytes):
+            n = min(self.chunk_bytes, nbytes - start)
+            chunk = self.staging.acquire(n)
+            chunk[:n].copy_(source[start:start + n])
+            write = self.file.write(region, chunk[:n], start)
+            write.then(lambda chunk=chunk: self.staging.give_back(chunk))
+            writes.append(write)
         with self._lock:
-            self._writes[slot] = write
+            self._writes[slot] = writes
             self._region_of[slot] = region
-            self._pending.add(write, nbytes)
             self.offloaded_bytes += nbytes
         return slot
 
-    def reload(self, slot: int, size, stride, dtype: torch.dtype) -> torch.Tensor:
-        """A tensor of ``size``/``stride`` that the read of ``slot`` fills; its wait is registered."""
+    def reload(self, slot: int, size, stride, dtype: torch.dtype, target: torch.device) -> torch.Tensor:
+        """A tensor of ``size``/``stride`` on ``target`` that the read of ``slot`` fills; its wait is
+        registered. The copy stays until ``release`` (a second backward may read it again)."""
         with self._lock:
-            write, region = self._writes.pop(slot), self._region_of[slot]
+            writes, region = self._writes[slot], self._region_of[slot]
         numel = dense_span(size, stride)
         raw = aligned_empty(numel, dtype)
         out = raw.as_strided(tuple(size), tuple(stride))
-        write.wait()                               # the bytes are in the file (or this raises)
-        read = self.file.read(region, raw)
+        for write in writes:
+            write.wait()                           # the bytes are in the file (or this raises)
+        read = self.file.read(region, raw) if numel else None
 
-        def done():
-            read.wait()
-            self.release(slot)
+        if target.type != "cpu":
+            on_device = torch.empty_strided(tuple(size), tuple(stride), dtype=dtype, device=target)
 
-        _torch_compat.register_pending_works(out, [], then=done)
+            def done():
+                if read is not None:
+                    read.wait()
+                _flat_span(on_device).copy_(raw, non_blocking=False)
+
+            _torch_compat.register_pending_works(on_device, [], then=done)
+            return on_device
+        _torch_compat.register_pending_works(out, [], then=read.wait if read is not None else None)
         return out
 
     def release(self, slot: int) -> None:
         """The copy of ``slot`` is no longer needed: its region goes back to the free list."""
         with self._lock:
             region = self._region_of.pop(slot, None)
-            write = self._writes.pop(slot, None)
+            writes = self._writes.pop(slot, ())
             if region is None:
                 return
-        if write is not None:
+        for write in writes:
             write.wait()                           # never reuse a region a write still fills
         with self._lock:
             self._free.setdefault(self.file.regions[region].nbytes, []).append(region)
@@ -177,8 +222,7 @@ class FileStore:
 class HostStore:
     """Copies of CUDA activations in page-locked host memory (see the module docstring)."""
 
-    def __init__(self, pin_memory: bool = True):
-        self.pin_memory = pin_memory
+    def __init__(self):
         self._lock = threading.Lock()
         self._copies: dict[int, tuple] = {}
         self._next_slot = 0
@@ -192,7 +236,7 @@ class HostStore:
 
     def offload(self, t: torch.Tensor) -> int:
         stream = self._stream(t.device)
-        host = torch.empty(t.numel(), dtype=t.dtype, pin_memory=self.pin_memory)
+        host = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
         stream.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(stream):
             host.copy_(_flat_span(t), non_blocking=True)
@@ -208,7 +252,7 @@ class HostStore:
 
     def reload(self, slot: int, size, stride, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         with self._lock:
-            host, written = self._copies.pop(slot)
+            host, written = self._copies[slot]
         stream = self._stream(device)
         out = torch.empty_strided(tuple(size), tuple(stride), dtype=dtype, device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -286,8 +330,6 @@ def reload_activation(token: torch.Tensor, device: str, nvme_path: str, size: li
     on ``target``; ``_c10d_functional.wait_tensor`` of the result waits for it."""
     store = stores.get(device, nvme_path)
     slot = int(token.item())
-    if device == "nvme":
-        return store.reload(slot, size, stride, dtype)
     return store.reload(slot, size, stride, dtype, target)
 
 

@@ -128,9 +128,6 @@ class ActivationOffloadSettings:
     min_kb: float = 64.0
     """Smaller saved tensors stay in memory (a transfer's latency outweighs their bytes)."""
 
-    pin_memory: bool = True
-    """``"cpu"``: page-lock the host copies (CUDA copies them asynchronously only then)."""
-
     memory_limit_mb: float | None = None
     """The ``memory_limit_mb`` option of the frame, for ``budget_mb="auto"`` (set by ``ZeroConfig``)."""
 
@@ -175,6 +172,7 @@ def parse_activation_offload(value) -> ActivationOffloadSettings:
     min_kb = kw.get("min_kb", 64.0)
     if isinstance(min_kb, bool) or not isinstance(min_kb, (int, float)) or math.isnan(min_kb) or min_kb < 0:
         raise ValueError(f"option '{name}.min_kb' = {min_kb!r} is invalid; allowed: a number of KiB >= 0")
-    if not isinstance(kw.get("pin_memory", True), bool):
-        raise ValueError(f"option '{name}.pin_memory' = {kw['pin_memory']!r} is invalid; allowed: True, False")
+    if device == "none" and (budget is not None or path is not None):
+        raise ValueError(f"option '{name}' = {value!r} gives no 'device' to offload to; add 'device': 'nvme' "
+                         "(with nvme_path) or 'cpu'")
     return ActivationOffloadSettings(**kw)

@@ -87,14 +87,29 @@ class Transfer:
         self._keep_alive = keep_alive      # the host tensor must live until the I/O is done, not longer
         self._left = len(futures)
         self._lock = threading.Lock()
+        self._then: list = []
         for f in futures:
             f.add_done_callback(self._one_done)
 
     def _one_done(self, _future) -> None:
         with self._lock:
             self._left -= 1
-            if self._left == 0:
+            finished = self._left == 0
+            if finished:
                 self._keep_alive = None
+                then, self._then = self._then, []
+        if finished:
+            for fn in then:
+                fn()
+
+    def then(self, fn) -> None:
+        """Call ``fn()`` once every piece is done (failed or not), on the I/O thread that finished
+        last, or now if all are done already."""
+        with self._lock:
+            if self._left:
+                self._then.append(fn)
+                return
+        fn()
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)

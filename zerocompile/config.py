@@ -142,7 +142,8 @@ class ZeroConfig:
     """Rates the passes use to weigh compute against communication: ``"probe"`` times a
     matmul and two all-gathers once per frame compile (the slowest rank's figures are used on
     every rank), or a dict ``{"flops_per_s": ..., "alpha_us": ..., "bandwidth_gbps": ...,
-    "memory_gbps": ...}`` (missing keys take defaults) for reproducible decisions."""
+    "memory_gbps": ..., "offload_gbps": ...}`` (missing keys take defaults; ``offload_gbps``, 1.0: the
+    rate activations are offloaded at) for reproducible decisions."""
 
     profile: bool = False
     """Measure instead of estimate: once per compiled frame, before the passes decide, time
@@ -439,7 +440,7 @@ def _parse_recompute(value):
         "{'memory_budget_mb': MiB}")
 
 
-_COST_MODEL_KEYS = ("flops_per_s", "alpha_us", "bandwidth_gbps", "memory_gbps")
+_COST_MODEL_KEYS = ("flops_per_s", "alpha_us", "bandwidth_gbps", "memory_gbps", "offload_gbps")
 
 
 def _parse_cost_model(value):

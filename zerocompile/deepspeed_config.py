@@ -5,7 +5,8 @@
 - **translated**: keys with a zerocompile meaning become the options of that meaning
   (``zero_optimization.stage``, bucket sizes, offload, ZeRO++, ``overlap_comm``,
   ``stage3_prefetch_bucket_size``, ``fp16`` with its loss-scale keys, ``bf16``,
-  ``communication_data_type``, ``aio``, ``gradient_clipping``);
+  ``communication_data_type``, ``aio``, ``gradient_clipping``,
+  ``activation_checkpointing.cpu_checkpointing``);
 - **not applied, with a warning**: the training-loop keys a compiler backend cannot apply
   (``optimizer``, ``scheduler``, the batch sizes, ``gradient_accumulation_steps`` above 1).
   One WARNING per key and process (logger ``zerocompile``, which a script without logging
@@ -37,7 +38,7 @@ from zerocompile.errors import ZeroConfigError
 log = logging.getLogger("zerocompile")
 
 TOP_LEVEL_TRANSLATED = ("zero_optimization", "bf16", "bfloat16", "fp16", "communication_data_type", "aio",
-                        "gradient_clipping")
+                        "gradient_clipping", "activation_checkpointing")
 """Top-level DeepSpeed keys with a zerocompile meaning (``bfloat16`` is DeepSpeed's alias of ``bf16``)."""
 
 ZERO_TRANSLATED = ("stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
@@ -75,12 +76,25 @@ ACCEPTED_KEYS = {
     "comet": "log from your training loop",
     "flops_profiler": "profile with torch.profiler or benchmarks/step_breakdown.py",
     "comms_logger": "zerocompile.stats() counts every collective and its bytes",
-    "activation_checkpointing": "zerocompile decides recomputation in the compiled graph: the recompute option "
-                                "('none', 'auto', 'full'); torch.utils.checkpoint in your model works as well",
     "memory_breakdown": "zerocompile.stats() reports parameter, gradient and optimizer-state bytes",
 }
 """Other top-level DeepSpeed keys zerocompile accepts without a setting of its own (logging,
-monitoring, how gradients are averaged, activation checkpointing), with what to use instead."""
+monitoring, how gradients are averaged), with what to use instead."""
+
+ACTIVATION_CHECKPOINTING_ACCEPTED = {
+    "partition_activations": "it splits deepspeed.checkpointing's saved inputs over model-parallel ranks; "
+                             "zerocompile has no model parallelism, so each rank's activations are its own "
+                             "(offload_activations moves them out of memory)",
+    "contiguous_memory_optimization": "it lays out deepspeed.checkpointing's buffers; the compiled graphs "
+                                      "plan their own memory",
+    "number_checkpoints": "it sizes deepspeed.checkpointing's contiguous buffers; not needed here",
+    "synchronize_checkpoint_boundary": "it synchronizes CUDA at deepspeed.checkpointing's boundaries; not "
+                                       "needed here",
+    "profile": "profile a step with torch.profiler or benchmarks/step_breakdown.py",
+}
+"""``activation_checkpointing`` keys for DeepSpeed's own checkpointing API, accepted with advice.
+Recomputation itself is the ``recompute`` option (or the model's ``torch.utils.checkpoint``
+regions, which the compiled graphs keep); ``cpu_checkpointing`` is translated."""
 
 ZERO_ACCEPTED_KEYS = {
     "contiguous_gradients": "zerocompile always packs each bucket's gradients contiguously (bucketing pass)",
@@ -207,6 +221,29 @@ def _translate_fp16_scaling(fp16: dict):
     return out or "dynamic"
 
 
+def _translate_activation_checkpointing(section, out: dict) -> None:
+    """``cpu_checkpointing: true`` -> ``offload_activations = {"device": "cpu"}`` (page-locked host
+    memory for a CUDA model, a logged no-op for a CPU model); the other keys with advice."""
+    if not isinstance(section, dict):
+        raise ZeroConfigError("DeepSpeed key 'activation_checkpointing' must be a dict")
+    for key, value in section.items():
+        where = f"activation_checkpointing.{key}"
+        if key == "cpu_checkpointing":
+            if not isinstance(value, bool):
+                raise ZeroConfigError(f"DeepSpeed key '{where}' = {value!r} is invalid; allowed: true, false")
+            if value:
+                out["offload_activations"] = {"device": "cpu"}
+        elif key in ACTIVATION_CHECKPOINTING_ACCEPTED:
+            _advise(where, ACTIVATION_CHECKPOINTING_ACCEPTED[key])
+        else:
+            known = ["cpu_checkpointing", *ACTIVATION_CHECKPOINTING_ACCEPTED]
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean 'activation_checkpointing.{close[0]}'?" if close else ""
+            raise ZeroConfigError(f"DeepSpeed key '{where}' is not supported by zerocompile{hint}; translated: "
+                                  f"activation_checkpointing.cpu_checkpointing; accepted without effect: "
+                                  f"{', '.join(ACTIVATION_CHECKPOINTING_ACCEPTED)}")
+
+
 def _translate_zero(section, out: dict) -> None:
     if not isinstance(section, dict):
         raise ZeroConfigError("DeepSpeed key 'zero_optimization' must be a dict")
@@ -304,6 +341,8 @@ def translate_deepspeed(ds: dict, option_names=()) -> dict:
             _translate_zero(value, out)
         elif key in ("bf16", "bfloat16", "fp16"):
             _translate_precision(key, value, out)
+        elif key == "activation_checkpointing":
+            _translate_activation_checkpointing(value, out)
         elif key == "communication_data_type":
             if value is not None:
                 out["reduce_dtype"] = value

@@ -69,6 +69,9 @@ class Hardware:
     world group when the job fits in a node, hpZ's groups of ``k`` consecutive ranks when ``k``
     divides ``ranks_per_node``. 0: ``bandwidth_gbps`` for every collective. The passes decide
     with ``bandwidth_gbps`` only."""
+    offload_gbps: float = 1.0
+    """GB/s one rank writes (or reads) offloaded activations at (``offload_activations``): the
+    disk under ``nvme_path``, or the host link for ``"cpu"``; the planner weighs transfers with it."""
     gradient_reduction: str = "reduce_scatter"
     """What the ``gradient_reduction`` option ``"auto"`` chooses on this machine (plan's fake
     ranks time nothing): ``"reduce_scatter"`` where the collectives are rings (NCCL), whose
@@ -78,7 +81,7 @@ class Hardware:
     def cost_model(self) -> dict:
         """The ``cost_model`` option with these rates."""
         return {"flops_per_s": self.flops_per_s, "memory_gbps": self.memory_gbps,
-                "bandwidth_gbps": self.bandwidth_gbps, "alpha_us": self.alpha_us}
+                "bandwidth_gbps": self.bandwidth_gbps, "alpha_us": self.alpha_us, "offload_gbps": self.offload_gbps}
 
 
 HARDWARE = MappingProxyType({
@@ -100,13 +103,14 @@ HARDWARE = MappingProxyType({
 })
 """Built-in ``--hardware`` profiles (a JSON file with the four rates gives any other)."""
 
-_OPTIONAL_HARDWARE_KEYS = ("name", "description", "ranks_per_node", "intra_node_gbps", "gradient_reduction")
+_OPTIONAL_HARDWARE_KEYS = ("name", "description", "ranks_per_node", "intra_node_gbps", "gradient_reduction",
+                           "offload_gbps")
 
 
 def hardware_from(value: str) -> Hardware:
     """A profile by name, or from a JSON file holding ``flops_per_s``, ``memory_gbps``,
     ``bandwidth_gbps`` and ``alpha_us`` (and optionally ``name``, ``description``,
-    ``ranks_per_node`` and ``intra_node_gbps``)."""
+    ``ranks_per_node``, ``intra_node_gbps``, ``gradient_reduction`` and ``offload_gbps``)."""
     if value in HARDWARE:
         return HARDWARE[value]
     path = Path(value)
@@ -121,7 +125,7 @@ def hardware_from(value: str) -> Hardware:
     if not isinstance(rates, dict) or set(rates) - {*needed, *_OPTIONAL_HARDWARE_KEYS} or not set(needed) <= set(rates):
         raise ValueError(f"hardware file {path}: needs exactly the keys {', '.join(needed)} "
                          f"(and optionally {', '.join(_OPTIONAL_HARDWARE_KEYS)})")
-    for key in (*needed, "intra_node_gbps"):
+    for key in (*needed, "intra_node_gbps", "offload_gbps"):
         v = rates.get(key, 1.0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ValueError(f"hardware file {path}: {key} = {v!r}; it must be a finite number > 0")
@@ -134,7 +138,8 @@ def hardware_from(value: str) -> Hardware:
                          "or 'all_reduce'")
     return Hardware(name=str(rates.get("name", path.stem)), description=str(rates.get("description", str(path))),
                     **{k: float(rates[k]) for k in needed}, ranks_per_node=per_node,
-                    intra_node_gbps=float(rates.get("intra_node_gbps", 0.0)), gradient_reduction=reduction)
+                    intra_node_gbps=float(rates.get("intra_node_gbps", 0.0)), gradient_reduction=reduction,
+                    offload_gbps=float(rates.get("offload_gbps", 1.0)))
 
 
 # ------------------------------------------------------------------------------- dispatch modes

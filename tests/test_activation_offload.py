@@ -1,0 +1,375 @@
+"""Activation offload (``offload_activations``; runtime/activation_offload.py, passes
+offload_activations and plan_activations): bitwise the numbers of the run without it, at every
+stage, under gradient accumulation, across graph breaks and around the user's own checkpoint
+regions; less memory; the files gone at exit; bad input refused early."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zerocompile
+from dist_utils import run_ranks
+from harness import Run, zero_train_many
+from models import make_batch, make_model
+from zerocompile.config import ZeroConfig
+from zerocompile.deepspeed_config import translate_deepspeed
+from zerocompile.errors import SwapFileError, ZeroConfigError
+from zerocompile.passes.cost_model import CostModel
+from zerocompile.runtime import activation_offload
+from zerocompile.runtime.activation_offload import FileStore, dense_span, offload_activation, reload_activation
+
+_WAIT = torch.ops._c10d_functional.wait_tensor
+
+
+# ------------------------------------------------------------------------------ options
+@pytest.mark.parametrize("value, message", [
+    ({"device": "nvme"}, "needs 'offload_activations.nvme_path'"),
+    ({"device": "disk", "nvme_path": "/x"}, "'offload_activations.device' = 'disk' is invalid"),
+    ({"device": "nvme", "nvme_path": "/x", "budget": 3}, "unknown key 'offload_activations.budget'"),
+    ({"device": "nvme", "nvme_path": "/x", "budget_mb": -1}, "'offload_activations.budget_mb' = -1 is invalid"),
+    ({"device": "nvme", "nvme_path": "/x", "budget_mb": "auto"}, "needs 'memory_limit_mb'"),
+    ({"device": "nvme", "nvme_path": "/x", "min_kb": "big"}, "'offload_activations.min_kb' = 'big' is invalid"),
+    ({"device": "nvme", "nvme_path": "/x", "memory_limit_mb": 3}, "the memory limit is the option memory_limit_mb"),
+    ("nvme", "option 'offload_activations' = 'nvme' is invalid"),
+    ({"budget_mb": 5}, "gives no 'device' to offload to"),
+    ({"device": "nvme", "nvme_path": "/x", "pin_memory": False}, "unknown key 'offload_activations.pin_memory'"),
+])
+def test_bad_options_are_refused_with_the_fix(value, message):
+    with pytest.raises(ZeroConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ZeroConfig(offload_activations=value)
+
+
+def test_options_parse_with_their_defaults():
+    settings = ZeroConfig(offload_activations={"device": "nvme", "nvme_path": "/x", "budget_mb": "auto"},
+                          memory_limit_mb=100).offload_activations
+    assert (settings.device, settings.nvme_path, settings.budget_mb, settings.min_kb, settings.memory_limit_mb) == (
+        "nvme", "/x", "auto", 64.0, 100.0)
+    assert not ZeroConfig().offload_activations.enabled
+
+
+def test_deepspeed_cpu_checkpointing_maps_onto_the_option_and_unknown_keys_are_refused():
+    out = translate_deepspeed({"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
+                                                            "contiguous_memory_optimization": False,
+                                                            "number_checkpoints": 4, "profile": False}})
+    assert out == {"offload_activations": {"device": "cpu"}}
+    assert translate_deepspeed({"activation_checkpointing": {"cpu_checkpointing": False}}) == {}
+    with pytest.raises(ZeroConfigError, match="did you mean 'activation_checkpointing.cpu_checkpointing'"):
+        translate_deepspeed({"activation_checkpointing": {"cpu_checkpointng": True}})
+    with pytest.raises(ZeroConfigError, match="'activation_checkpointing.cpu_checkpointing' = 'yes' is invalid"):
+        translate_deepspeed({"activation_checkpointing": {"cpu_checkpointing": "yes"}})
+
+
+# ------------------------------------------------------------------------------ the ops
+def test_dense_span():
+    assert dense_span([2, 3], [3, 1]) == 6
+    assert dense_span([2, 3], [1, 2]) == 6          # a transpose: dense in another order
+    assert dense_span([4, 1, 5], [5, 99, 1]) == 20  # a size-1 dimension's stride is free
+    assert dense_span([2, 3], [6, 1]) is None       # a slice with gaps
+    assert dense_span([2, 3], [0, 1]) is None       # an expand (overlapping)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_a_copy_reloads_bitwise_in_its_own_strides_and_its_region_is_reused(tmp_path, dtype):
+    t = (torch.randn(5, 300, 7) * 100).to(dtype).transpose(0, 2)        # dense, not contiguous
+    token = offload_activation(t, "nvme", str(tmp_path))
+    store = activation_offload.stores.get("nvme", str(tmp_path))
+    size = store.file.size
+    out = reload_activation(token, "nvme", str(tmp_path), list(t.shape), list(t.stride()), t.dtype, t.device)
+    out = _WAIT(out)
+    assert out.stride() == t.stride() and out.dtype == dtype and torch.equal(out, t)
+    assert store.live_slots() == 1                  # kept while the token lives (a second backward)
+    del token
+    assert store.live_slots() == 0
+    again = offload_activation(t + 1, "nvme", str(tmp_path))
+    assert store.file.size == size                  # the released region took the next copy
+    back = _WAIT(reload_activation(again, "nvme", str(tmp_path), list(t.shape), list(t.stride()), t.dtype, t.device))
+    assert torch.equal(back, t + 1)
+
+
+def test_a_token_dropped_without_reload_releases_its_copy(tmp_path):
+    store = FileStore(str(tmp_path))
+    token = torch.tensor([store.offload(torch.randn(1000))])
+    activation_offload._release_later(token, store, int(token))
+    assert store.live_slots() == 1
+    del token
+    assert store.live_slots() == 0
+
+
+def test_a_full_disk_is_a_clear_error_at_the_first_copy(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    store = FileStore(str(tmp_path))
+    with pytest.raises(SwapFileError, match=f"not enough space in nvme_path '{tmp_path}'"):
+        store.offload(torch.randn(4096))
+    store.file.close()
+
+
+def test_the_files_are_removed_at_exit(tmp_path):
+    code = textwrap.dedent(f"""
+        import os, torch
+        from zerocompile.runtime.activation_offload import offload_activation
+        token = offload_activation(torch.randn(100000), "nvme", {str(tmp_path)!r})
+        print(len(os.listdir({str(tmp_path)!r})))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1"                # the swap file existed while it ran
+    assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------------ one process
+def _train(options: dict | None, model_name: str = "gpt", inner: str = "eager", steps: int = 2, accum: int = 2):
+    torch._dynamo.reset()
+    model = make_model(model_name)
+    opts = {"stage": 3, "inner_compiler": inner, **(options or {})}
+    compiled = torch.compile(model, backend="zero", options=opts)
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    losses = []
+    for step in range(steps):
+        for micro in range(accum):
+            x, y = make_batch(model_name, step * accum + micro, 8)
+            loss = compiled(x, y) / accum
+            loss.backward()
+            losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.clone() for k, v in zerocompile.full_state_dict(compiled).items()}
+    return losses, state, zerocompile.frame_reports()[-1]
+
+
+def _bitwise(a, b):
+    assert len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+    assert set(a[1]) == set(b[1]) and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def test_the_graphs_hold_the_offload_nodes_and_the_numbers_are_bitwise(tmp_path):
+    plain = _train(None)
+    offloaded = _train({"offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0}})
+    _bitwise(plain, offloaded)
+    result = offloaded[2]["results"]["offload_activations"]
+    assert result["offloaded"] and result["offloaded_bytes"] > 0
+    # most of what the forward saves moves: the rest are graph inputs and views of them, and
+    # strided views with gaps (q, k and v of one projection), which stay
+    assert result["offloaded_bytes"] >= 0.5 * offloaded[2]["results"]["saved_activation_bytes"]
+    assert {k["why"] for k in result["kept"]} <= {"a graph input or a view of one", "a forward output", "not dense"}
+    store = activation_offload.stores.get("nvme", str(tmp_path))
+    assert store.live_slots() == 0                   # every copy read back and released
+
+
+def test_reloads_start_one_block_ahead_and_wait_at_the_first_use():
+    from zerocompile.passes.offload_activations import reload_saved
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graph = torch.fx.Graph()
+    a, b, g = graph.placeholder("a"), graph.placeholder("b"), graph.placeholder("g")
+    with FakeTensorMode():
+        for node in (a, b, g):
+            node.meta["val"] = torch.empty(4, 4)
+    a.meta["nn_module_stack"] = {"x": ("L['self'].blocks.0", None)}
+    b.meta["nn_module_stack"] = {"x": ("L['self'].blocks.1", None)}
+    h1 = graph.call_function(torch.ops.aten.mul.Tensor, (g, b))        # backward of block 1 first
+    h1.meta["val"] = g.meta["val"]
+    h2 = graph.call_function(torch.ops.aten.mul.Tensor, (h1, a))       # then block 0
+    h2.meta["val"] = g.meta["val"]
+    graph.output((h2,))
+    groups = reload_saved(graph, [a, b], "nvme", "/unused")
+    assert groups == [["b"], ["a"]]
+    order = [n.meta.get("zerocompile", {}).get("role", n.name) + ":" + n.meta.get("zerocompile", {}).get("saved", "")
+             for n in graph.nodes if n.op == "call_function"]
+    # block 1's reload starts first thing; block 0's starts where block 1's backward begins, so
+    # it overlaps that compute; each wait comes right before the first use
+    assert order.index("activation_reload:b") < order.index("activation_reload_wait:b") < order.index("mul_tensor:")
+    assert order.index("activation_reload:a") < order.index("mul_tensor:") < order.index("activation_reload_wait:a")
+    assert order.index("activation_reload_wait:a") == order.index("mul_tensor_1:") - 1
+    assert a.meta["val"].dtype == torch.int64 and a.meta["zerocompile"]["role"] == "activation_token"
+
+
+def _joint_graph_of_gpt() -> torch.fx.Graph:
+    """The joint forward/backward graph AOTAutograd traces for the tests' GPT (one process)."""
+    from zerocompile import _torch_compat, inner_compilers
+
+    captured = {}
+
+    def partition(joint, joint_inputs, **kwargs):
+        copy = torch.fx.Graph()
+        copy.output(copy.graph_copy(joint.graph, {}))
+        captured["graph"] = copy
+        return _torch_compat.min_cut_partition(joint, joint_inputs, **kwargs)
+
+    torch.compiler.reset()
+    compiled = torch.compile(make_model("gpt"), fullgraph=True,
+                             backend=lambda gm, inputs: inner_compilers.compile_with_aot_eager(gm, inputs, partition))
+    compiled(*make_batch("gpt", 0, 8)).backward()
+    return captured["graph"]
+
+
+def test_the_planner_offloads_when_transfers_hide_and_recomputes_when_they_do_not():
+    from zerocompile.passes.plan_activations import choose
+
+    graph = _joint_graph_of_gpt()
+    fast = choose(graph, 0, CostModel(offload_bandwidth=1e15), 0)
+    assert set(fast["choices"].values()) == {"offload"}
+    slow = choose(graph, 0, CostModel(offload_bandwidth=1.0, flops_per_s=1e15, memory_bandwidth=1e15), 0)
+    assert set(slow["choices"].values()) == {"recompute"}
+    roomy = choose(graph, fast["baseline"], CostModel(), 0)
+    assert roomy["choices"] == {} and roomy["estimate"] == roomy["baseline"]
+
+
+def test_a_budget_plans_blocks_and_keeps_the_numbers(tmp_path):
+    plain = _train(None, steps=1)
+    planned = _train({"offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0,
+                                              "budget_mb": 0.5}}, steps=1)
+    _bitwise(plain, planned)
+    plan = planned[2]["results"]["plan_activations"]
+    assert plan["budget_bytes"] == 0.5 * 2**20
+    assert plan["estimated_saved_bytes"] <= plan["budget_bytes"] < plan["estimated_saved_bytes_before"]
+    assert plan["offloaded"] or plan["recomputed"]
+
+
+def test_offload_lowers_the_peak_of_a_step(tmp_path):
+    from zerocompile.runtime.memory_tracker import AllocatorPeak
+
+    def peak(options):
+        torch._dynamo.reset()
+        model = make_model("gpt")
+        compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager", **options})
+        x, y = make_batch("gpt", 0, 64)
+        compiled(x, y).backward()                       # compile outside the measurement
+        with AllocatorPeak() as alloc:
+            compiled(x, y).backward()
+        return alloc.rise
+
+    without = peak({})
+    with_offload = peak({"offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0}})
+    # a 2-block model: the backward holds one block's reloads and the head's gradients, so the
+    # step's peak falls by less than the saved bytes (measured 0.83x)
+    assert with_offload < 0.9 * without, (with_offload, without)
+
+
+def test_a_second_backward_reads_the_copies_again(tmp_path):
+    def grads(options):
+        torch._dynamo.reset()
+        model = make_model("gpt")
+        compiled = torch.compile(model, backend="zero", options={"stage": 0, "inner_compiler": "eager", **options})
+        loss = compiled(*make_batch("gpt", 0, 8))
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = grads({})
+    twice = grads({"offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0}})
+    assert all(torch.equal(a, b) for a, b in zip(plain, twice))
+    assert activation_offload.stores.get("nvme", str(tmp_path)).live_slots() == 0
+
+
+def test_cpu_on_a_cpu_model_is_a_logged_no_op(caplog):
+    caplog.set_level("INFO", logger="zerocompile.passes")
+    plain = _train(None, steps=1, accum=1)
+    same = _train({"offload_activations": {"device": "cpu"}}, steps=1, accum=1)
+    _bitwise(plain, same)
+    assert "the model is on the CPU already; nothing to offload" in caplog.text
+
+
+# ------------------------------------------------------------------------ several ranks
+class CheckpointedGPT(nn.Module):
+    """The tests' GPT with its blocks under the user's own ``torch.utils.checkpoint``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = make_model("gpt")
+
+    def forward(self, idx, targets):
+        m = self.inner
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = m.wte(idx) + m.wpe(pos)
+        for block in m.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        logits = m.head(m.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _ranks_worker(rank, world, path):
+    offload = (("offload_activations", {"device": "nvme", "nvme_path": path, "min_kb": 0}),)
+    runs = []
+    for stage, model, accum in ((1, "gpt", 2), (2, "gpt", 1), (3, "gpt", 2), (3, "eager_head", 2), (3, "tied", 1)):
+        base = Run(model=model, stage=stage, steps=2, accum=accum, batch=8)
+        runs += [base, Run(model=model, stage=stage, steps=2, accum=accum, batch=8, options=offload)]
+    results = zero_train_many(rank, world, runs)
+    out = []
+    for plain, offloaded in zip(results[::2], results[1::2]):
+        out.append({"plain": (plain["losses"], plain["state"]), "offloaded": (offloaded["losses"], offloaded["state"]),
+                    "moved": sum(r["results"].get("offload_activations", {}).get("offloaded_bytes", 0)
+                                 for r in offloaded["reports"])})
+    out.append({"live_slots": [s.live_slots() for s in activation_offload.stores.all()]})
+    return out
+
+
+def test_two_ranks_every_stage_accumulation_and_graph_breaks_are_bitwise(tmp_path):
+    results = run_ranks(_ranks_worker, 2, str(tmp_path))
+    for rank_result in results:
+        *cases, leaks = rank_result
+        assert leaks["live_slots"] and not any(leaks["live_slots"])
+        for case in cases:
+            assert case["moved"] > 0
+            assert case["plain"][0] == case["offloaded"][0]
+            for k, v in case["plain"][1].items():
+                assert torch.equal(v, case["offloaded"][1][k]), k
+
+
+def test_the_users_checkpoint_regions_are_left_alone(tmp_path):
+    torch.manual_seed(0)
+
+    def train(options):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = CheckpointedGPT()
+        compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager", **options})
+        opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+        losses = []
+        for step in range(2):
+            x, y = make_batch("gpt", step, 8)
+            loss = compiled(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return losses, {k: v.clone() for k, v in zerocompile.full_state_dict(compiled).items()}, \
+            zerocompile.frame_reports()[-1]
+
+    plain = train({})
+    offloaded = train({"offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0}})
+    _bitwise(plain, offloaded)
+    # the regions still recompute: only their inputs (and the head's tensors) are saved, and moved
+    assert offloaded[2]["results"]["saved_activation_bytes"] == plain[2]["results"]["saved_activation_bytes"]
+    assert offloaded[2]["results"]["offload_activations"]["offloaded_bytes"] > 0
+
+
+def test_inductor_stage_3_is_bitwise(tmp_path):
+    # one thread: inductor's parallel kernels (the embedding's backward) sum in a run-dependent
+    # order on several, so two runs without offload differ in the last bit already
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _inductor_stage_3_is_bitwise(tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _inductor_stage_3_is_bitwise(tmp_path):
+    plain = _train(None, inner="inductor", steps=1)
+    offloaded = _train({"offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0}},
+                       inner="inductor", steps=1)
+    _bitwise(plain, offloaded)
+    assert offloaded[2]["results"]["offload_activations"]["offloaded_bytes"] > 0
