@@ -1,8 +1,10 @@
 """Pass (forward, then backward graph): offload the activations the forward saves for backward.
 
 After the min-cut partitioner, the forward graph returns its real outputs followed by the
-tensors it saves for backward, and the backward graph takes those as placeholders of the
-same names. For each saved tensor chosen (below), this pass
+tensors (then the SymInts) it saves for backward, and the backward graph takes them as its
+first placeholders (the SymInts first, then the tensors, in the same order; AOTAutograd pairs
+them by position, and a forward pass may have renamed a node). For each saved tensor chosen
+(below), this pass
 
 - in the **forward** graph, inserts ``zerocompile::offload_activation`` right after the node
   that makes it (role ``activation_offload``) and saves the op's token in its place, so the
@@ -26,8 +28,9 @@ group's start at the beginning of the backward. One group ahead keeps the reload
 at once to about two blocks' worth.
 
 The decision is recorded in ``ctx.results["offload_activations"]`` (``offloaded``: the saved
-tensors' names; ``offloaded_bytes``; ``kept``: eligible tensors left in memory; ``groups``) and
-logged at INFO on ``zerocompile.passes``.
+tensors' names, ``positions`` among the saved tensors and ``saved_symints``; ``offloaded_bytes``;
+``kept``: the saved tensors left in memory, with why; ``groups``, in reload order) and logged at
+INFO on ``zerocompile.passes``.
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
+from zerocompile.runtime import activation_offload
+
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 COMPRESSED_KINDS = ("compressed_all_to_all", "compressed_all_gather")
 """Eager collectives of 1-bit Adam / 0/1 Adam's compressed all-reduce (runtime/compressed_allreduce.py):
@@ -82,6 +84,12 @@ class ZeroStats:
     one host (``"shared_memory"`` collectives, ``runtime/shared_memory.py``): ``world * 4 MiB``
     per process group that uses them. One segment per host, shared by its ranks (the host holds
     it once, not once per rank); counted in none of the figures above."""
+    offloaded_activation_bytes: int = 0
+    """Bytes of saved activations held out of memory now (``offload_activations``: in swap files or
+    host memory, waiting for their backward); 0 between steps."""
+    activation_buffer_bytes: int = 0
+    """Bytes of the activation offload's staging buffers (``offload_activations``, ``"nvme"``), kept
+    between steps and counted in none of the figures above."""
     all_to_all: CollectiveTotals = field(default_factory=CollectiveTotals)
     """All-to-alls the optimizer step issues (a whole-parameter optimizer's gradient pieces to each
     parameter's owner and the updated pieces back); ``bytes``: what this rank sends to the others."""
@@ -107,7 +115,9 @@ class ZeroStats:
         out.update(world_size=self.world_size, param_bytes=self.param_bytes,
                    grad_bytes=self.grad_bytes, optimizer_state_bytes=self.optimizer_state_bytes,
                    offloaded_bytes=self.offloaded_bytes, offloaded_param_bytes=self.offloaded_param_bytes,
-                   offload_buffer_bytes=self.offload_buffer_bytes, shared_memory_bytes=self.shared_memory_bytes)
+                   offload_buffer_bytes=self.offload_buffer_bytes, shared_memory_bytes=self.shared_memory_bytes,
+                   offloaded_activation_bytes=self.offloaded_activation_bytes,
+                   activation_buffer_bytes=self.activation_buffer_bytes)
         return out
 
 
@@ -181,6 +191,8 @@ class Accounting:
             offloaded_param_bytes=offloaded_params,
             offload_buffer_bytes=buffers,
             shared_memory_bytes=sum(channel.nbytes for channel in list(self.channels)),
+            offloaded_activation_bytes=sum(store.held_bytes() for store in activation_offload.stores.all()),
+            activation_buffer_bytes=sum(store.buffer_bytes() for store in activation_offload.stores.all()),
         )
 
 

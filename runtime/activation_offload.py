@@ -218,6 +218,15 @@ class FileStore:
         with self._lock:
             return len(self._region_of)
 
+    def held_bytes(self) -> int:
+        """Bytes of the copies held now (in the file, waiting for their backward)."""
+        with self._lock:
+            return sum(self.file.regions[r].nbytes for r in self._region_of.values())
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the staging buffers held now."""
+        return self.staging.nbytes
+
 
 class HostStore:
     """Copies of CUDA activations in page-locked host memory (see the module docstring)."""
@@ -277,6 +286,13 @@ class HostStore:
     def live_slots(self) -> int:
         with self._lock:
             return len(self._copies)
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(host.numel() * host.element_size() for host, _ in self._copies.values())
+
+    def buffer_bytes(self) -> int:
+        return 0
 
 
 class _Stores:

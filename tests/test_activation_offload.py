@@ -165,6 +165,9 @@ def test_the_graphs_hold_the_offload_nodes_and_the_numbers_are_bitwise(tmp_path)
     assert {k["why"] for k in result["kept"]} <= {"a graph input or a view of one", "a forward output", "not dense"}
     store = activation_offload.stores.get("nvme", str(tmp_path))
     assert store.live_slots() == 0                   # every copy read back and released
+    stats = zerocompile.stats()
+    assert stats.offloaded_activation_bytes == 0      # between steps nothing waits for a backward
+    assert stats.activation_buffer_bytes == store.buffer_bytes() > 0
 
 
 def test_reloads_start_one_block_ahead_and_wait_at_the_first_use():

@@ -1,6 +1,6 @@
 """DeepSpeed configs as they are: a DeepSpeed JSON file or dict -> zerocompile options.
 
-``translate_deepspeed(ds)`` sorts every key of a DeepSpeed config into one of three kinds:
+``translate_deepspeed(ds)`` sorts every key of a DeepSpeed config into one of four kinds:
 
 - **translated**: keys with a zerocompile meaning become the options of that meaning
   (``zero_optimization.stage``, bucket sizes, offload, ZeRO++, ``overlap_comm``,
