@@ -85,7 +85,7 @@ def eligible(node: torch.fx.Node, outputs: set, min_bytes: float, planned: bool)
 def offload_saved(graph: torch.fx.Graph, num_fwd_outputs: int, device: str, nvme_path: str, min_bytes: float,
                   planned: bool) -> tuple[list, list, int]:
     """Forward graph: tokens saved in place of the chosen saved tensors. Returns (offloaded
-    ``(position, name, bytes)``, kept ``(name, bytes, why)``, the number of saved SymInts).
+    ``(position, name, bytes, signature)``, kept ``(name, bytes, why)``, the number of saved SymInts).
     ``position`` is the tensor's index among the saved tensors, which is how AOTAutograd pairs
     them with the backward's placeholders (a forward pass may have renamed the node)."""
     output = next(iter(graph.find_nodes(op="output")))
@@ -107,16 +107,32 @@ def offload_saved(graph: torch.fx.Graph, num_fwd_outputs: int, device: str, nvme
         with graph.inserting_after(node):
             token = call(graph, _OFFLOAD, (node, device, nvme_path), role="activation_offload", saved=node.name)
         outs[i] = token
-        offloaded.append((j, node.name, nbytes))
+        offloaded.append((j, node.name, nbytes, _signature(node.meta["val"])))
     output.args = (tuple(outs),) + tuple(output.args[1:])
     return offloaded, kept, symints
 
 
-def saved_placeholders(graph: torch.fx.Graph, positions: list, symints: int) -> list:
+def _signature(val) -> str:
+    return f"{val.dtype} {tuple(val.shape)} {tuple(val.stride())}"
+
+
+def saved_placeholders(graph: torch.fx.Graph, positions: list, symints: int, signatures: list) -> list:
     """The backward's placeholders of the saved tensors at ``positions`` (AOTAutograd's order:
-    the saved SymInts, then the saved tensors, then the tangents)."""
+    the saved SymInts, then the saved tensors, then the tangents). Each must hold a tensor of the
+    dtype, shape and strides the forward saved there (``signatures``), or this raises: a
+    placeholder taken for another would be read as the wrong tensor."""
     placeholders = list(graph.find_nodes(op="placeholder"))
-    return [placeholders[symints + j] for j in positions]
+    chosen = []
+    for j, signature in zip(positions, signatures):
+        node = placeholders[symints + j] if symints + j < len(placeholders) else None
+        val = node.meta.get("val") if node is not None else None
+        if not isinstance(val, torch.Tensor) or _signature(val) != signature:
+            raise RuntimeError(f"offload_activations: the backward's input for saved tensor {j} is "
+                               f"{_signature(val) if isinstance(val, torch.Tensor) else val!r}, not the {signature} "
+                               "the forward saved; the saved tensors are not in the order this pass expects (a "
+                               "torch change?). Set offload_activations=None and report it")
+        chosen.append(node)
+    return chosen
 
 
 def reload_saved(graph: torch.fx.Graph, chosen: list, device: str, nvme_path: str) -> list:
@@ -171,16 +187,17 @@ def offload_activations(gm: torch.fx.GraphModule, ctx: PassContext, *, settings,
         offloaded, kept, symints = offload_saved(gm.graph, ctx.num_fwd_outputs, device, path,
                                                  settings.min_kb * 1024, planned)
         ctx.results["offload_activations"] = {
-            "device": device, "offloaded": [n for _, n, _ in offloaded], "positions": [j for j, _, _ in offloaded],
-            "saved_symints": symints, "offloaded_bytes": sum(b for _, _, b in offloaded),
+            "device": device, "offloaded": [n for _, n, _, _ in offloaded],
+            "positions": [j for j, _, _, _ in offloaded], "signatures": [g for _, _, _, g in offloaded],
+            "saved_symints": symints, "offloaded_bytes": sum(b for _, _, b, _ in offloaded),
             "kept": [{"name": n, "bytes": b, "why": w} for n, b, w in kept], "groups": []}
         ctx.logger.info("[%s] offload_activations: %d saved tensors offloaded to %s (%.2f MiB); %d kept (%.2f MiB)",
-                        ctx.frame, len(offloaded), device, sum(b for _, _, b in offloaded) / _MB, len(kept),
+                        ctx.frame, len(offloaded), device, sum(b for _, _, b, _ in offloaded) / _MB, len(kept),
                         sum(b for _, b, _ in kept) / _MB)
     elif ctx.graph_kind == "backward":
         result = ctx.results.get("offload_activations") or {}
         if result.get("positions"):
-            chosen = saved_placeholders(gm.graph, result["positions"], result["saved_symints"])
+            chosen = saved_placeholders(gm.graph, result["positions"], result["saved_symints"], result["signatures"])
             result["groups"] = reload_saved(gm.graph, chosen, device, path)
     gm.graph.lint()
     gm.recompile()

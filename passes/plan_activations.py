@@ -43,6 +43,7 @@ from zerocompile.passes.context import PassContext
 from zerocompile.passes.cost_model import CostModel
 from zerocompile.passes.graph_utils import concrete_int, set_tag
 from zerocompile.passes.liveness import simulate
+from zerocompile.passes.reshard_after_forward import GATHER_AC_GRAPH_ID
 from zerocompile.passes.recompute import (
     _RECOMPUTE_POLICIES, SavedBytesEstimator, block_time, find_blocks, first_block_id, plan_tags)
 from zerocompile.runtime.activation_offload import dense_span
@@ -89,7 +90,10 @@ def choose(graph: torch.fx.Graph, budget_bytes: float, cost: CostModel, min_byte
     baseline = sum(estimator.root_bytes.get(r, 0) for r in roots)
     figures, options = [], []
     for block in blocks:
-        already = any(n.meta.get("recompute") in _RECOMPUTE_POLICIES for n in block.nodes)
+        # recomputed already by the recompute option or the user's checkpoint (not the parameter
+        # re-gathers resharding tags in every block at stage 3)
+        already = any(n.meta.get("recompute") in _RECOMPUTE_POLICIES
+                      and n.meta.get("ac_graph_id") != GATHER_AC_GRAPH_ID for n in block.nodes)
         seconds = block_time(block, cost)
         offload = offloadable_bytes(roots, set(block.nodes), estimator.root_bytes, min_bytes)
         recompute_freed = 0 if already else baseline - estimator.saved_bytes(plan_tags(blocks, {block.order},

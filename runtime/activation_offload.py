@@ -55,7 +55,7 @@ from zerocompile.runtime.swap_file import PAGE, SwapFile, aligned_empty, round_u
 
 log = logging.getLogger("zerocompile")
 
-IN_FLIGHT_BYTES = 64 << 20
+IN_FLIGHT_BYTES = 16 << 20
 """Most bytes of staging buffers (copies waiting to be written) a file store holds."""
 CHUNK_BYTES = 4 << 20
 """Bytes of one staging buffer; a larger tensor is copied and written in pieces of this size."""

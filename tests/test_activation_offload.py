@@ -230,6 +230,19 @@ def test_the_planner_offloads_when_transfers_hide_and_recomputes_when_they_do_no
     assert roomy["choices"] == {} and roomy["estimate"] == roomy["baseline"]
 
 
+def test_at_stage_3_over_several_ranks_the_planner_still_sees_the_blocks(fake_world, tmp_path):
+    """Resharding tags every block's parameter re-gathers for recompute; the planner must not
+    take those blocks as recomputed already (4 fake ranks: the gathers are in the graph)."""
+    torch.manual_seed(0)
+    compiled = torch.compile(make_model("gpt"), backend="zero", options={
+        "stage": 3, "inner_compiler": "eager",
+        "offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0, "budget_mb": 0}})
+    compiled(*make_batch("gpt", 0, 8)).backward()
+    plan = zerocompile.frame_reports()[-1]["results"]["plan_activations"]
+    assert not any(b["already_recomputed"] for b in plan["per_block"])
+    assert sorted(plan["offloaded"] + plan["recomputed"]) == ["blocks.0", "blocks.1"]
+
+
 def test_a_budget_plans_blocks_and_keeps_the_numbers(tmp_path):
     plain = _train(None, steps=1)
     planned = _train({"offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0,
