@@ -32,8 +32,9 @@ to the bytes one forward offloads (times the forwards in flight before their bac
 
 **Host memory in flight.** A tensor is copied, in pieces of at most ``CHUNK_BYTES``, into
 page-aligned staging buffers, each written by the I/O threads and given back to the store's
-pool when its write is done. The pool keeps them by size for the next step (which copies
-tensors of the same sizes), and holds at most ``IN_FLIGHT_BYTES``: when the buffers waiting to
+pool when its write is done. The pool keeps them by size for the rest of the forward (whose
+copies are of like sizes) and frees the idle ones when the backward's first reload starts, so
+they do not add to the backward's memory; it holds at most ``IN_FLIGHT_BYTES``: when the buffers waiting to
 be written fill it, the next copy waits for one, so a forward that makes activations faster
 than the disk takes them is slowed down rather than growing memory. A reload reads straight
 into the page-aligned tensor it returns.
@@ -115,6 +116,12 @@ class _StagingPool:
                 self._ready.wait()
         return aligned_empty(size, torch.uint8)
 
+    def trim(self) -> None:
+        """Free the idle buffers (the backward has begun: no copy needs them until the next forward)."""
+        with self._ready:
+            self._idle.clear()
+            self._idle_bytes = 0
+
     def give_back(self, chunk: torch.Tensor) -> None:
         size = chunk.numel()
         with self._ready:
@@ -182,6 +189,7 @@ class FileStore:
         registered. The copy stays until ``release`` (a second backward may read it again)."""
         with self._lock:
             writes, region = self._writes[slot], self._region_of[slot]
+        self.staging.trim()
         numel = dense_span(size, stride)
         raw = aligned_empty(numel, dtype)
         out = raw.as_strided(tuple(size), tuple(stride))
