@@ -171,6 +171,22 @@ def test_plan_at_a_large_world_size_follows_the_formulas(tmp_path):
     assert got["hardware"]["name"] == "h100" and got["options"]["cost_model"] == HARDWARE["h100"].cost_model()
 
 
+def test_plan_reports_what_the_activation_planner_chose(tmp_path):
+    """Activation offload with a budget of 0 at 64 fake ranks: the planner's choice per block and
+    the bytes moved are in the plan (the fake tensors move no bytes; the op's fake kernel runs)."""
+    script = _script(tmp_path)
+    options = {"stage": 3, "offload_activations": {"device": "nvme", "nvme_path": str(tmp_path / "swap"),
+                                                   "budget_mb": 0, "min_kb": 0}}
+    done = run_cli(["plan", "--world-size", "64", "--hardware", "h100",
+                    "--json", "--", str(script), "mlp", json.dumps(options)], REPO, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    acts = json.loads(done.stdout.splitlines()[0])["activations"]
+    assert 0 < acts["offloaded_bytes"] <= acts["saved_bytes"]
+    assert acts["recompute"] or acts["offload"]
+    swap = tmp_path / "swap"
+    assert not swap.exists() or not any(swap.iterdir())      # fake tensors: no file is written
+
+
 def test_plan_of_hf_gradient_checkpointing_at_1024_ranks_follows_the_formulas():
     """benchmarks/train_llama.py (tiny, two layers) with HF ``gradient_checkpointing_enable()`` on
     1024 fake ranks at stage 3: graph replay runs activation checkpointing's RNG higher-order ops

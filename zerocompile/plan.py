@@ -321,6 +321,10 @@ class PlanReport:
     """The collective stages 1/2 reduce gradients with, and where the choice comes from."""
     replay_mismatch: str | None = None
     """Why a replay could not vouch for its figures (``plan_script`` then raises)."""
+    activations: dict = field(default_factory=dict)
+    """What the compiled frames do with the activations they save for backward, summed over the
+    frames: ``saved_bytes`` (the forward saves, as partitioned), ``offloaded_bytes`` and the
+    blocks the planner chose to ``recompute`` and to ``offload`` (``offload_activations``)."""
 
     @property
     def model_state_bytes_per_rank(self) -> int:
@@ -361,6 +365,7 @@ class PlanReport:
             "graph_runs": dict(self.graph_runs),
             "unsharded_params": dict(self.unsharded_params),
             "gradient_reduction": self.gradient_reduction,
+            "activations": dict(self.activations),
         }
 
 
@@ -512,6 +517,20 @@ def _record(report: PlanReport, tracker: LiveStorageTracker, timer: StepTimer, s
     report.frames = len(frames)
     report.stages = sorted({f["stage"] for f in frames})
     report.simulated_peak_bytes = max((f["results"].get("simulated_peak_bytes", 0) for f in frames), default=0)
+    report.activations = _activations(frames)
+
+
+def _activations(frames: list) -> dict:
+    """``PlanReport.activations`` from the frames' pass results."""
+    out = {"saved_bytes": 0, "offloaded_bytes": 0, "recompute": [], "offload": []}
+    for frame in frames:
+        results = frame["results"]
+        out["saved_bytes"] += results.get("saved_activation_bytes", 0) or 0
+        out["offloaded_bytes"] += (results.get("offload_activations") or {}).get("offloaded_bytes", 0)
+        plan = results.get("plan_activations") or {}
+        out["recompute"] += plan.get("recomputed", [])
+        out["offload"] += plan.get("offloaded", [])
+    return out
 
 
 def _record_unsharded(report: PlanReport) -> None:
