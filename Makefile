@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/plan_llama70b.py
 	$(PY) benchmarks/lr_schedules_vs_deepspeed.py | tee benchmarks/results/lr_schedules_vs_deepspeed.txt
 	$(PY) benchmarks/whole_param_step.py
+	$(PY) benchmarks/activation_offload.py
 	$(PY) -m pytest benchmarks/micro --benchmark-only -q --benchmark-json benchmarks/results/micro.json
 
 # the GPU paths (Triton kernels, NCCL stage-3 step, CUDA memory); says so and exits 0 without a GPU

@@ -187,3 +187,63 @@ def cost_model_for(config_value, group: CommGroup, device=None) -> CostModel:
             return CostModel()
         return probe(group, device)
     return CostModel.from_rates(config_value)
+
+
+PROBE_BYTES = 32 << 20
+"""Bytes one rank writes and reads back to time the activation offload tier."""
+
+
+def probe_offload(cost: CostModel, group: CommGroup, settings, device=None) -> CostModel:
+    """``cost`` with ``offload_bandwidth`` measured where ``settings`` (the ``offload_activations``
+    settings) sends activations: ``PROBE_BYTES`` written to a file under ``nvme_path`` and read
+    back (every rank at once, so ranks that share a disk share it here too), or copied to host
+    memory and back for a CUDA model with ``"cpu"``. The slowest rank's rate, on every rank.
+    Unchanged where nothing is offloaded or nothing can be timed (a fake process group)."""
+    import dataclasses
+
+    device = torch.device(device or "cpu")
+    if not settings.enabled or is_fake_group(group) or device.type == "meta":
+        return cost
+    if settings.device == "nvme":
+        seconds = _time_file(settings.nvme_path)
+    elif device.type == "cuda":
+        seconds = _time_host_link(device)
+    else:
+        return cost                                   # "cpu" for a CPU model: nothing moves
+    mine = torch.tensor([seconds], dtype=torch.float64, device=device)
+    if group.world > 1:
+        seconds = float(all_gather_flat(mine, group.world, group.name).max())
+    rate = 2 * PROBE_BYTES / max(seconds, 1e-9)
+    log.info("cost model: activations are offloaded at %.2f GB/s per rank (measured, %s)", rate / 1e9,
+             settings.device)
+    return dataclasses.replace(cost, offload_bandwidth=rate)
+
+
+def _time_file(nvme_path: str) -> float:
+    """Seconds to write ``PROBE_BYTES`` to a swap file under ``nvme_path`` and read them back."""
+    from zerocompile.runtime.swap_file import SwapFile, aligned_empty
+
+    swap = SwapFile(nvme_path, "probe")
+    try:
+        buffer = aligned_empty(PROBE_BYTES, torch.uint8)
+        buffer.fill_(1)
+        swap.reserve(0, PROBE_BYTES)
+        start = time.perf_counter()
+        swap.write(0, buffer).wait()
+        swap.read(0, buffer).wait()
+        return time.perf_counter() - start
+    finally:
+        swap.close()
+
+
+def _time_host_link(device: torch.device) -> float:
+    """Seconds to copy ``PROBE_BYTES`` from ``device`` to page-locked host memory and back."""
+    on_device = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
+    host = torch.empty(PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    host.copy_(on_device)                              # warm-up
+    synchronize(device)
+    start = time.perf_counter()
+    host.copy_(on_device, non_blocking=True)
+    on_device.copy_(host, non_blocking=True)
+    synchronize(device)
+    return time.perf_counter() - start

@@ -9,11 +9,14 @@ The forward saves tensors for backward; three things can be done with a block's 
   the block's forward compute again (``CostModel.node_time`` over its nodes), frees what the
   ``SavedBytesEstimator`` says recomputing it frees;
 - **offload** it (the ``offload_activations`` pass, after partitioning): costs the transfer time
-  the compute around it cannot hide, i.e. ``max(0, write - forward) + max(0, read - backward)``
-  with ``write = read = bytes / offload_gbps`` (the cost model's offload rate), the block's
-  forward compute as its forward and twice that as its backward (the write of block k overlaps
-  the forward of block k+1, its read the backward of block k+1); frees the block's saved
-  tensors of at least ``min_kb``.
+  the compute around it cannot hide. For a CUDA model that is ``max(0, write - forward) +
+  max(0, read - backward)`` with ``write = read = bytes / offload_gbps`` (the cost model's
+  offload rate, measured with ``cost_model="probe"``), the block's forward compute as its
+  forward and twice that as its backward (the write of block k overlaps the forward of block
+  k+1, its read the backward of block k+1). For a CPU model it is all of ``write + read``: the
+  copies and the I/O threads run on the cores the compute needs (measured on 2 cores: offloading
+  a block cost what its transfers take, not what is left of them after the compute). Frees the
+  block's saved tensors of at least ``min_kb``.
 
 Starting from keeping everything, the planner takes the (block, choice) pair with the most
 bytes freed per estimated second (ties: offload before recompute, then graph order, so every
@@ -68,9 +71,13 @@ def offloadable_bytes(roots: set, block_nodes: set, root_bytes: dict, min_bytes:
     return total
 
 
-def exposed_transfer_seconds(nbytes: int, forward_s: float, cost: CostModel) -> float:
-    """The transfer time of offloading ``nbytes`` that the compute around it cannot hide."""
+def exposed_transfer_seconds(nbytes: int, forward_s: float, cost: CostModel, overlap: bool = True) -> float:
+    """The transfer time of offloading ``nbytes`` that the compute around it cannot hide. Without
+    ``overlap`` (a model on the CPU: the copies and the I/O threads take the cores the compute
+    runs on) none of it is hidden."""
     one_way = nbytes / cost.offload_bandwidth
+    if not overlap:
+        return 2 * one_way
     return max(0.0, one_way - forward_s) + max(0.0, one_way - 2 * forward_s)
 
 
@@ -80,7 +87,8 @@ def _rate(freed: int, seconds: float) -> float:
     return math.inf if seconds <= 0 else freed / seconds
 
 
-def choose(graph: torch.fx.Graph, budget_bytes: float, cost: CostModel, min_bytes: float) -> dict:
+def choose(graph: torch.fx.Graph, budget_bytes: float, cost: CostModel, min_bytes: float,
+           overlap: bool = True) -> dict:
     """The plan (see the module docstring): ``{"choices": {block order: choice}, "blocks", "per_block",
     "baseline", "estimate"}``."""
     blocks = find_blocks(graph)
@@ -100,7 +108,7 @@ def choose(graph: torch.fx.Graph, budget_bytes: float, cost: CostModel, min_byte
                                                                                          first_id))
         figure = {"name": block.name, "forward_s": seconds, "recompute_freed_bytes": recompute_freed,
                   "recompute_s": seconds, "offload_bytes": offload,
-                  "offload_exposed_s": exposed_transfer_seconds(offload, seconds, cost), "choice": KEEP,
+                  "offload_exposed_s": exposed_transfer_seconds(offload, seconds, cost, overlap), "choice": KEEP,
                   "already_recomputed": already}
         figures.append(figure)
         if already:
@@ -155,7 +163,8 @@ def plan_activations(gm: torch.fx.GraphModule, ctx: PassContext, *, settings, **
     else:
         budget = float(settings.budget_mb) * _MB
     cost = ctx.cost_model if ctx.cost_model is not None else CostModel()
-    plan = choose(graph, budget, cost, settings.min_kb * 1024)
+    overlap = ctx.device is not None and torch.device(ctx.device).type == "cuda"
+    plan = choose(graph, budget, cost, settings.min_kb * 1024, overlap)
     recomputed = {b for b, c in plan["choices"].items() if c == RECOMPUTE}
     for node, (policy, ac_id) in plan_tags(plan["blocks"], recomputed, plan["first_id"]).items():
         node.meta["recompute"] = policy

@@ -30,7 +30,7 @@ from zerocompile.dump import recorder_for
 from zerocompile.progress import compile_status
 from zerocompile.passes.collective_summary import summarize_collectives
 from zerocompile.passes.context import PassContext
-from zerocompile.passes.cost_model import CostModel, cost_model_for
+from zerocompile.passes.cost_model import CostModel, cost_model_for, probe_offload
 from zerocompile.passes.liveness import saved_activation_bytes, simulate
 from zerocompile.passes.manager import pipeline, run_passes
 from zerocompile.passes.profiler import profile_graph
@@ -512,6 +512,8 @@ def _reused_entry_and_cost_model(key: str | None, ctx: PassContext, bypass: str 
         ctx.cost_model = CostModel.from_rates(entry.cost_model)
     else:
         ctx.cost_model = cost_model_for(cfg.cost_model, ctx.group, ctx.device)
+        if cfg.cost_model == "probe":
+            ctx.cost_model = probe_offload(ctx.cost_model, ctx.group, cfg.offload_activations, ctx.device)
     log.debug("[%s] cost model: %s", ctx.frame, ctx.cost_model)
     return entry
 
