@@ -59,6 +59,22 @@ _ACCEPTED_NO_EFFECT = ("pipeline_read", "pipeline_write", "fast_init", "max_in_c
 with compute here, and state is never staged through a CPU copy first."""
 
 
+def _device_and_path(name: str, kw: dict) -> tuple:
+    """The checked ``device`` and ``nvme_path`` of option ``name``'s dict ``kw`` (the path made a
+    ``str`` in ``kw``)."""
+    device = kw.get("device", "none")
+    if device not in DEVICES:
+        raise ValueError(f"option '{name}.device' = {device!r} is invalid; allowed: {', '.join(map(repr, DEVICES))}")
+    path = kw.get("nvme_path")
+    if device == "nvme" and not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"option '{name}.device' = 'nvme' needs '{name}.nvme_path', a directory for the swap files")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"option '{name}.nvme_path' = {path!r} is invalid; allowed: a directory path")
+    if path is not None:
+        kw["nvme_path"] = os.fspath(path)
+    return device, path
+
+
 def parse_offload(name: str, value) -> OffloadSettings:
     """``value`` (None, an ``OffloadSettings`` or a dict of the fields above) -> settings;
     ``name`` is the option's name for error messages."""
@@ -74,16 +90,7 @@ def parse_offload(name: str, value) -> OffloadSettings:
         if key not in fields and key not in _ACCEPTED_NO_EFFECT:
             raise ValueError(f"unknown key '{name}.{key}'; allowed: {', '.join(sorted(fields | set(_ACCEPTED_NO_EFFECT)))}")
     kw = {k: v for k, v in value.items() if k in fields}
-    device = kw.get("device", "none")
-    if device not in DEVICES:
-        raise ValueError(f"option '{name}.device' = {device!r} is invalid; allowed: {', '.join(map(repr, DEVICES))}")
-    path = kw.get("nvme_path")
-    if device == "nvme" and not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"option '{name}.device' = 'nvme' needs '{name}.nvme_path', a directory for the swap files")
-    if path is not None and not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"option '{name}.nvme_path' = {path!r} is invalid; allowed: a directory path")
-    if path is not None:
-        kw["nvme_path"] = os.fspath(path)
+    device, path = _device_and_path(name, kw)
     for key, low in (("buffer_count", 2), ("buffer_size", 1), ("threads", 1), ("block_size", 4096)):
         v = kw.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < low):
@@ -101,9 +108,6 @@ def parse_offload(name: str, value) -> OffloadSettings:
     if not isinstance(kw.get("pin_memory", True), bool):
         raise ValueError(f"option '{name}.pin_memory' = {kw['pin_memory']!r} is invalid; allowed: True, False")
     return OffloadSettings(**kw)
-
-
-ACTIVATION_DEVICES = ("none", "cpu", "nvme")
 
 
 @dataclass(frozen=True)
@@ -153,17 +157,7 @@ def parse_activation_offload(value) -> ActivationOffloadSettings:
             raise ValueError(f"unknown key '{name}.{key}'; allowed: {', '.join(sorted(fields))}"
                              + ("; the memory limit is the option memory_limit_mb" if key == "memory_limit_mb" else ""))
     kw = dict(value)
-    device = kw.get("device", "none")
-    if device not in ACTIVATION_DEVICES:
-        raise ValueError(f"option '{name}.device' = {device!r} is invalid; allowed: "
-                         f"{', '.join(map(repr, ACTIVATION_DEVICES))}")
-    path = kw.get("nvme_path")
-    if device == "nvme" and not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"option '{name}.device' = 'nvme' needs '{name}.nvme_path', a directory for the swap files")
-    if path is not None and not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"option '{name}.nvme_path' = {path!r} is invalid; allowed: a directory path")
-    if path is not None:
-        kw["nvme_path"] = os.fspath(path)
+    device, path = _device_and_path(name, kw)
     budget = kw.get("budget_mb")
     if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                                      or math.isnan(budget) or budget < 0):
