@@ -408,8 +408,10 @@ def test_inductor_stage_3_is_bitwise(tmp_path):
 
 
 def _inductor_stage_3_is_bitwise(tmp_path):
-    plain = _train(None, inner="inductor", steps=1)
-    offloaded = _train({"offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0}},
-                       inner="inductor", steps=1)
+    # the MLP: one small frame, so two inductor compiles stay short; its saved tensors (the
+    # hidden layer's input and tanh output) go through the generated code's buffer reuse
+    options = {"offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0}}
+    plain = _train(None, model_name="mlp", inner="inductor", steps=1)
+    offloaded = _train(options, model_name="mlp", inner="inductor", steps=1)
     _bitwise(plain, offloaded)
     assert offloaded[2]["results"]["offload_activations"]["offloaded_bytes"] > 0

@@ -512,7 +512,8 @@ def _reused_entry_and_cost_model(key: str | None, ctx: PassContext, bypass: str 
         ctx.cost_model = CostModel.from_rates(entry.cost_model)
     else:
         ctx.cost_model = cost_model_for(cfg.cost_model, ctx.group, ctx.device)
-        if cfg.cost_model == "probe":
+        if cfg.cost_model == "probe" and "plan_activations" in _pipeline_names(ctx):
+            # the planner weighs offloading by this rate; offloading everything does not need it
             ctx.cost_model = probe_offload(ctx.cost_model, ctx.group, cfg.offload_activations, ctx.device)
     log.debug("[%s] cost model: %s", ctx.frame, ctx.cost_model)
     return entry
@@ -570,10 +571,13 @@ def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return copy
 
 
+def _pipeline_names(ctx: PassContext) -> set:
+    return {p.name for kind in ("joint", "forward", "backward", "inference") for p in pipeline(ctx, kind)}
+
+
 def _needs_cost_model(ctx: PassContext) -> bool:
     """Whether a pass in this config's pipeline weighs costs (and the probe is worth running)."""
-    names = {p.name for kind in ("joint", "forward", "backward", "inference") for p in pipeline(ctx, kind)}
-    return bool(names & {"prefetch", "selective_unshard", "recompute"})
+    return bool(_pipeline_names(ctx) & {"prefetch", "selective_unshard", "recompute", "plan_activations"})
 
 
 def _frame_device(plans) -> torch.device:
