@@ -40,8 +40,7 @@ import torch.fx
 
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.graph_utils import call, concrete_int, set_tag, tag, tensor_nbytes
-from zerocompile.passes.liveness import is_view
-from zerocompile.passes.recompute import numbered_block_of
+from zerocompile.passes.recompute import numbered_block_of, storage_root
 from zerocompile.runtime import activation_offload
 
 _OFFLOAD = torch.ops.zerocompile.offload_activation.default
@@ -50,24 +49,10 @@ _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _MB = 2**20
 
 
-def _storage_root(node: torch.fx.Node) -> torch.fx.Node:
-    """The node whose buffer ``node`` views (itself if it is no view)."""
-    while (node.op == "call_function" and is_view(node) and node.args
-           and isinstance(node.args[0], torch.fx.Node)):
-        node = node.args[0]
-    return node
-
-
-def eligible(node: torch.fx.Node, outputs: set, min_bytes: float, planned: bool) -> str | None:
-    """Why the saved ``node`` stays in memory, or None when it may be offloaded."""
-    val = node.meta.get("val")
+def why_kept(val, min_bytes: float) -> str | None:
+    """Why a saved tensor of (fake) value ``val`` cannot move, whatever made it, or None."""
     if not isinstance(val, torch.Tensor):
         return "not a tensor"
-    root = _storage_root(node)
-    if root.op == "placeholder":
-        return "a graph input or a view of one"
-    if node in outputs or root in outputs:
-        return "a forward output"
     if val.device.type not in ("cpu", "cuda"):
         return f"on {val.device.type}"
     if any(isinstance(x, torch.SymInt) for x in (*val.shape, *val.stride())):
@@ -77,6 +62,21 @@ def eligible(node: torch.fx.Node, outputs: set, min_bytes: float, planned: bool)
         return "not dense"
     if tensor_nbytes(val) < max(min_bytes, 1):
         return "smaller than min_kb"
+    return None
+
+
+def eligible(node: torch.fx.Node, outputs: set, min_bytes: float, planned: bool) -> str | None:
+    """Why the saved ``node`` stays in memory, or None when it may be offloaded."""
+    if not isinstance(node.meta.get("val"), torch.Tensor):
+        return "not a tensor"
+    root = storage_root(node)
+    if root.op == "placeholder":
+        return "a graph input or a view of one"
+    if node in outputs or root in outputs:
+        return "a forward output"
+    why = why_kept(node.meta["val"], min_bytes)
+    if why is not None:
+        return why
     if planned and not (tag(node).get("offload_activation") or tag(root).get("offload_activation")):
         return "kept by the plan"
     return None

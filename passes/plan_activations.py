@@ -44,12 +44,12 @@ import torch.fx
 
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.cost_model import CostModel
-from zerocompile.passes.graph_utils import concrete_int, set_tag
+from zerocompile.passes.graph_utils import set_tag
 from zerocompile.passes.liveness import simulate
+from zerocompile.passes.offload_activations import why_kept
 from zerocompile.passes.reshard_after_forward import GATHER_AC_GRAPH_ID
 from zerocompile.passes.recompute import (
     _RECOMPUTE_POLICIES, SavedBytesEstimator, block_time, find_blocks, first_block_id, plan_tags)
-from zerocompile.runtime.activation_offload import dense_span
 
 _MB = 2**20
 KEEP, RECOMPUTE, OFFLOAD = "keep", "recompute", "offload"
@@ -57,18 +57,8 @@ KEEP, RECOMPUTE, OFFLOAD = "keep", "recompute", "offload"
 
 def offloadable_bytes(roots: set, block_nodes: set, root_bytes: dict, min_bytes: float) -> int:
     """Bytes of the saved storages made in a block that the offload pass would move."""
-    total = 0
-    for root in roots:
-        if root not in block_nodes or root.op == "placeholder":
-            continue
-        val = root.meta.get("val")
-        if not isinstance(val, torch.Tensor) or dense_span(
-                [concrete_int(s) for s in val.shape], [concrete_int(s) for s in val.stride()]) is None:
-            continue
-        nbytes = root_bytes.get(root, 0)
-        if nbytes >= max(min_bytes, 1):
-            total += nbytes
-    return total
+    return sum(root_bytes.get(root, 0) for root in roots if root in block_nodes and root.op != "placeholder"
+               and why_kept(root.meta.get("val"), min_bytes) is None)
 
 
 def exposed_transfer_seconds(nbytes: int, forward_s: float, cost: CostModel, overlap: bool = True) -> float:

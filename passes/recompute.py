@@ -191,7 +191,7 @@ def first_block_id(graph: torch.fx.Graph) -> int:
 
 
 # ------------------------------------------------------------------------ estimate
-def _storage_root(node: torch.fx.Node) -> torch.fx.Node:
+def storage_root(node: torch.fx.Node) -> torch.fx.Node:
     """The node whose buffer ``node`` aliases (views alias their base; a ``getitem`` of a
     multi-output op is its own buffer)."""
     base = node
@@ -223,7 +223,7 @@ class SavedBytesEstimator:
         self.readers = {n: [u for u in n.users if u.op != "output"] for n in self.nodes}
         self.read_by_backward = {
             n for n in self.forward if any(is_backward_node(u, tangent_descendants) for u in self.readers[n])}
-        self.root = {n: _storage_root(n) for n in self.forward}
+        self.root = {n: storage_root(n) for n in self.forward}
         self.root_bytes = {r: sum(tensor_nbytes(t) for t in tensors_of(r.meta.get("val")))
                            for r in set(self.root.values()) if r.op != "placeholder"}
 

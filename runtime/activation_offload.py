@@ -44,7 +44,6 @@ The values are the bytes that were written: a reloaded tensor is bitwise the sav
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import weakref
@@ -52,9 +51,7 @@ import weakref
 import torch
 
 from zerocompile import _torch_compat
-from zerocompile.runtime.swap_file import PAGE, SwapFile, aligned_empty, round_up
-
-log = logging.getLogger("zerocompile")
+from zerocompile.runtime.swap_file import SwapFile, aligned_empty, round_up
 
 IN_FLIGHT_BYTES = 16 << 20
 """Most bytes of staging buffers (copies waiting to be written) a file store holds."""
@@ -150,8 +147,6 @@ class FileStore:
         self._region_of: dict[int, int] = {}      # slot -> region key
         self._next_slot = 0
         self._next_region = 0
-        self.offloaded_bytes = 0
-        """Bytes copied out so far (for stats)."""
 
     def _region(self, nbytes: int) -> int:
         free = self._free.get(nbytes)
@@ -181,7 +176,6 @@ class FileStore:
         with self._lock:
             self._writes[slot] = writes
             self._region_of[slot] = region
-            self.offloaded_bytes += nbytes
         return slot
 
     def reload(self, slot: int, size, stride, dtype: torch.dtype, target: torch.device) -> torch.Tensor:
@@ -192,23 +186,22 @@ class FileStore:
         self.staging.trim()
         numel = dense_span(size, stride)
         raw = aligned_empty(numel, dtype)
-        out = raw.as_strided(tuple(size), tuple(stride))
         for write in writes:
             write.wait()                           # the bytes are in the file (or this raises)
         read = self.file.read(region, raw) if numel else None
+        if target.type == "cpu":
+            out = raw.as_strided(tuple(size), tuple(stride))
+            _torch_compat.register_pending_works(out, [], then=read.wait if read is not None else None)
+            return out
+        on_device = torch.empty_strided(tuple(size), tuple(stride), dtype=dtype, device=target)
 
-        if target.type != "cpu":
-            on_device = torch.empty_strided(tuple(size), tuple(stride), dtype=dtype, device=target)
+        def done():
+            if read is not None:
+                read.wait()
+            _flat_span(on_device).copy_(raw)
 
-            def done():
-                if read is not None:
-                    read.wait()
-                _flat_span(on_device).copy_(raw, non_blocking=False)
-
-            _torch_compat.register_pending_works(on_device, [], then=done)
-            return on_device
-        _torch_compat.register_pending_works(out, [], then=read.wait if read is not None else None)
-        return out
+        _torch_compat.register_pending_works(on_device, [], then=done)
+        return on_device
 
     def release(self, slot: int) -> None:
         """The copy of ``slot`` is no longer needed: its region goes back to the free list."""
@@ -244,7 +237,6 @@ class HostStore:
         self._copies: dict[int, tuple] = {}
         self._next_slot = 0
         self._streams: dict = {}
-        self.offloaded_bytes = 0
 
     def _stream(self, device: torch.device):
         if device not in self._streams:
@@ -264,7 +256,6 @@ class HostStore:
             slot = self._next_slot
             self._next_slot += 1
             self._copies[slot] = (host, done)
-            self.offloaded_bytes += host.numel() * host.element_size()
         return slot
 
     def reload(self, slot: int, size, stride, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -362,4 +353,4 @@ def _reload_activation_fake(token, device, nvme_path, size, stride, dtype, targe
     return torch.empty_strided(size, stride, dtype=dtype, device=target)
 
 
-__all__ = ["FileStore", "HostStore", "PAGE", "dense_span", "offload_activation", "reload_activation", "stores"]
+__all__ = ["FileStore", "HostStore", "dense_span", "offload_activation", "reload_activation", "stores"]
