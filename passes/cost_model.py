@@ -92,6 +92,11 @@ class CostModel:
     def compute_time(self, flops: int, moved_bytes: int) -> float:
         return max(flops / self.flops_per_s, moved_bytes / self.memory_bandwidth)
 
+    def offload_time(self, nbytes: int) -> float:
+        """Estimated seconds to copy one saved tensor of ``nbytes`` out to the offload tier (reading
+        it back takes as long)."""
+        return nbytes / self.offload_bandwidth
+
 
 def node_flops(node: torch.fx.Node) -> int:
     """FLOPs of a node by ``torch.utils.flop_counter``'s formulas (0 for ops without one)."""

@@ -58,6 +58,22 @@ def is_view(node: torch.fx.Node) -> bool:
     return alias is not None
 
 
+def storage_root(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose buffer ``node`` aliases: views alias their base, and so does a
+    ``getitem`` of a view op that returns several (``split``, ``unbind``); a ``getitem`` of
+    another multi-output op (``native_layer_norm``) is its own buffer."""
+    base = node
+    while base.op == "call_function" and base.args and isinstance(base.args[0], torch.fx.Node):
+        source = base.args[0]
+        if base.target is operator.getitem:
+            if source.op != "call_function" or not is_view(source):
+                break
+        elif not is_view(base):
+            break
+        base = source
+    return base
+
+
 def _category(node: torch.fx.Node) -> str:
     if node.op == "placeholder":
         return "inputs"
@@ -156,11 +172,7 @@ def saved_activation_bytes(forward: torch.fx.Graph, num_fwd_outputs: int) -> int
     seen: set = set()
     total = 0
     for node in saved:
-        base = node
-        while base.op == "call_function" and is_view(base) and base.args and isinstance(base.args[0], torch.fx.Node):
-            if base.target is operator.getitem:
-                break
-            base = base.args[0]
+        base = storage_root(node)
         if base.op == "placeholder" or base in seen:
             continue
         seen.add(base)

@@ -1,7 +1,7 @@
 """Analysis: a cost model measured on the frame's own graph (``options={"profile": True}``).
 
-``selective_unshard``, ``recompute`` and ``prefetch`` weigh each node's compute time against
-all-gather times. By default those times are estimates: FLOPs and bytes divided by four
+``selective_unshard``, ``recompute``, ``prefetch`` and ``plan_activations`` weigh each node's
+compute time against all-gather (and activation transfer) times. By default those times are estimates: FLOPs and bytes divided by four
 probed rates (``cost_model.py``). With ``profile=True`` they are measured on the graph that
 will run, once per compiled frame, before the joint-graph passes decide anything:
 
@@ -15,6 +15,12 @@ will run, once per compiled frame, before the joint-graph passes decide anything
   ``bucket_mb``, is gathered on the real group and timed. A least-squares fit of
   ``alpha + wire bytes / bandwidth`` to those points gives the sizes not measured (buckets,
   reduce-scatters, all-reduces).
+- **Activation offload.** When the ``plan_activations`` pass will run (``offload_activations``
+  with a ``budget_mb``), each distinct size of the saved storages it may offload (at most
+  ``MAX_OFFLOAD_SIZES``, spread over the range) is copied out and read back through the very
+  ops and store the ``offload_activations`` pass uses; half the round trip is the size's
+  transfer time, and a fit of ``alpha + bytes * beta`` gives the sizes not measured. The
+  regions this reserves in the swap file are the ones the real tensors of those sizes reuse.
 - **Identical on every rank.** The ranks first check that they profile the same ops and
   sizes (the same graph), then all-gather their timings and keep the slowest rank's figure
   for each, so every rank makes the same decisions.
@@ -56,6 +62,8 @@ log = logging.getLogger("zerocompile")
 _c10d = torch.ops._c10d_functional
 MAX_GATHER_SIZES = 12
 """At most this many distinct all-gather sizes are timed per frame (spread over the range)."""
+MAX_OFFLOAD_SIZES = 8
+"""At most this many distinct saved-activation sizes are offloaded and reloaded per frame."""
 _SLOW_OP_S = 0.1
 """An op whose warm-up run takes longer than this is timed once more, not ``repeats`` times."""
 
@@ -70,6 +78,11 @@ class ProfiledCostModel(CostModel):
     """Measured seconds per op signature (``op_signature``)."""
     gather_seconds: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
     """Measured seconds per all-gather output size in bytes."""
+    offload_seconds: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+    """Measured seconds to copy one saved tensor out (half its round trip) per size in bytes."""
+    offload_fit: tuple | None = dataclasses.field(default=None, hash=False, compare=False)
+    """``(alpha, beta)``: ``alpha + bytes * beta`` seconds one way, fitted to ``offload_seconds``;
+    None with fewer than two sizes (the ``offload_gbps`` rate is used for unmeasured sizes)."""
 
     def node_time(self, node: torch.fx.Node) -> float:
         if node.op != "call_function" or node.target in COLLECTIVE_OPS or is_view(node):
@@ -82,6 +95,13 @@ class ProfiledCostModel(CostModel):
         if kind == "all_gather" and world > 1 and nbytes in self.gather_seconds:
             return self.gather_seconds[nbytes]
         return super().collective_time(kind, nbytes, world)
+
+    def offload_time(self, nbytes: int) -> float:
+        if nbytes in self.offload_seconds:
+            return self.offload_seconds[nbytes]
+        if self.offload_fit is not None:
+            return self.offload_fit[0] + nbytes * self.offload_fit[1]
+        return super().offload_time(nbytes)
 
 
 # ----------------------------------------------------------------------------- signatures
@@ -220,11 +240,49 @@ def gather_sizes(graph: torch.fx.Graph, bucket_bytes: int, limit: int = MAX_GATH
              if n.target is _c10d.all_gather_into_tensor.default and isinstance(n.meta.get("val"), torch.Tensor)}
     if bucket_bytes > 0 and sizes:
         sizes.add(int(bucket_bytes))
+    return _spread(sizes, limit)
+
+
+def _spread(sizes, limit: int) -> list[int]:
+    """At most ``limit`` of the positive ``sizes``, spread over their sorted range."""
     ordered = sorted(s for s in sizes if s > 0)
     if len(ordered) > limit:
         step = (len(ordered) - 1) / (limit - 1)
         ordered = sorted({ordered[round(i * step)] for i in range(limit)})
     return ordered
+
+
+# ----------------------------------------------------------------------------- activation offload
+def offload_sizes(graph: torch.fx.Graph, settings, device: torch.device, limit: int = MAX_OFFLOAD_SIZES) -> list[int]:
+    """The distinct sizes (bytes) of the saved activations ``plan_activations`` may offload
+    (``settings``: the ``offload_activations`` settings; none unless its planner runs and there
+    is somewhere to move them), at most ``limit`` of them, spread over the sorted range."""
+    from zerocompile.passes.offload_activations import why_kept
+    from zerocompile.passes.recompute import SavedBytesEstimator
+
+    if settings is None or settings.budget_mb is None or (settings.device == "cpu" and device.type != "cuda"):
+        return []
+    estimator = SavedBytesEstimator(graph)
+    min_bytes = settings.min_kb * 1024
+    return _spread({estimator.root_bytes.get(r, 0) for r in estimator.saved_roots({})
+                    if r.op != "placeholder" and why_kept(r.meta.get("val"), min_bytes) is None}, limit)
+
+
+def time_offload(nbytes: int, settings, device: torch.device, repeats: int = 3) -> float:
+    """Seconds to copy a saved tensor of ``nbytes`` out and back through the ops the
+    ``offload_activations`` pass inserts (``settings``' store), best of ``repeats`` after a
+    warm-up: the region it reserves in the store is the one the real tensor of that size
+    reuses."""
+    path = settings.nvme_path or ""
+    source = torch.ones(nbytes, dtype=torch.uint8, device=device)
+
+    def round_trip():
+        token = torch.ops.zerocompile.offload_activation(source, settings.device, path)
+        back = torch.ops.zerocompile.reload_activation(token, settings.device, path, [nbytes], [1], torch.uint8,
+                                                       device)
+        torch.ops._c10d_functional.wait_tensor(back)
+
+    return _best_time(round_trip, device, repeats, adaptive=False)
 
 
 def _gather(x: torch.Tensor, group: CommGroup, works: list, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -296,23 +354,24 @@ def _same_on_all_ranks(digest: int, group: CommGroup, device: torch.device, fram
 
 def profile_graph(graph: torch.fx.Graph, base: CostModel, group: CommGroup, device: torch.device,
                   bucket_bytes: int = 0, frame: str = "frame", repeats: int = 3,
-                  fake_params: bool = False) -> tuple[CostModel, dict]:
+                  fake_params: bool = False, offload=None) -> tuple[CostModel, dict]:
     """Time ``graph``'s distinct ops and all-gather sizes (see the module docstring).
 
     Returns the cost model (``base`` unchanged when nothing can be timed) and a summary for
     ``frame_reports()``. Collective: every rank of ``group`` calls it with the same graph.
     ``fake_params``: the frame's parameters are fake tensors (a script run under a
-    ``FakeTensorMode``), so there is nothing real to time on."""
+    ``FakeTensorMode``), so there is nothing real to time on. ``offload``: the
+    ``offload_activations`` settings, whose store times the sizes ``offload_sizes`` gives."""
     why_not = can_profile(group, device, fake_params)
     if why_not is not None:
         log.info("[%s] profile: skipped (%s); the passes use the estimates", frame, why_not)
         return base, {"skipped": why_not}
     # AOTAutograd calls the partitioner under its FakeTensorMode: step out of it to time
     with _torch_compat.real_tensors():
-        return _profile(graph, base, group, device, bucket_bytes, frame, repeats)
+        return _profile(graph, base, group, device, bucket_bytes, frame, repeats, offload)
 
 
-def _profile(graph, base, group, device, bucket_bytes, frame, repeats) -> tuple[CostModel, dict]:
+def _profile(graph, base, group, device, bucket_bytes, frame, repeats, offload) -> tuple[CostModel, dict]:
     start = time.perf_counter()
     works: list = []  # every collective's work, held until the last one is done (see _gather)
     first: dict = {}
@@ -322,26 +381,31 @@ def _profile(graph, base, group, device, bucket_bytes, frame, repeats) -> tuple[
             first[sig] = node
     signatures = list(first)
     sizes = gather_sizes(graph, bucket_bytes) if group.world > 1 else []
+    moved = offload_sizes(graph, offload, device)
     multi = group.world > 1
     if multi:
-        _same_on_all_ranks(fingerprint([signatures, sizes]), group, device, frame, works)
+        _same_on_all_ranks(fingerprint([signatures, sizes, moved]), group, device, frame, works)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         op_times = [time_op(first[s], repeats) for s in signatures]
     gather_times = [time_gather(n, group, device, repeats, works) for n in sizes]
-    mine = torch.tensor([-1.0 if t is None else t for t in op_times] + gather_times, dtype=torch.float64,
-                        device=device)
+    offload_times = [time_offload(n, offload, device, repeats) / 2 for n in moved]
+    mine = torch.tensor([-1.0 if t is None else t for t in op_times] + gather_times + offload_times,
+                        dtype=torch.float64, device=device)
     if multi and mine.numel():
         # the slowest rank's figure for each (an op no rank could time stays -1)
         mine = _gather(mine, group, works).view(group.world, -1).amax(0)
     values = mine.cpu().tolist()
     works.clear()  # destroyed here, on this thread, now that no collective follows
     op_seconds = {s: v for s, v in zip(signatures, values) if v >= 0}
-    gather_seconds = dict(zip(sizes, values[len(signatures):]))
+    gather_seconds = dict(zip(sizes, values[len(signatures):len(signatures) + len(sizes)]))
+    offload_seconds = dict(zip(moved, values[len(signatures) + len(sizes):]))
     frac = (group.world - 1) / group.world if multi else 1.0
     fit = fit_alpha_beta([(n * frac, t) for n, t in gather_seconds.items()])
     rates = {} if fit is None else {"alpha_s": fit[0], "bandwidth": 1.0 / fit[1]}
     model = ProfiledCostModel(**{**{f.name: getattr(base, f.name) for f in dataclasses.fields(CostModel)},
-                                 **rates}, op_seconds=op_seconds, gather_seconds=gather_seconds)
+                                 **rates}, op_seconds=op_seconds, gather_seconds=gather_seconds,
+                              offload_seconds=offload_seconds,
+                              offload_fit=fit_alpha_beta(list(offload_seconds.items())))
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     measured = sum(model.node_time(n) for n in nodes)
     estimated = sum(base.node_time(n) for n in nodes)
@@ -350,10 +414,13 @@ def _profile(graph, base, group, device, bucket_bytes, frame, repeats) -> tuple[
         "gather_sizes": len(sizes), "seconds": time.perf_counter() - start,
         "graph_compute_s": {"measured": measured, "estimated": estimated},
         "alpha_us": model.alpha_s * 1e6, "bandwidth_gbps": model.bandwidth / 1e9,
+        "offload_sizes": len(moved),
+        "offload_gbps": (sum(moved) / sum(offload_seconds.values()) / 1e9) if moved else None,
         "digest": hashlib.sha256(repr(sorted(map(repr, op_seconds.items())) + sorted(
-            gather_seconds.items())).encode()).hexdigest()[:16],
+            gather_seconds.items()) + sorted(offload_seconds.items())).encode()).hexdigest()[:16],
     }
-    log.info("[%s] profile: timed %d distinct ops (%d kept estimates) and %d all-gather sizes in %.2f s; "
-             "the graph's compute measures %.3f s against an estimated %.3f s", frame, summary["ops_timed"],
-             summary["ops_estimated"], len(sizes), summary["seconds"], measured, estimated)
+    log.info("[%s] profile: timed %d distinct ops (%d kept estimates), %d all-gather sizes and %d activation "
+             "offload sizes in %.2f s; the graph's compute measures %.3f s against an estimated %.3f s", frame,
+             summary["ops_timed"], summary["ops_estimated"], len(sizes), len(moved), summary["seconds"], measured,
+             estimated)
     return model, summary

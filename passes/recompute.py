@@ -56,7 +56,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.cost_model import CostModel
 from zerocompile.passes.graph_utils import backward_nodes, is_backward_node, tensor_nbytes
-from zerocompile.passes.liveness import is_view, tensors_of
+from zerocompile.passes.liveness import storage_root, tensors_of
 from zerocompile.passes.reshard_after_forward import GATHER_AC_GRAPH_ID
 
 _MB = 2**20
@@ -191,16 +191,6 @@ def first_block_id(graph: torch.fx.Graph) -> int:
 
 
 # ------------------------------------------------------------------------ estimate
-def storage_root(node: torch.fx.Node) -> torch.fx.Node:
-    """The node whose buffer ``node`` aliases (views alias their base; a ``getitem`` of a
-    multi-output op is its own buffer)."""
-    base = node
-    while (base.op == "call_function" and base.target is not operator.getitem and is_view(base)
-           and base.args and isinstance(base.args[0], torch.fx.Node)):
-        base = base.args[0]
-    return base
-
-
 class SavedBytesEstimator:
     """Estimates the bytes the forward saves for backward under a tagging plan.
 

@@ -125,7 +125,8 @@ class ActivationOffloadSettings:
     budget_mb: float | str | None = None
     """None: offload every saved activation worth it (at least ``min_kb``). A number: MiB per rank
     of saved activations that may stay in memory; the planner (``plan_activations`` pass) chooses
-    per block among keep, recompute and offload, least estimated time first, until the rest fits.
+    per saved tensor among keep, recompute (whole blocks) and offload, least estimated time
+    first, until the rest fits.
     ``"auto"``: that budget is what ``memory_limit_mb`` leaves after the other transient tensors of
     the simulated step."""
 

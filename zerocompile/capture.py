@@ -109,7 +109,7 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         fake = any(_torch_compat.is_fake_tensor(sp.param) for sp in ctx.primal_params if sp is not None)
         ctx.cost_model, ctx.results["profile"] = profile_graph(
             graph, ctx.cost_model, ctx.group, ctx.device or torch.device("cpu"), bucket_bytes, ctx.frame,
-            fake_params=fake)
+            fake_params=fake, offload=ctx.config.offload_activations)
 
     def __deepcopy__(self, memo):
         # inductor deep-copies its config (which holds this object) when it snapshots it;

@@ -148,10 +148,11 @@ class ZeroConfig:
     profile: bool = False
     """Measure instead of estimate: once per compiled frame, before the passes decide, time
     each distinct op of the frame's graph on its device (on made-up inputs of the real shapes)
-    and each distinct all-gather size on the real group, keep the slowest rank's figures, and
-    let ``selective_unshard``, ``recompute`` and ``prefetch`` weigh those (unmeasured sizes
-    and ops keep the ``cost_model`` estimates). Costs one-off time in the first step; see
-    docs/passes.md."""
+    and each distinct all-gather size on the real group (and, when ``offload_activations`` has
+    a ``budget_mb``, each distinct size of saved activation through the offload store), keep
+    the slowest rank's figures, and let ``selective_unshard``, ``recompute``, ``prefetch`` and
+    ``plan_activations`` weigh those (unmeasured sizes and ops keep the ``cost_model``
+    estimates). Costs one-off time in the first step; see docs/passes.md."""
 
     dump: str | None = None
     """Directory to write every frame's graphs (before the pipeline and after each pass)
