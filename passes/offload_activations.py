@@ -23,7 +23,8 @@ exist anyway), not among the forward's real outputs (the caller holds those), of
 ``min_kb``, dense (contiguous up to a permutation of dimensions), with concrete sizes, on the
 CPU or a CUDA device; a saved view of one must lie inside it. Without a budget every such
 storage is offloaded. With one, only those the ``plan_activations`` pass chose (they carry the
-tag ``offload_activation``).
+tag ``offload_activation``), or what the partitioner saves in their place: an op of the
+backward it moved into the forward, computed from chosen tensors only (``chosen_by_plan``).
 
 **When reloads start.** Storages are grouped by the numbered block whose backward reads them
 first: the last block of the forward that read them (a block's output belongs to the next
@@ -51,7 +52,7 @@ import torch
 import torch.fx
 
 from zerocompile.passes.context import PassContext
-from zerocompile.passes.graph_utils import call, concrete_int, set_tag, tag, tensor_nbytes
+from zerocompile.passes.graph_utils import call, concrete_int, is_backward_node, set_tag, tag, tensor_nbytes
 from zerocompile.passes.liveness import is_view, storage_root
 from zerocompile.passes.recompute import numbered_block_of
 from zerocompile.runtime import activation_offload
@@ -113,9 +114,26 @@ def eligible(node: torch.fx.Node, outputs: set, min_bytes: float, planned: bool)
         return why
     if root is not node and (why_kept(val, 0) == "symbolic shape" or view_layout(val, base) is None):
         return "a view its base's copy cannot give"
-    if planned and not (tag(node).get("offload_activation") or tag(root).get("offload_activation")):
+    if planned and not chosen_by_plan(node):
         return "kept by the plan"
     return None
+
+
+def chosen_by_plan(node: torch.fx.Node, memo: dict | None = None) -> bool:
+    """Whether the plan offloads ``node``: it or its storage carries the tag, or it is an op of the
+    backward (AOTAutograd's ``partitioner_tag``) computed from tagged tensors only. The partitioner
+    may move such an op into the forward and save its result instead of the tensor it reads
+    (``exp`` of a log-softmax for its backward); that result is what the plan's storage became."""
+    memo = {} if memo is None else memo
+    if node in memo:
+        return memo[node]
+    memo[node] = False                                  # a cycle cannot occur; guards the recursion
+    if tag(node).get("offload_activation") or tag(storage_root(node)).get("offload_activation"):
+        memo[node] = True
+    elif node.op == "call_function" and is_backward_node(node):
+        inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        memo[node] = bool(inputs) and all(chosen_by_plan(a, memo) for a in inputs)
+    return memo[node]
 
 
 def offload_saved(graph: torch.fx.Graph, num_fwd_outputs: int, device: str, nvme_path: str, min_bytes: float,
