@@ -3,7 +3,8 @@
 # make bench: same install plus the bench extra (DeepSpeed, matplotlib, pytest-benchmark), then benchmarks/run.py,
 #             benchmarks/optimizer_step.py, benchmarks/first_step.py, benchmarks/collectives.py, benchmarks/quantize.py,
 #             benchmarks/onebit_bytes.py, benchmarks/whole_param_step.py,
-#             benchmarks/step_breakdown.py, benchmarks/plan_llama70b.py, benchmarks/lr_schedules_vs_deepspeed.py
+#             benchmarks/step_breakdown.py, benchmarks/plan_llama70b.py, benchmarks/tune_llama70b.py,
+#             benchmarks/lr_schedules_vs_deepspeed.py
 #             and the micro benchmarks
 #             (results in benchmarks/results/).
 # make gpu-check: on a machine with a CUDA device, the GPU paths (benchmarks/gpu_check.py).
@@ -53,6 +54,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/onebit_bytes.py
 	$(PY) benchmarks/step_breakdown.py
 	$(PY) benchmarks/plan_llama70b.py
+	$(PY) benchmarks/tune_llama70b.py
+	$(PY) benchmarks/tune_llama70b.py --exact
 	$(PY) benchmarks/lr_schedules_vs_deepspeed.py | tee benchmarks/results/lr_schedules_vs_deepspeed.txt
 	$(PY) benchmarks/whole_param_step.py
 	$(PY) benchmarks/activation_offload.py

@@ -72,6 +72,8 @@ class Hardware:
     offload_gbps: float = 1.0
     """GB/s one rank writes (or reads) offloaded activations at (``offload_activations``): the
     disk under ``nvme_path``, or the host link for ``"cpu"``; the planner weighs transfers with it."""
+    memory_gb: float = 0.0
+    """GiB of device memory per rank (``zerocompile tune``'s default memory limit); 0: unknown."""
     gradient_reduction: str = "reduce_scatter"
     """What the ``gradient_reduction`` option ``"auto"`` chooses on this machine (plan's fake
     ranks time nothing): ``"reduce_scatter"`` where the collectives are rings (NCCL), whose
@@ -90,13 +92,13 @@ HARDWARE = MappingProxyType({
         # 300; collectives sustain about 80% of that
         Hardware("h100", "NVIDIA H100 SXM nodes, 8 GPUs each, NVLink inside a node, 400 Gb/s InfiniBand per GPU",
                  flops_per_s=700e12, memory_gbps=3000.0, bandwidth_gbps=45.0, alpha_us=30.0, ranks_per_node=8,
-                 intra_node_gbps=360.0),
+                 intra_node_gbps=360.0, memory_gb=80.0),
         Hardware("h200", "NVIDIA H200 SXM nodes, 8 GPUs each, NVLink inside a node, 400 Gb/s InfiniBand per GPU",
                  flops_per_s=700e12, memory_gbps=4300.0, bandwidth_gbps=45.0, alpha_us=30.0, ranks_per_node=8,
-                 intra_node_gbps=360.0),
+                 intra_node_gbps=360.0, memory_gb=141.0),
         Hardware("a100", "NVIDIA A100 SXM nodes, 8 GPUs each, NVLink inside a node, 200 Gb/s InfiniBand per GPU",
                  flops_per_s=220e12, memory_gbps=1800.0, bandwidth_gbps=22.0, alpha_us=30.0, ranks_per_node=8,
-                 intra_node_gbps=240.0),
+                 intra_node_gbps=240.0, memory_gb=80.0),
         Hardware("cpu", "the cost model's defaults: a small CPU machine over gloo",
                  **DEFAULT_RATES, gradient_reduction="all_reduce"),
     )
@@ -104,13 +106,13 @@ HARDWARE = MappingProxyType({
 """Built-in ``--hardware`` profiles (a JSON file with the four rates gives any other)."""
 
 _OPTIONAL_HARDWARE_KEYS = ("name", "description", "ranks_per_node", "intra_node_gbps", "gradient_reduction",
-                           "offload_gbps")
+                           "offload_gbps", "memory_gb")
 
 
 def hardware_from(value: str) -> Hardware:
     """A profile by name, or from a JSON file holding ``flops_per_s``, ``memory_gbps``,
     ``bandwidth_gbps`` and ``alpha_us`` (and optionally ``name``, ``description``,
-    ``ranks_per_node``, ``intra_node_gbps``, ``gradient_reduction`` and ``offload_gbps``)."""
+    ``ranks_per_node``, ``intra_node_gbps``, ``gradient_reduction``, ``offload_gbps`` and ``memory_gb``)."""
     if value in HARDWARE:
         return HARDWARE[value]
     path = Path(value)
@@ -125,7 +127,7 @@ def hardware_from(value: str) -> Hardware:
     if not isinstance(rates, dict) or set(rates) - {*needed, *_OPTIONAL_HARDWARE_KEYS} or not set(needed) <= set(rates):
         raise ValueError(f"hardware file {path}: needs exactly the keys {', '.join(needed)} "
                          f"(and optionally {', '.join(_OPTIONAL_HARDWARE_KEYS)})")
-    for key in (*needed, "intra_node_gbps", "offload_gbps"):
+    for key in (*needed, "intra_node_gbps", "offload_gbps", "memory_gb"):
         v = rates.get(key, 1.0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ValueError(f"hardware file {path}: {key} = {v!r}; it must be a finite number > 0")
@@ -139,7 +141,8 @@ def hardware_from(value: str) -> Hardware:
     return Hardware(name=str(rates.get("name", path.stem)), description=str(rates.get("description", str(path))),
                     **{k: float(rates[k]) for k in needed}, ranks_per_node=per_node,
                     intra_node_gbps=float(rates.get("intra_node_gbps", 0.0)), gradient_reduction=reduction,
-                    offload_gbps=float(rates.get("offload_gbps", 1.0)))
+                    offload_gbps=float(rates.get("offload_gbps", 1.0)),
+                    memory_gb=float(rates.get("memory_gb", 0.0)))
 
 
 # ------------------------------------------------------------------------------- dispatch modes
@@ -248,7 +251,7 @@ _FREE_OPS = frozenset({
 })
 
 
-class _StepWatcher:
+class StepWatcher:
     """Counts the script's optimizer steps (a ``ZeroOptimizer``'s inner optimizer is not a
     step of its own) and calls ``on_step(n)`` after each."""
 
@@ -445,7 +448,7 @@ def _plan_once(script, script_args, world_size, options, hardware, stdout, repla
 
     @contextlib.contextmanager
     def around():
-        with fake_mode, ScalarReadsAreZero(), _StepWatcher(measure), \
+        with fake_mode, ScalarReadsAreZero(), StepWatcher(measure), \
                 (replayer if replayer is not None else contextlib.nullcontext()), \
                 contextlib.redirect_stdout(stdout or sys.stdout):
             try:
@@ -531,6 +534,20 @@ def _activations(frames: list) -> dict:
         out["recompute"] += plan.get("recomputed", [])
         out["offload"] += plan.get("offloaded", [])
     return out
+
+
+def activations_line(acts: dict, fmt_bytes) -> str | None:
+    """One line on ``PlanReport.activations`` (what the frames save for backward, what is
+    offloaded, what the activation planner chose), or None when nothing is offloaded or planned;
+    ``fmt_bytes`` formats a byte count."""
+    if not (acts.get("offloaded_bytes") or acts.get("recompute") or acts.get("offload")):
+        return None
+    line = (f"activations saved for backward: {fmt_bytes(acts.get('saved_bytes', 0))}, of which "
+            f"{fmt_bytes(acts.get('offloaded_bytes', 0))} offloaded (offload_activations)")
+    if acts.get("recompute") or acts.get("offload"):
+        line += (f"; planner: recompute {', '.join(acts.get('recompute', [])) or 'none'}, "
+                 f"offload {', '.join(acts.get('offload', [])) or 'none'}")
+    return line
 
 
 def _record_unsharded(report: PlanReport) -> None:

@@ -22,10 +22,15 @@
     runs SCRIPT on N fake ranks with fake tensors and reports per rank its memory,
     communication and estimated step time.
 
+``zerocompile tune --world-size N [--hardware NAME|FILE] [--memory-limit-gb G] [--options JSON]
+[--out DIR] [--json] [--verify K] [--jobs J] -- SCRIPT [ARGS...]``
+    plans SCRIPT at N ranks with one configuration after another and reports the fastest whose
+    peak fits the memory limit, with the runners-up and why each lost.
+
 Bad arguments and paths are one-line errors on stderr with exit code 2; a missing optional
 tool (graphviz, matplotlib) is a one-line error with exit code 1. See docs/cli.md.
 
-One module per subcommand (``dump``, ``show``, ``consolidate``, ``plan``: each adds its parser
+One module per subcommand (``dump``, ``show``, ``consolidate``, ``plan``, ``tune``: each adds its parser
 with ``add_parser(subparsers)`` and runs as ``cmd_<name>(args)``); ``inputs`` reads and checks
 what they are given, ``render`` draws tables, DOT graphs and plots, ``errors`` holds
 ``CliError``. This module builds the parser and runs the command.
@@ -36,7 +41,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zerocompile.cli import consolidate, dump, plan, show
+from zerocompile.cli import consolidate, dump, plan, show, tune
 from zerocompile.cli.errors import CliError
 from zerocompile.cli.inputs import read_dump
 from zerocompile.cli.render import graph_to_dot, human_bytes, write_memory_plot, write_svg
@@ -44,7 +49,7 @@ from zerocompile.cli.render import graph_to_dot, human_bytes, write_memory_plot,
 __all__ = ["CliError", "build_parser", "graph_to_dot", "human_bytes", "main", "read_dump", "write_memory_plot",
            "write_svg"]
 
-SUBCOMMANDS = (dump, show, consolidate, plan)
+SUBCOMMANDS = (dump, show, consolidate, plan, tune)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,22 +60,22 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``zerocompile`` argument parser (subcommands ``dump``, ``show``, ``consolidate``, ``plan``)."""
+    """The ``zerocompile`` argument parser (subcommands ``dump``, ``show``, ``consolidate``, ``plan``, ``tune``)."""
     from zerocompile import __version__
 
     parser = _Parser(prog="zerocompile", description="Debugging tools for the zerocompile torch.compile backend.")
     parser.add_argument("--version", action="version", version=f"zerocompile {__version__}")
-    sub = parser.add_subparsers(dest="subcommand", metavar="{dump,show,consolidate,plan}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="subcommand", metavar="{dump,show,consolidate,plan,tune}", parser_class=_Parser)
     for command in SUBCOMMANDS:
         command.add_parser(sub)
     return parser
 
 
 def _split_script(argv: list) -> tuple:
-    """For ``dump`` and ``plan``: everything after the first ``--`` is the script and its
+    """For ``dump``, ``plan`` and ``tune``: everything after the first ``--`` is the script and its
     arguments, kept out of argparse (whose handling of ``--`` before a remainder varies
     between versions)."""
-    if argv and argv[0] in ("dump", "plan") and "--" in argv:
+    if argv and argv[0] in ("dump", "plan", "tune") and "--" in argv:
         cut = argv.index("--")
         return argv[:cut], argv[cut + 1:]
     return argv, None

@@ -108,19 +108,30 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def plan_in_subprocess(world_size: int, hardware: str, options: dict, script: Path, script_args: list,
+                       replay: bool = True) -> dict:
+    """``zerocompile plan --json`` of ``script`` in a fresh Python process (nothing of an earlier
+    plan's models or compiled frames is left to count); its report, or ``RuntimeError`` with the
+    last line plan printed on an error."""
+    cmd = [sys.executable, "-m", "zerocompile", "plan", "--world-size", str(world_size), "--hardware", hardware,
+           "--json", "--options", json.dumps(options), *([] if replay else ["--no-replay"]), "--", str(script),
+           *script_args]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-1:] or [f"(no output; exit code {done.returncode})"]
+        raise RuntimeError(tail[0])
+    return json.loads(done.stdout.strip().splitlines()[0])
+
+
 def _compare(args, options: dict, script: Path, script_args: list, status: Console) -> list:
     """Plan stages 0-3 with the same options, each in a subprocess of its own (a fresh
     process: nothing of one run's models or compiled frames is left to count in the next),
     ``args.jobs`` of them at a time."""
     def plan_stage(stage: int) -> dict:
-        cmd = [sys.executable, "-m", "zerocompile", "plan", "--world-size", str(args.world_size),
-               "--hardware", args.hardware, "--json", "--options", json.dumps({**options, "stage": stage}),
-               "--", str(script), *script_args]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
-            return {"options": {"stage": stage}, "error": tail[0]}
-        return json.loads(done.stdout.strip().splitlines()[0])
+        try:
+            return plan_in_subprocess(args.world_size, args.hardware, {**options, "stage": stage}, script, script_args)
+        except RuntimeError as exc:
+            return {"options": {"stage": stage}, "error": str(exc)}
 
     stages = (0, 1, 2, 3)
     with status.status(f"planning stages 0-3, {min(args.jobs, len(stages))} at a time"):

@@ -247,13 +247,10 @@ def print_plan(report, script: Path, console: Console) -> None:
         names = ", ".join(unsharded["names"][:6]) + (", ..." if unsharded["count"] > 6 else "")
         console.print(f"kept whole on every rank (used by no compiled frame; allow_unsharded): "
                       f"{unsharded['count']} parameter(s), {unsharded['elements']:,} elements: {names}")
-    acts = r.get("activations") or {}
-    if acts.get("offloaded_bytes") or acts.get("recompute") or acts.get("offload"):
-        line = (f"activations saved for backward: {human_bytes(acts['saved_bytes'])}, of which "
-                f"{human_bytes(acts['offloaded_bytes'])} offloaded (offload_activations)")
-        if acts.get("recompute") or acts.get("offload"):
-            line += (f"; planner: recompute {', '.join(acts['recompute']) or 'none'}, "
-                     f"offload {', '.join(acts['offload']) or 'none'}")
+    from zerocompile.plan import activations_line
+
+    line = activations_line(r.get("activations") or {}, human_bytes)
+    if line is not None:
         console.print(line)
     comm = Table(title="collectives per step (full buffers; wire: what each rank sends in a ring over each "
                        "collective's group)", title_justify="left")

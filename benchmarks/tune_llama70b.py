@@ -1,0 +1,78 @@
+"""``zerocompile tune`` on Llama-3-70B with HF gradient checkpointing for 1024 H100s, against
+issue 30's targets: at least 8 experiments in under 10 minutes on this machine, and a best
+configuration that fits 80 GiB per rank and is no slower by the estimate than plain stage 3
+(the script's own options: stage 3, ``recompute="full"``).
+
+    python benchmarks/tune_llama70b.py [--world-size 1024] [--hardware h100] [--jobs 2] [--exact]
+                                       [--out benchmarks/results]
+
+It runs ``zerocompile tune --json`` on ``benchmarks/train_llama.py --size 70b --steps 2
+--checkpointing non_reentrant`` in a subprocess, times it, and writes
+``<out>/tune_llama70b[_exact].json`` and ``.md`` (the summary table, the targets, the best options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WALL_TARGET_S = 600
+MIN_EXPERIMENTS = 8
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=1024)
+    parser.add_argument("--hardware", default="h100")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--exact", action="store_true", help="tune without qwZ / qgZ")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "zerocompile", "tune", "--world-size", str(args.world_size), "--hardware",
+               args.hardware, "--jobs", str(args.jobs), "--out", tmp, "--json", *(["--exact"] if args.exact else []),
+               "--", str(REPO / "benchmarks" / "train_llama.py"), "--size", "70b", "--steps", "2",
+               "--checkpointing", "non_reentrant"]
+        start = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        wall = time.perf_counter() - start
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            return done.returncode
+        result = json.loads(done.stdout.splitlines()[0])
+        summary = (Path(tmp) / "summary.txt").read_text()
+    best, baseline = result["best"], result["baseline"]
+    limit = result["memory_limit_bytes"]
+    planned = [e for e in result["experiments"] if e["derived_from"] is None]
+    targets = [
+        (f"experiments >= {MIN_EXPERIMENTS}", len(planned), len(planned) >= MIN_EXPERIMENTS),
+        (f"wall time < {WALL_TARGET_S} s", f"{wall:.0f} s", wall < WALL_TARGET_S),
+        ("best fits the memory limit", f"{best['peak_bytes_per_rank'] / 2**30:.2f} GiB of {limit / 2**30:.0f}",
+         best["peak_bytes_per_rank"] <= limit),
+        ("best no slower than plain stage 3 (estimate)",
+         f"x{best['estimated_step_ms'] / baseline['estimated_step_ms']:.2f}",
+         best["estimated_step_ms"] <= baseline["estimated_step_ms"]),
+    ]
+    shown_cmd = [c for i, c in enumerate(cmd) if c != "--out" and not (i and cmd[i - 1] == "--out")]
+    shown = " ".join(c if " " not in c else f"'{c}'" for c in ["zerocompile", *shown_cmd[3:]]).replace(str(REPO) + "/", "")
+    md = (f"# zerocompile tune: Llama-3-70B with checkpointing on {args.world_size} ranks ({args.hardware})\n\n"
+          f"`{shown}`\n\n| target | measured | met |\n|---|---:|---|\n"
+          + "".join(f"| {t} | {m} | {ok} |\n" for t, m, ok in targets)
+          + f"\nbest options: `{json.dumps({k: v for k, v in best['options'].items()})}`\n\n```\n{summary}```\n")
+    name = "tune_llama70b_exact" if args.exact else "tune_llama70b"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps({"command": shown, "wall_s": wall, "targets": [
+        {"target": t, "measured": m, "met": ok} for t, m, ok in targets], "result": result}, indent=2, default=str))
+    (args.out / f"{name}.md").write_text(md)
+    print(md)
+    return 0 if all(ok for _, _, ok in targets) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""``zerocompile tune``: the search on a model of plan's figures (what it plans, in which order,
+when it stops, how it judges), its output files, its command line, and the ranking its
+estimates give against real runs of the same configurations on this machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dist_utils import free_port, run_cli
+from zerocompile.config import ZeroConfig
+from zerocompile.deepspeed_config import translate_deepspeed
+from zerocompile.plan import HARDWARE, hardware_from
+from zerocompile.tune import (Tuner, TuneSettings, deepspeed_config, experiment_name, model_state_by_stage,
+                              write_results)
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT = 600
+GiB = 2**30
+
+
+def _report(stage: int, peak: float, step_s: float, state: dict) -> dict:
+    return {"stages": [stage], "peak_bytes_per_rank": int(peak), "estimated_step_s": step_s,
+            "model_state_bytes_by_kind": state, "model_state_bytes_per_rank": sum(state.values()),
+            "activations": {}}
+
+
+class Model:
+    """Plan's figures for a made-up model on 8 ranks: 8 GiB of parameters, as many of gradients,
+    16 GiB of optimizer state (each full); every stage shards as ZeRO does. Peak = model state +
+    2 GiB of activations (``recompute`` halves them); step time by stage, ``bucket_mb`` 50 a bit
+    faster. ``calls`` records what was planned."""
+
+    world = 8
+
+    def __init__(self, limit_gib: float):
+        self.limit = limit_gib
+        self.calls: list = []
+
+    def state(self, stage: int) -> dict:
+        w = self.world
+        return {"params": 8 * GiB / (w if stage == 3 else 1), "grads": 8 * GiB / (w if stage >= 2 else 1),
+                "optimizer_state": 16 * GiB / (w if stage >= 1 else 1)}
+
+    def plan(self, options: dict, mb, gas) -> dict:
+        self.calls.append(dict(options))
+        stage = options.get("stage", 3)
+        state = self.state(stage)
+        activations = 1 * GiB if options.get("recompute") == "full" else 2 * GiB
+        step = {0: 1.0, 1: 1.05, 2: 1.1, 3: 1.4}[stage]
+        if options.get("bucket_mb") == 50.0:
+            step -= 0.05
+        if options.get("recompute") == "full":
+            step += 0.3
+        return _report(stage, sum(state.values()) + activations, step, state)
+
+
+def _settings(limit_gib: float, **kw) -> TuneSettings:
+    return TuneSettings(world_size=Model.world, hardware=HARDWARE["h100"], memory_limit_bytes=limit_gib * GiB,
+                        base_options={"stage": 3}, **kw)
+
+
+def test_the_search_plans_the_stages_then_around_the_best_and_picks_the_fastest_that_fits():
+    model = Model(limit_gib=19)
+    tuner = Tuner(_settings(19), model.plan)
+    tuner.run()
+    # stage 0 holds 32 GiB of model state by the formulas: not planned, with why
+    assert [s["options"] for s in tuner.skipped] == [{"stage": 0}]
+    assert "memory" in tuner.skipped[0]["why"]
+    # stage 1 holds 18 GiB, planned: its 2 GiB of activations put it over; stage 2 fits and is
+    # faster than 3
+    assert [c.get("stage") for c in model.calls[:3]] == [3, 2, 1]
+    best = tuner.best()
+    assert best.options["stage"] == 2 and best.options.get("bucket_mb") == 50.0 and best.verdict == "best"
+    verdicts = {e.name: e.verdict for e in tuner.experiments}
+    assert verdicts["baseline"].startswith("time:") and verdicts["z1"].startswith("memory:")
+    # ranked: the fits by time, then the rest by peak
+    ranked = tuner.ranked()
+    assert ranked[0] is best and ranked[-1].name == "z1"
+
+
+def test_the_search_stops_after_patience_experiments_without_a_better_one():
+    model = Model(limit_gib=100)
+    tuner = Tuner(_settings(100, patience=2, max_experiments=50), model.plan)
+    tuner.run()
+    # baseline, the three other stages (a sweep is never cut short), then two that do not beat stage
+    # 0's bucket 50 (which is not a knob at stage 0: stage 0's neighbours are recompute and offload)
+    assert len(tuner.experiments) == 1 + 3 + 2
+    capped = Tuner(_settings(100, max_experiments=3), Model(100).plan)
+    capped.run()
+    assert len(capped.experiments) == 3
+
+
+def test_when_nothing_fits_an_optimizer_offload_row_is_derived_from_the_best():
+    model = Model(limit_gib=3.2)
+    tuner = Tuner(_settings(3.2), model.plan)
+    tuner.run()
+    derived = [e for e in tuner.experiments if e.derived_from]
+    assert derived and "offload_optimizer" in derived[0].options
+    source = next(e for e in tuner.experiments if e.name == derived[0].derived_from)
+    moved = source.report["model_state_bytes_by_kind"]["optimizer_state"]
+    assert derived[0].peak_bytes == source.peak_bytes - moved
+    assert derived[0].step_ms > source.step_ms
+    assert all("offload_optimizer" not in c for c in model.calls)       # derived, never planned
+
+
+def test_model_state_by_stage_follows_the_zero_formulas():
+    state = Model(1).state(3)
+    got = model_state_by_stage(_report(3, 0, 0, state), 8)
+    for stage in range(4):
+        assert got[stage] == pytest.approx(sum(Model(1).state(stage).values()))
+
+
+def test_the_deepspeed_config_translates_back_to_the_options():
+    options = {"stage": 3, "bucket_mb": 50.0, "prefetch": True, "zero_hpz_partition_size": 8,
+               "zero_quantized_weights": True, "zero_quantized_gradients": True,
+               "reshard_after_forward": False, "recompute": "full"}
+    ds, left = deepspeed_config(options, micro_batch=2, grad_accum=4)
+    assert sorted(left) == ["recompute", "reshard_after_forward"]
+    back = translate_deepspeed(ds)
+    assert back == {k: v for k, v in options.items() if k not in left}
+    assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["gradient_accumulation_steps"] == 4
+    assert experiment_name({"stage": 2, "bucket_mb": 50.0, "micro_batch": 2}) == "z2_bucket50_mb2"
+
+
+def test_the_results_directory(tmp_path):
+    model = Model(limit_gib=19)
+    settings = _settings(19)
+    tuner = Tuner(settings, model.plan)
+    tuner.run()
+    out = write_results(tmp_path, tuner, settings, ["train.py", "--x", "1"])
+    assert out["best"]["name"] == tuner.best().name and out["baseline"]["name"] == "baseline"
+    assert {e["name"] for e in out["experiments"]} == {e.name for e in tuner.experiments}
+    for e in out["experiments"]:
+        assert set(e) >= {"options", "estimated_step_ms", "peak_bytes_per_rank", "verdict"}
+    best = json.loads((tmp_path / "best_options.json").read_text())
+    ZeroConfig.from_options(best)                                  # accepted as options=
+    ds = json.loads((tmp_path / "ds_config_optimal.json").read_text())
+    assert translate_deepspeed(ds)["stage"] == best["stage"]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "best: " + tuner.best().name in summary and "memory:" in summary
+    assert sorted(p.stem for p in (tmp_path / "experiments").iterdir()) == sorted(e.name for e in tuner.experiments)
+    assert "torchrun" in (tmp_path / "cmd_optimal.txt").read_text()
+
+
+def test_tune_on_a_real_script(tmp_path):
+    """The command line on the tiny Llama at 16 ranks (two nodes of the h100 profile): one JSON
+    object with best and baseline first on stdout, the files in --out."""
+    done = run_cli(["tune", "--world-size", "16", "--hardware", "h100", "--memory-limit-gb", "0.05", "--jobs", "2",
+                    "--max-experiments", "6", "--out", str(tmp_path / "out"), "--json", "--",
+                    str(REPO / "benchmarks" / "train_llama.py"), "--size", "tiny", "--layers", "2", "--seq", "32",
+                    "--steps", "2"], REPO, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[0])
+    assert got["baseline"]["options"] == {} and got["best"]["peak_bytes_per_rank"] <= 0.05 * GiB
+    assert got["best"]["estimated_step_ms"] <= got["baseline"]["estimated_step_ms"]
+    assert 2 <= len(got["experiments"]) <= 6
+    assert got["best"]["activations"]["saved_bytes"] > 0          # what the frames save, as plan reports it
+    assert (tmp_path / "out" / "summary.txt").is_file() and (tmp_path / "out" / "best_options.json").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "8", "--hardware", "cpu"], "pass --memory-limit-gb"),
+    (["--world-size", "8", "--memory-limit-gb", "1", "--micro-batch", "2"], "needs '{micro_batch}'"),
+    (["--world-size", "8", "--memory-limit-gb", "1", "--", "{micro_batch}"], "give the baseline with --micro-batch"),
+    (["--world-size", "8", "--options", '{"offload_optimizer": {"device": "cpu"}}'], "cannot set 'offload_optimizer'"),
+    (["--world-size", "0"], "--world-size must be >= 1"),
+])
+def test_bad_arguments_are_one_line_errors(tmp_path, argv, message):
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    if "--" in argv:
+        cut = argv.index("--")
+        argv = argv[:cut] + ["--", str(script)] + argv[cut + 1:]
+    else:
+        argv = argv + ["--", str(script)]
+    done = run_cli(["tune", *argv], REPO, timeout=60)
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+# A torchrun-style script whose micro-batch size and accumulation come from its arguments.
+SCRIPT = textwrap.dedent("""
+    import argparse, datetime, sys
+    import torch, torch.distributed as dist
+    import zerocompile
+    sys.path.insert(0, {tests!r})
+    from models import make_batch, make_model
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--accum", type=int)
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    torch.manual_seed(0)
+    model = torch.compile(make_model("gpt"), backend="zero", options={{"stage": 3, "inner_compiler": "eager"}})
+    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    for step in range(args.steps):
+        for micro in range(args.accum):
+            x, y = make_batch("gpt", step * args.accum + micro, args.batch)
+            (model(x, y) / args.accum).backward()
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()
+    dist.destroy_process_group()
+""").format(tests=str(REPO / "tests"))
+
+
+def test_the_estimated_ranking_agrees_with_real_runs_here(tmp_path):
+    """Three splits of the same 16 samples per rank, planned on this machine's hardware profile
+    (``benchmarks/calibrate_hardware.py`` on 2 gloo ranks) at its world size, then run for real
+    (``--verify``'s runner, 2 gloo ranks): the order of their estimated step times is the order of
+    their measured ones (each accumulation step gathers the stage-3 parameters again)."""
+    from zerocompile.cli.plan import plan_in_subprocess
+    from zerocompile.cli.tune import verify_experiments
+    from zerocompile.tune import Experiment, substitute
+
+    profile = tmp_path / "here.json"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(REPO / "benchmarks" / "calibrate_hardware.py"), "--out", str(profile),
+                           "--memory-gb", "4"], capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert hardware_from(str(profile)).ranks_per_node == 2
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    args = ["--batch", "{micro_batch}", "--accum", "{grad_accum}"]
+    experiments = []
+    for mb, gas in ((16, 1), (4, 4), (1, 16)):
+        options = {"stage": 3}
+        report = plan_in_subprocess(2, str(profile), options, script, substitute(args, mb, gas) + ["--steps", "2"])
+        experiments.append(Experiment(name=f"mb{mb}", options=options, micro_batch=mb, grad_accum=gas, report=report))
+    verify_experiments(experiments, script, args, nproc=2)
+    for e in experiments:
+        assert e.measured and "error" not in e.measured, e.measured
+    by_estimate = [e.name for e in sorted(experiments, key=lambda e: e.step_ms)]
+    by_measurement = [e.name for e in sorted(experiments, key=lambda e: e.measured["step_ms"])]
+    assert by_estimate == by_measurement, [(e.name, e.step_ms, e.measured) for e in experiments]
+    print("estimate vs measured:", [(e.name, round(e.step_ms, 1), round(e.measured["step_ms"], 1)) for e in experiments])
+    assert all(e.measured["peak_bytes"] > 0 for e in experiments)
