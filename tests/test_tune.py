@@ -109,6 +109,25 @@ def test_when_nothing_fits_an_optimizer_offload_row_is_derived_from_the_best():
     assert all("offload_optimizer" not in c for c in model.calls)       # derived, never planned
 
 
+def test_the_micro_batch_search_keeps_the_samples_per_step():
+    """A model whose step is fastest at micro-batch 4 of 16 samples per rank: the search walks
+    there by doubling, every experiment trains 16 samples, and samples/s follows."""
+    planned = []
+
+    def plan(options, mb, gas):
+        planned.append((mb, gas))
+        step = 1.0 + 0.1 * abs(mb - 4) + 0.02 * gas
+        return _report(3, GiB, step, Model(1).state(3))
+
+    tuner = Tuner(_settings(100, micro_batch=1, grad_accum=16, exact=True), plan)
+    tuner.run()
+    assert all(mb * gas == 16 for mb, gas in planned)
+    best = tuner.best()
+    assert (best.micro_batch, best.grad_accum) == (4, 4)
+    assert best.samples_per_s(Model.world) == pytest.approx(16 * Model.world / best.step_ms * 1e3)
+    assert "mb4_gas4" in best.name
+
+
 def test_model_state_by_stage_follows_the_zero_formulas():
     state = Model(1).state(3)
     got = model_state_by_stage(_report(3, 0, 0, state), 8)
@@ -243,3 +262,19 @@ def test_the_estimated_ranking_agrees_with_real_runs_here(tmp_path):
     assert by_estimate == by_measurement, [(e.name, e.step_ms, e.measured) for e in experiments]
     print("estimate vs measured:", [(e.name, round(e.step_ms, 1), round(e.measured["step_ms"], 1)) for e in experiments])
     assert all(e.measured["peak_bytes"] > 0 for e in experiments)
+
+
+def test_verify_from_the_command_line(tmp_path):
+    """``--verify 1``: the best planned configuration runs for real on 2 ranks and its measured
+    step time and peak come back beside the estimate (in --json and summary.txt)."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = run_cli(["tune", "--world-size", "2", "--hardware", "cpu", "--memory-limit-gb", "4", "--micro-batch", "4",
+                    "--max-experiments", "3", "--jobs", "2", "--verify", "1", "--out", str(tmp_path / "out"), "--json",
+                    "--", str(script), "--batch", "{micro_batch}", "--accum", "{grad_accum}"], REPO, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[0])
+    measured = got["best"]["measured"]
+    assert measured and measured["step_ms"] > 0 and measured["peak_bytes"] > 0 and measured["ranks"] == 2
+    assert got["best"]["samples_per_s"] > 0
+    assert "measured" in (tmp_path / "out" / "summary.txt").read_text()
