@@ -4,7 +4,7 @@ leaving out imports under ``if TYPE_CHECKING:`` (they never run).
 
 Layers, top to bottom; a module imports its own layer and the layers below it only:
 
-    tools      the CLI, plan, script runner, integrations, DeepSpeed training, the package root
+    tools      the CLI, plan, tune, measure, script runner, integrations, DeepSpeed training, the package root
     front      compile (backend, capture, config), optim (the optimizer and its collaborators), io
     passes     zerocompile.passes
     runtime    zerocompile.runtime
@@ -24,8 +24,8 @@ PACKAGES = {"zerocompile": ROOT / "zerocompile", "zerocompile.passes": ROOT / "p
             "zerocompile.runtime": ROOT / "runtime"}
 LAYERS = ("leaves", "runtime", "passes", "front", "tools")
 LEAVES = {"zerocompile.errors", "zerocompile.env", "zerocompile._torch_compat"}
-TOOLS = {"zerocompile", "zerocompile.__main__", "zerocompile.cli", "zerocompile.plan", "zerocompile.script_runner",
-         "zerocompile.integrations", "zerocompile.deepspeed_training"}
+TOOLS = {"zerocompile", "zerocompile.__main__", "zerocompile.cli", "zerocompile.plan", "zerocompile.tune",
+         "zerocompile.measure", "zerocompile.script_runner", "zerocompile.integrations", "zerocompile.deepspeed_training"}
 
 
 def modules() -> dict[str, Path]:
