@@ -4,6 +4,7 @@ estimates give against real runs of the same configurations on this machine."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -171,14 +172,14 @@ def test_tune_on_a_real_script(tmp_path):
     """The command line on the tiny Llama at 16 ranks (two nodes of the h100 profile): one JSON
     object with best and baseline first on stdout, the files in --out."""
     done = run_cli(["tune", "--world-size", "16", "--hardware", "h100", "--memory-limit-gb", "0.05", "--jobs", "2",
-                    "--max-experiments", "6", "--out", str(tmp_path / "out"), "--json", "--",
+                    "--max-experiments", "4", "--out", str(tmp_path / "out"), "--json", "--",
                     str(REPO / "benchmarks" / "train_llama.py"), "--size", "tiny", "--layers", "2", "--seq", "32",
                     "--steps", "2"], REPO, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.splitlines()[0])
     assert got["baseline"]["options"] == {} and got["best"]["peak_bytes_per_rank"] <= 0.05 * GiB
     assert got["best"]["estimated_step_ms"] <= got["baseline"]["estimated_step_ms"]
-    assert 2 <= len(got["experiments"]) <= 6
+    assert 2 <= len(got["experiments"]) <= 4
     assert got["best"]["activations"]["saved_bytes"] > 0          # what the frames save, as plan reports it
     assert (tmp_path / "out" / "summary.txt").is_file() and (tmp_path / "out" / "best_options.json").is_file()
 
@@ -249,11 +250,12 @@ def test_the_estimated_ranking_agrees_with_real_runs_here(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     args = ["--batch", "{micro_batch}", "--accum", "{grad_accum}"]
-    experiments = []
-    for mb, gas in ((16, 1), (4, 4), (1, 16)):
-        options = {"stage": 3}
-        report = plan_in_subprocess(2, str(profile), options, script, substitute(args, mb, gas) + ["--steps", "2"])
-        experiments.append(Experiment(name=f"mb{mb}", options=options, micro_batch=mb, grad_accum=gas, report=report))
+    splits = ((16, 1), (4, 4), (1, 16))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        reports = list(pool.map(lambda split: plan_in_subprocess(
+            2, str(profile), {"stage": 3}, script, substitute(args, *split) + ["--steps", "2"]), splits))
+    experiments = [Experiment(name=f"mb{mb}", options={"stage": 3}, micro_batch=mb, grad_accum=gas, report=report)
+                   for (mb, gas), report in zip(splits, reports)]
     verify_experiments(experiments, script, args, nproc=2)
     for e in experiments:
         assert e.measured and "error" not in e.measured, e.measured
@@ -270,7 +272,7 @@ def test_verify_from_the_command_line(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     done = run_cli(["tune", "--world-size", "2", "--hardware", "cpu", "--memory-limit-gb", "4", "--micro-batch", "4",
-                    "--max-experiments", "3", "--jobs", "2", "--verify", "1", "--out", str(tmp_path / "out"), "--json",
+                    "--max-experiments", "2", "--jobs", "2", "--verify", "1", "--out", str(tmp_path / "out"), "--json",
                     "--", str(script), "--batch", "{micro_batch}", "--accum", "{grad_accum}"], REPO, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.splitlines()[0])
