@@ -129,6 +129,21 @@ def test_the_micro_batch_search_keeps_the_samples_per_step():
     assert "mb4_gas4" in best.name
 
 
+def test_the_stage_the_script_chose_is_read_from_the_baseline():
+    """No stage in --options: the baseline runs the script's own (2 here), so the sweep plans
+    stages 3, 1 and 0, not stage 2 again."""
+    model = Model(limit_gib=100)
+
+    def plan(options, mb, gas):
+        return model.plan({"stage": 2, **options}, mb, gas)
+
+    settings = _settings(100)
+    settings.base_options = {}
+    tuner = Tuner(settings, plan)
+    tuner.run()
+    assert [c["stage"] for c in model.calls[:4]] == [2, 3, 1, 0]
+
+
 def test_model_state_by_stage_follows_the_zero_formulas():
     state = Model(1).state(3)
     got = model_state_by_stage(_report(3, 0, 0, state), 8)

@@ -347,7 +347,8 @@ class Tuner:
         if baseline.report is None:
             raise RuntimeError(f"the baseline (the script's own options) could not be planned: {baseline.error}")
         states = model_state_by_stage(baseline.report, s.world_size)
-        base_stage = s.base_options.get("stage", 3)
+        # the stage the script itself chose, where --options does not set it
+        base_stage = s.base_options.get("stage", (baseline.report.get("stages") or [3])[0])
         stages = []
         for stage in (3, 2, 1, 0):
             if stage == base_stage:

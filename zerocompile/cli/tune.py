@@ -143,7 +143,7 @@ def cmd_tune(args) -> int:
             raise CliError(f"zerocompile tune: error: {exc}") from None
     if args.verify:
         chosen = [e for e in tuner.ranked() if e.report is not None and e.derived_from is None][:args.verify]
-        verify_experiments(chosen, script, script_args, args.verify_nproc, console)
+        verify_experiments(chosen, script, script_args, args.verify_nproc, console, nvme_path=args.nvme_path)
     result = write_results(Path(args.out), tuner, settings, [str(script), *script_args])
     if args.json:
         print(json.dumps(result, default=str))
@@ -154,19 +154,24 @@ def cmd_tune(args) -> int:
     return 0
 
 
-def verify_experiments(experiments: list, script: Path, script_args: list, nproc: int, console=None) -> None:
+def verify_experiments(experiments: list, script: Path, script_args: list, nproc: int, console=None,
+                       nvme_path: str | None = None) -> None:
     """Run each experiment for real (``zerocompile.measure`` under ``torch.distributed.run``,
     ``nproc`` ranks) and set its ``measured``: the slowest rank's median step time and the
-    largest peak, or the error the run ended with."""
+    largest peak, or the error the run ended with. An offload directory ``nvme_path`` in the
+    options becomes a temporary one here (the tuned path is the training machines')."""
     from zerocompile.tune import substitute
 
     for e in experiments:
         status = console.status(f"verifying {e.name} on {nproc} ranks") if console else contextlib.nullcontext()
         with status, tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "measured"
+            options = json.dumps(e.options)
+            if nvme_path:
+                options = options.replace(json.dumps(nvme_path), json.dumps(str(Path(tmp) / "swap")))
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                    "--master-port", str(_free_port()), "-m", "zerocompile.measure", "--options",
-                   json.dumps(e.options), "--out", str(out), "--", str(script),
+                   options, "--out", str(out), "--", str(script),
                    *substitute(script_args, e.micro_batch, e.grad_accum)]
             done = subprocess.run(cmd, capture_output=True, text=True)
             ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("measured.rank*.json"))]
