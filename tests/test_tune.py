@@ -205,6 +205,7 @@ def test_tune_on_a_real_script(tmp_path):
     (["--world-size", "8", "--memory-limit-gb", "1", "--", "{micro_batch}"], "give the baseline with --micro-batch"),
     (["--world-size", "8", "--options", '{"offload_optimizer": {"device": "cpu"}}'], "cannot set 'offload_optimizer'"),
     (["--world-size", "0"], "--world-size must be >= 1"),
+    (["--world-size", "8", "--memory-limit-gb", "1", "--tokens-per-sample", "64"], "--tokens-per-sample needs"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, argv, message):
     script = tmp_path / "train.py"
@@ -287,11 +288,12 @@ def test_verify_from_the_command_line(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     done = run_cli(["tune", "--world-size", "2", "--hardware", "cpu", "--memory-limit-gb", "4", "--micro-batch", "4",
-                    "--max-experiments", "2", "--jobs", "2", "--verify", "1", "--out", str(tmp_path / "out"), "--json",
+                    "--max-experiments", "2", "--jobs", "2", "--verify", "1", "--tokens-per-sample", "16", "--out", str(tmp_path / "out"), "--json",
                     "--", str(script), "--batch", "{micro_batch}", "--accum", "{grad_accum}"], REPO, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.splitlines()[0])
     measured = got["best"]["measured"]
     assert measured and measured["step_ms"] > 0 and measured["peak_bytes"] > 0 and measured["ranks"] == 2
     assert got["best"]["samples_per_s"] > 0
+    assert got["best"]["tokens_per_s"] == pytest.approx(got["best"]["samples_per_s"] * 16)
     assert "measured" in (tmp_path / "out" / "summary.txt").read_text()

@@ -33,7 +33,7 @@ untried. The stage sweep is never cut short.
 baseline is ``micro_batch`` x ``grad_accum`` samples per rank per optimizer step; the search keeps
 that product (so every experiment trains the same global batch) and tries twice and half the best
 experiment's micro-batch where they divide it. With a known batch the summary gives samples per
-second.
+second (and tokens per second with ``tokens_per_sample``, the sequence length).
 
 **Cost.** Every experiment runs the script from the start in a new process, Dynamo's tracing
 included; nothing is reused between experiments (``--jobs`` of them run at once). Llama-3-70B at
@@ -100,11 +100,14 @@ class Experiment:
             return None
         return self.micro_batch * (self.grad_accum or 1) * world_size / (self.step_ms / 1e3)
 
-    def summary(self, world_size: int) -> dict:
+    def summary(self, world_size: int, tokens_per_sample: int | None = None) -> dict:
+        samples = self.samples_per_s(world_size)
         return {"name": self.name, "options": self.options, "overrides": self.overrides,
                 "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
                 "estimated_step_ms": self.step_ms, "peak_bytes_per_rank": self.peak_bytes,
-                "samples_per_s": self.samples_per_s(world_size), "verdict": self.verdict, "error": self.error,
+                "samples_per_s": samples,
+                "tokens_per_s": samples * tokens_per_sample if samples is not None and tokens_per_sample else None,
+                "verdict": self.verdict, "error": self.error,
                 "derived_from": self.derived_from, "measured": self.measured,
                 "activations": (self.report or {}).get("activations")}
 
@@ -126,6 +129,8 @@ class TuneSettings:
     """A new best must be this much faster to count as progress (early stopping)."""
     nvme_path: str = "/local_nvme"
     """Where a tuned activation offload would put its files (plan writes none)."""
+    tokens_per_sample: int | None = None
+    """Tokens in one sample (the sequence length), for tokens per second beside samples."""
 
 
 # ----------------------------------------------------------------------------- naming
@@ -464,9 +469,10 @@ def write_results(out_dir: Path, tuner: Tuner, settings: TuneSettings, command: 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "experiments").mkdir(exist_ok=True)
     world = settings.world_size
+    tokens = settings.tokens_per_sample
     for e in tuner.experiments:
         (out_dir / "experiments" / f"{e.name}.json").write_text(json.dumps(
-            {**e.summary(world), "report": e.report}, indent=2, default=str))
+            {**e.summary(world, tokens), "report": e.report}, indent=2, default=str))
     best = tuner.best()
     baseline = tuner.experiments[0]
     clean = {k: v for k, v in best.options.items() if k not in ("inner_compiler", "cost_model")}
@@ -477,8 +483,8 @@ def write_results(out_dir: Path, tuner: Tuner, settings: TuneSettings, command: 
     (out_dir / "cmd_optimal.txt").write_text(
         f"ZEROCOMPILE_OPTIONS='{json.dumps(clean)}' torchrun --nproc-per-node <GPUS> {cmd}\n")
     (out_dir / "summary.txt").write_text(summary_text(tuner, settings, left))
-    return {"best": best.summary(world), "baseline": baseline.summary(world),
-            "experiments": [e.summary(world) for e in tuner.ranked()], "skipped": tuner.skipped,
+    return {"best": best.summary(world, tokens), "baseline": baseline.summary(world, tokens),
+            "experiments": [e.summary(world, tokens) for e in tuner.ranked()], "skipped": tuner.skipped,
             "memory_limit_bytes": settings.memory_limit_bytes, "world_size": world,
             "hardware": dataclasses.asdict(settings.hardware), "out": str(out_dir)}
 
@@ -512,6 +518,11 @@ def summary_text(tuner: Tuner, settings: TuneSettings, ds_left: list) -> str:
         lines.append(f"not planned: {json.dumps(s['options'])}: {s['why']}")
     best = tuner.best()
     lines += ["", f"best: {best.name} ({best.verdict})"]
+    sps = best.samples_per_s(settings.world_size)
+    if sps is not None:
+        lines.append(f"best's throughput: {sps:.1f} samples/s"
+                     + (f", {sps * settings.tokens_per_sample:,.0f} tokens/s" if settings.tokens_per_sample else "")
+                     + f" over {settings.world_size} ranks (estimate)")
     line = activations_line((best.report or {}).get("activations") or {}, lambda n: f"{n / 2**30:.2f} GiB")
     if line is not None:
         lines.append(f"best's {line}")

@@ -34,7 +34,8 @@ def add_parser(subparsers) -> None:
                     "to --out. Put the script and its arguments after --; '{micro_batch}' and '{grad_accum}' "
                     "in them are replaced per experiment.",
         usage="zerocompile tune --world-size N [--hardware NAME|FILE] [--memory-limit-gb G] [--options JSON] "
-              "[--out DIR] [--json] [--verify K] [--jobs J] [--micro-batch M] [--grad-accum A] -- SCRIPT [ARGS...]")
+              "[--out DIR] [--json] [--verify K] [--jobs J] [--micro-batch M] [--grad-accum A] [--tokens-per-sample T] "
+              "-- SCRIPT [ARGS...]")
     tune.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks of the planned job")
     tune.add_argument("--hardware", default="h100", metavar="NAME|FILE",
                       help="rates of the planned machine, as for plan (default: h100)")
@@ -59,6 +60,9 @@ def add_parser(subparsers) -> None:
                            "the search keeps micro-batch x accumulation and tries other splits")
     tune.add_argument("--grad-accum", type=int, default=1, metavar="A",
                       help="the script's gradient accumulation steps ('{grad_accum}'; default: %(default)s)")
+    tune.add_argument("--tokens-per-sample", type=int, default=None, metavar="T",
+                      help="tokens in one sample (the sequence length): tokens per second beside samples "
+                           "per second, with --micro-batch")
     tune.add_argument("--max-experiments", type=int, default=50, metavar="E",
                       help="stop after this many experiments (default: %(default)s)")
     tune.add_argument("--patience", type=int, default=5, metavar="P",
@@ -106,13 +110,15 @@ def cmd_tune(args) -> int:
     if args.micro_batch is not None and not has_placeholder:
         raise CliError("zerocompile tune: error: --micro-batch needs '{micro_batch}' in the script's arguments "
                        "(e.g. -- train.py --batch {micro_batch}) to pass each experiment's value")
+    if args.tokens_per_sample is not None and (args.tokens_per_sample < 1 or args.micro_batch is None):
+        raise CliError("zerocompile tune: error: --tokens-per-sample needs --micro-batch (the batch) and must be >= 1")
     if args.micro_batch is not None and args.micro_batch < 1:
         raise CliError(f"zerocompile tune: error: --micro-batch must be >= 1, got {args.micro_batch}")
     settings = TuneSettings(world_size=args.world_size, hardware=hardware, memory_limit_bytes=limit_gb * 2**30,
                             base_options=options, micro_batch=args.micro_batch,
                             grad_accum=args.grad_accum if args.micro_batch is not None else None,
                             patience=args.patience, max_experiments=args.max_experiments, nvme_path=args.nvme_path,
-                            exact=args.exact)
+                            exact=args.exact, tokens_per_sample=args.tokens_per_sample)
 
     def plan_one(opts, mb, gas):
         return plan_in_subprocess(args.world_size, args.hardware, opts, script, substitute(script_args, mb, gas))
