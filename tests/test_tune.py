@@ -168,7 +168,11 @@ def test_the_results_directory(tmp_path):
     settings = _settings(19)
     tuner = Tuner(settings, model.plan)
     tuner.run()
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "experiments" / "z9_from_an_earlier_tune.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("keep me")
     out = write_results(tmp_path, tuner, settings, ["train.py", "--x", "1"])
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
     assert out["best"]["name"] == tuner.best().name and out["baseline"]["name"] == "baseline"
     assert {e["name"] for e in out["experiments"]} == {e.name for e in tuner.experiments}
     for e in out["experiments"]:

@@ -464,10 +464,13 @@ def deepspeed_config(options: dict, micro_batch: int | None = None, grad_accum: 
 
 def write_results(out_dir: Path, tuner: Tuner, settings: TuneSettings, command: list) -> dict:
     """``summary.txt``, ``experiments/<name>.json``, ``best_options.json``,
-    ``ds_config_optimal.json`` and ``cmd_optimal.txt`` under ``out_dir``; returns the ``--json``
-    object (``best``, ``baseline``, ``experiments``)."""
+    ``ds_config_optimal.json`` and ``cmd_optimal.txt`` under ``out_dir`` (replacing an earlier
+    tune's; other files there are left alone); returns the ``--json`` object (``best``,
+    ``baseline``, ``experiments``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "experiments").mkdir(exist_ok=True)
+    for stale in (out_dir / "experiments").glob("*.json"):     # an earlier tune's experiments
+        stale.unlink()
     world = settings.world_size
     tokens = settings.tokens_per_sample
     for e in tuner.experiments:
