@@ -360,7 +360,7 @@ class Tuner:
                 continue
             if states[stage] > s.memory_limit_bytes:
                 self.skipped.append({"options": {"stage": stage}, "why": f"memory: its model state alone, "
-                                     f"{states[stage] / 2**30:.2f} GiB per rank by the ZeRO formulas, is over the limit"})
+                                     f"{size(states[stage])} per rank by the ZeRO formulas, is over the limit"})
                 continue
             stages.append(({**s.base_options, "stage": stage}, s.micro_batch, s.grad_accum))
         best = self.best()
@@ -407,14 +407,24 @@ class Tuner:
             elif e.report is None:
                 e.verdict = f"error: {e.error}"
             elif not e.fits(limit):
-                e.verdict = f"memory: peak {e.peak_bytes / 2**30:.2f} GiB > limit {limit / 2**30:.2f} GiB"
+                e.verdict = f"memory: peak {size(e.peak_bytes)} > limit {size(limit)}"
             elif best is not None and best.fits(limit):
-                e.verdict = f"time: {e.step_ms:.1f} ms vs {best.step_ms:.1f} ms (x{e.step_ms / best.step_ms:.2f})"
+                e.verdict = f"time: {ms(e.step_ms)} vs {ms(best.step_ms)} (x{e.step_ms / best.step_ms:.2f})"
             else:
                 e.verdict = "fits"
 
 
 _MISSING = object()
+
+
+def size(nbytes: float) -> str:
+    """Bytes as GiB from 1 GiB up, else MiB, two decimals."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def ms(milliseconds: float) -> str:
+    """Milliseconds with a decimal from 10 ms up, three below."""
+    return f"{milliseconds:.{1 if milliseconds >= 10 else 3}f} ms"
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -497,18 +507,18 @@ def _measured_text(measured: dict | None) -> str:
         return ""
     if "error" in measured:
         return f"; --verify failed: {measured['error']}"
-    return f"; measured {measured['step_ms']:.1f} ms, {measured['peak_bytes'] / 2**20:.1f} MiB"
+    return f"; measured {ms(measured['step_ms'])}, {size(measured['peak_bytes'])}"
 
 
 def summary_text(tuner: Tuner, settings: TuneSettings, ds_left: list) -> str:
     limit = settings.memory_limit_bytes
     lines = [f"zerocompile tune: {settings.world_size} ranks, hardware {settings.hardware.name}, memory limit "
-             f"{limit / 2**30:.2f} GiB per rank", ""]
+             f"{size(limit)} per rank", ""]
     header = f"{'experiment':<36} {'peak/rank':>11} {'est. step':>12} {'samples/s':>10} {'fits':>5}  verdict"
     lines += [header, "-" * len(header)]
     for e in tuner.ranked():
-        peak = "-" if e.peak_bytes is None else f"{e.peak_bytes / 2**30:.2f} GiB"
-        step = "-" if e.step_ms is None else f"{e.step_ms:.{1 if e.step_ms >= 10 else 3}f} ms"
+        peak = "-" if e.peak_bytes is None else size(e.peak_bytes)
+        step = "-" if e.step_ms is None else ms(e.step_ms)
         sps = e.samples_per_s(settings.world_size)
         lines.append(f"{e.name:<36} {peak:>11} {step:>12} {'-' if sps is None else f'{sps:.1f}':>10} "
                      f"{'yes' if e.fits(limit) else 'no':>5}  {e.verdict}"
@@ -526,7 +536,7 @@ def summary_text(tuner: Tuner, settings: TuneSettings, ds_left: list) -> str:
         lines.append(f"best's throughput: {sps:.1f} samples/s"
                      + (f", {sps * settings.tokens_per_sample:,.0f} tokens/s" if settings.tokens_per_sample else "")
                      + f" over {settings.world_size} ranks (estimate)")
-    line = activations_line((best.report or {}).get("activations") or {}, lambda n: f"{n / 2**30:.2f} GiB")
+    line = activations_line((best.report or {}).get("activations") or {}, size)
     if line is not None:
         lines.append(f"best's {line}")
     if any(best.options.get(k) for k in QUANTIZING):
@@ -534,7 +544,7 @@ def summary_text(tuner: Tuner, settings: TuneSettings, ds_left: list) -> str:
                      "than the baseline (--exact leaves them out)")
         exact = [e for e in tuner.ranked() if e.fits(limit) and not any(e.options.get(k) for k in QUANTIZING)]
         if exact:
-            lines.append(f"best without quantization: {exact[0].name} ({exact[0].step_ms:.1f} ms, "
+            lines.append(f"best without quantization: {exact[0].name} ({ms(exact[0].step_ms)}, "
                          f"x{exact[0].step_ms / best.step_ms:.2f} of the best)")
     if best.derived_from:
         lines.append(f"note: the best row is derived from {best.derived_from} (optimizer offload is not simulated)")

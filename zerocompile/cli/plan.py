@@ -118,8 +118,10 @@ def plan_in_subprocess(world_size: int, hardware: str, options: dict, script: Pa
            *script_args]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        tail = done.stderr.strip().splitlines()[-1:] or [f"(no output; exit code {done.returncode})"]
-        raise RuntimeError(tail[0])
+        lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()] or [f"(no output; exit code {done.returncode})"]
+        # plan's own line, and the script's last words before it when the script failed
+        raise RuntimeError(lines[-1] if len(lines) == 1 or "exited with code" not in lines[-1]
+                           else f"{lines[-1]} (its last line: {lines[-2].strip()})")
     return json.loads(done.stdout.strip().splitlines()[0])
 
 

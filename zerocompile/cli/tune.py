@@ -80,7 +80,7 @@ def add_parser(subparsers) -> None:
 
 def cmd_tune(args) -> int:
     from zerocompile.plan import hardware_from
-    from zerocompile.tune import PLACEHOLDERS, Tuner, TuneSettings, substitute, write_results
+    from zerocompile.tune import PLACEHOLDERS, Tuner, TuneSettings, ms, size, substitute, write_results
 
     for flag, value, low in (("--world-size", args.world_size, 1), ("--jobs", args.jobs, 1),
                              ("--verify", args.verify, 0), ("--verify-nproc", args.verify_nproc, 1),
@@ -139,7 +139,7 @@ def cmd_tune(args) -> int:
         task = progress.add_task("baseline", total=args.max_experiments)
 
         def on_experiment(e):
-            figure = "error" if e.report is None else f"{e.step_ms:.1f} ms, {e.peak_bytes / 2**30:.2f} GiB"
+            figure = "error" if e.report is None else f"{ms(e.step_ms)}, {size(e.peak_bytes)}"
             progress.update(task, advance=1, description=f"{e.name}: {figure}")
 
         tuner = Tuner(settings, plan_one, plan_many, on_experiment)
