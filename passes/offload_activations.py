@@ -81,6 +81,13 @@ def why_kept(val, min_bytes: float) -> str | None:
     return None
 
 
+def offloadable_roots(roots, root_bytes: dict, min_bytes: float) -> list:
+    """Of the saved storages ``roots`` (their defining nodes, with their bytes), those this pass
+    would move; the profile times their sizes and ``plan_activations`` chooses among them."""
+    return [r for r in roots if r.op != "placeholder" and root_bytes.get(r, 0) > 0
+            and why_kept(r.meta.get("val"), min_bytes) is None]
+
+
 def view_layout(val, base) -> tuple | None:
     """``(size, stride, offset)`` that ``as_strided`` of a dense copy of ``base`` takes to give
     the view ``val``, or None when ``val`` does not lie in ``base``'s span (or is ``base``'s own
@@ -112,7 +119,7 @@ def eligible(node: torch.fx.Node, outputs: set, min_bytes: float, planned: bool)
     why = why_kept(base, min_bytes)
     if why is not None:
         return why
-    if root is not node and (why_kept(val, 0) == "symbolic shape" or view_layout(val, base) is None):
+    if root is not node and view_layout(val, base) is None:
         return "a view its base's copy cannot give"
     if planned and not chosen_by_plan(node):
         return "kept by the plan"

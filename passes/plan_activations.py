@@ -56,7 +56,7 @@ from zerocompile.passes.context import PassContext
 from zerocompile.passes.cost_model import CostModel
 from zerocompile.passes.graph_utils import set_tag
 from zerocompile.passes.liveness import simulate
-from zerocompile.passes.offload_activations import why_kept
+from zerocompile.passes.offload_activations import offloadable_roots
 from zerocompile.passes.profiler import ProfiledCostModel
 from zerocompile.passes.reshard_after_forward import GATHER_AC_GRAPH_ID
 from zerocompile.passes.recompute import (
@@ -64,13 +64,6 @@ from zerocompile.passes.recompute import (
 
 _MB = 2**20
 KEEP, RECOMPUTE, OFFLOAD = "keep", "recompute", "offload"
-
-
-def offloadable_roots(roots: set, root_bytes: dict, min_bytes: float, index: dict) -> list:
-    """The saved storages (their defining nodes) the offload pass would move, in graph order
-    (``index``: each node's position)."""
-    return sorted((r for r in roots if r.op != "placeholder" and root_bytes.get(r, 0) > 0
-                   and why_kept(r.meta.get("val"), min_bytes) is None), key=index.__getitem__)
 
 
 def exposed_transfer_seconds(one_way_s: float, forward_s: float, overlap: bool = True) -> float:
@@ -105,7 +98,7 @@ def choose(graph: torch.fx.Graph, budget_bytes: float, cost: CostModel, min_byte
     roots = estimator.saved_roots({})
     baseline = sum(root_bytes.get(r, 0) for r in roots)
     block_of = {n: b.order for b in blocks for n in b.nodes}
-    movable = offloadable_roots(roots, root_bytes, min_bytes, index)
+    movable = offloadable_roots(roots, root_bytes, min_bytes)
     figures = []
     heap: list = []            # (-rate, offload first, larger first, graph order, choice, block or root)
     for block in blocks:

@@ -257,15 +257,14 @@ def offload_sizes(graph: torch.fx.Graph, settings, device: torch.device, limit: 
     """The distinct sizes (bytes) of the saved activations ``plan_activations`` may offload
     (``settings``: the ``offload_activations`` settings; none unless its planner runs and there
     is somewhere to move them), at most ``limit`` of them, spread over the sorted range."""
-    from zerocompile.passes.offload_activations import why_kept
+    from zerocompile.passes.offload_activations import offloadable_roots
     from zerocompile.passes.recompute import SavedBytesEstimator
 
     if settings is None or settings.budget_mb is None or (settings.device == "cpu" and device.type != "cuda"):
         return []
     estimator = SavedBytesEstimator(graph)
-    min_bytes = settings.min_kb * 1024
-    return _spread({estimator.root_bytes.get(r, 0) for r in estimator.saved_roots({})
-                    if r.op != "placeholder" and why_kept(r.meta.get("val"), min_bytes) is None}, limit)
+    roots = offloadable_roots(estimator.saved_roots({}), estimator.root_bytes, settings.min_kb * 1024)
+    return _spread({estimator.root_bytes[r] for r in roots}, limit)
 
 
 def time_offload(nbytes: int, settings, device: torch.device, repeats: int = 3) -> float:

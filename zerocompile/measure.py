@@ -16,7 +16,6 @@ step ends; the median). The script must run at least four steps. Every worker wr
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import runpy
@@ -25,10 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 from zerocompile.backend import overriding_options
-from zerocompile.plan import StepWatcher
+from zerocompile.plan import StepWatcher, track_live_tensors
 from zerocompile.runtime.memory_tracker import LiveStorageTracker
 
 
@@ -41,9 +39,7 @@ def measure_script(script: Path, script_args: list, options: dict) -> dict:
     def on_step(step: int) -> None:
         ends.append(time.perf_counter())
         if step == 1:
-            for obj in gc.get_objects():
-                if issubclass(type(obj), torch.Tensor) and not getattr(obj, "is_meta", False):
-                    tracker.track(obj)
+            track_live_tensors(tracker)
             tracker.__enter__()
             tracker.reset_peak()
         elif step == 2:

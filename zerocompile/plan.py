@@ -434,7 +434,7 @@ def _plan_once(script, script_args, world_size, options, hardware, stdout, repla
         if step == 1:
             # the tracker and the timer watch the second step only (they would slow the first,
             # which compiles, for nothing): every fake tensor alive now is recorded first
-            _track_live_tensors(tracker, fake_mode)
+            track_live_tensors(tracker, fake_mode)
             timer.node_local_groups = node_local_groups(hardware, options)
             measuring.enter_context(tracker)
             measuring.enter_context(timer)
@@ -493,12 +493,14 @@ def node_local_groups(hardware: Hardware, options: dict) -> frozenset:
     return frozenset(names)
 
 
-def _track_live_tensors(tracker: LiveStorageTracker, fake_mode) -> None:
-    """Record the storage of every live fake tensor of ``fake_mode`` (parameters, shards,
-    gradients, optimizer state, the script's own tensors) in ``tracker``."""
+def track_live_tensors(tracker: LiveStorageTracker, fake_mode=None) -> None:
+    """Record the storage of every live tensor (parameters, shards, gradients, optimizer state,
+    the script's own tensors) in ``tracker``: the fake tensors of ``fake_mode``, or with None the
+    real ones (not on the meta device; ``zerocompile.measure``)."""
     for obj in gc.get_objects():
         # type(), not isinstance(): gc also holds weak proxies, which raise once their object is gone
-        if issubclass(type(obj), torch.Tensor) and getattr(obj, "fake_mode", None) is fake_mode:
+        if issubclass(type(obj), torch.Tensor) and getattr(obj, "fake_mode", None) is fake_mode \
+                and (fake_mode is not None or not obj.is_meta):
             tracker.track(obj)
 
 
