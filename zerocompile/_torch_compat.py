@@ -431,6 +431,39 @@ def inside_dynamo_trace() -> bool:
     return torch._guards.TracingContext.try_get() is not None
 
 
+def dynamo_fake_mode():
+    """The fake mode of the Dynamo compile running now (``FrameRunner.recompile`` compiles the
+    frame's graph again in it later), or None outside one.
+
+    Why private: ``torch._guards.TracingContext`` holds it; a backend's example inputs may carry
+    another (``zerocompile plan``'s parameters are fake tensors of plan's own mode).
+    """
+    context = torch._guards.TracingContext.try_get()
+    return None if context is None else context.fake_mode
+
+
+@contextlib.contextmanager
+def as_in_dynamo_compile(fake_mode):
+    """Run a backend's compile again as Dynamo ran it: with no dispatch mode active (a script's
+    modes, plan's among them, see none of it) and, when ``fake_mode`` is not None, in a tracing
+    context of that fake mode, so AOTAutograd traces with it and not with a mode of the caller
+    (the fake tensors of a graph's metadata would otherwise belong to plan's mode, which counts
+    them as the script's).
+
+    Why private: ``torch._guards.tracing``/``TracingContext`` are how Dynamo gives AOTAutograd its
+    fake mode, and ``torch.utils._python_dispatch._disable_current_modes`` is how it compiles
+    with the user's modes off; there is no public way to do either.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        if fake_mode is None:
+            yield
+            return
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            yield
+
+
 def held_by_autograd(param: torch.Tensor) -> bool:
     """Whether a C++ owner besides the Python object holds ``param``'s tensor: an autograd graph
     that eager code built from it (the ``AccumulateGrad`` node of a parameter that requires grad,

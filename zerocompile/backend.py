@@ -10,8 +10,9 @@ import os
 
 from zerocompile import _torch_compat, env
 from zerocompile.capture import compile_frame
-from zerocompile.config import ZeroConfig
+from zerocompile.config import ZeroConfig, options_needing_a_new_trace
 from zerocompile.errors import ZeroConfigError
+from zerocompile.runtime.accounting import ACCOUNTING
 
 log = logging.getLogger("zerocompile")
 
@@ -43,7 +44,34 @@ def zero_backend(gm, example_inputs, options=None, mode=None, **kwargs):
             f"torch.compile mode={mode!r} is not supported by the 'zero' backend; "
             "use options={...} (see docs/config.md)")
     cfg = ZeroConfig.from_options(_with_environment_options(options))
-    return compile_frame(gm, example_inputs, cfg)
+    runner = compile_frame(gm, example_inputs, cfg)
+    runner.script_options = options
+    return runner
+
+
+def recompile_with_overriding_options(options: dict) -> int:
+    """Inside ``overriding_options``: take ``options`` in the place of its options, for the frames
+    compiled from now on and for every compiled frame alive, whose passes run again over its
+    traced graph (``FrameRunner.recompile``). The new options may change only the pass options
+    (``config.PASS_OPTIONS``) of each frame's; otherwise ``ZeroConfigError``, raised before any
+    frame changes. Returns how many frames were recompiled. ``zerocompile plan`` plans several
+    option sets on one trace of a script with it."""
+    if _OVERRIDE.get() is None:
+        raise RuntimeError("recompile_with_overriding_options needs an enclosing overriding_options()")
+    runners = sorted(ACCOUNTING.frames, key=lambda r: r.order)
+    configs = []
+    for runner in runners:
+        cfg = ZeroConfig.from_options(_merged(runner.script_options, options))
+        changed = options_needing_a_new_trace(runner.config, cfg)
+        if changed:
+            raise ZeroConfigError(f"[{runner.frame}] {', '.join(changed)}: other than the frame was compiled with; "
+                                  "only the pass options (config.PASS_OPTIONS) can change without tracing the "
+                                  "script again")
+        configs.append(cfg)
+    _OVERRIDE.set(dict(options))
+    for runner, cfg in zip(runners, configs):
+        runner.recompile(cfg)
+    return len(runners)
 
 
 def _with_environment_options(options):
@@ -58,11 +86,16 @@ def _with_environment_options(options):
             raise ZeroConfigError(str(err)) from None
     if extra is None:
         return options
+    if extra:
+        log.info("options from ZEROCOMPILE_OPTIONS override the script's: %s", sorted(extra))
+    return _merged(options, extra)
+
+
+def _merged(options, extra: dict) -> dict:
+    """The script's ``options`` (a dict, a DeepSpeed JSON file or a ``ZeroConfig``) with ``extra``
+    merged over them."""
     if isinstance(options, (str, os.PathLike)):          # a DeepSpeed JSON file
         options = ZeroConfig.from_options(options)
     if isinstance(options, ZeroConfig):
         options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
-    merged = {**(options or {}), **extra}
-    if extra:
-        log.info("options from ZEROCOMPILE_OPTIONS override the script's: %s", sorted(extra))
-    return merged
+    return {**(options or {}), **extra}

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import sys
@@ -25,7 +26,7 @@ import torch
 import torch.fx
 
 from zerocompile import _torch_compat, compile_cache, env, inner_compilers, loss_scale
-from zerocompile.config import ZeroConfig
+from zerocompile.config import ZeroConfig, options_needing_a_new_trace
 from zerocompile.dump import recorder_for
 from zerocompile.progress import compile_status
 from zerocompile.passes.collective_summary import summarize_collectives
@@ -151,15 +152,15 @@ class FrameRunner:
     """The callable Dynamo runs for a compiled frame."""
 
     def __init__(self, compiled, plans: list, partitioner: ZeroPartitioner, frame: str,
-                 roots: list, new_state):
+                 roots: list, source: "_TracedFrame"):
         self.compiled = compiled
         self.plans = plans
-        # Dynamo runs this compiled code for every module its guards accept, not only the one
-        # it was traced with (a loop of identical blocks with a graph break in it compiles each
-        # block's frame once): the parameters are resolved from the arguments of every call
-        self._new_state = new_state
         self.partitioner = partitioner
         self.frame = frame
+        self._source = source
+        self.script_options = None
+        """The options the script compiled this frame with (before any override), set by the
+        backend: ``recompile`` merges new pass options over them."""
         # The eager-fallback hooks are installed at the first run, not while Dynamo is still
         # tracing: a hook appearing mid-trace changes the path of Dynamo's restarted analysis
         self._roots_without_hooks = roots
@@ -193,6 +194,31 @@ class FrameRunner:
                 "backward": {k: {"count": t.count, "bytes": t.bytes}
                              for k, t in self.partitioner.backward_summary.totals.items()}}
 
+    @property
+    def config(self) -> ZeroConfig:
+        """The options this frame's graphs were compiled with."""
+        return self.partitioner.ctx.config
+
+    def recompile(self, cfg: ZeroConfig) -> None:
+        """Run this frame's passes and inner compile again with ``cfg``, over the Dynamo graph it
+        was traced from and with the same parameters and shard states; Dynamo's code and guards
+        stay as they are. ``cfg`` may differ from the frame's options in ``PASS_OPTIONS`` only
+        (``ValueError`` otherwise). ``zerocompile plan`` uses it to plan several option sets on
+        one trace of a script (``zerocompile tune``)."""
+        changed = options_needing_a_new_trace(self.config, cfg)
+        if changed:
+            raise ValueError(f"zerocompile [{self.frame}]: cannot recompile with other values of "
+                             f"{', '.join(changed)}: they bind the parameters' shard states or the "
+                             "compiler; only the pass options (config.PASS_OPTIONS) can change on one trace")
+        compiled, partitioner = self._source.compile(cfg, self.plans, self.partitioner.ctx.gradient_reduction)
+        for sp in self.plans:
+            if sp is not None:
+                sp.bucket_mb = cfg.bucket_mb
+        # the old graphs go now: nothing of them is left to count in a plan of the new ones
+        self.compiled, self.partitioner = compiled, partitioner
+        self._loss_scale = cfg.loss_scale
+        self._checked = False        # the new graphs' collectives are checked across ranks again
+
     def _first_run(self) -> None:
         for root in self._roots_without_hooks:
             install_eager_fallback(root)
@@ -220,7 +246,11 @@ class FrameRunner:
                 "nn.Parameter, or run torch._dynamo.reset() after changing the model's structure")
         state = get_state(arg)
         if state is None:
-            state = self._new_state(arg, plan)
+            # Dynamo runs this compiled code for every module its guards accept, not only the one
+            # it was traced with (a loop of identical blocks with a graph break in it compiles each
+            # block's frame once): a parameter first seen now, in the place of one traced like it
+            # (same shape, dtype and requires_grad: Dynamo's guards checked them), is named after it
+            state = self._source.new_state(arg, plan, self.partitioner.ctx)
             adopt(arg)
             self._new_states = True
         elif (state.shape, state.dtype, state.compute_dtype, state.stage, state.group.name) != (
@@ -386,37 +416,69 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     """Compile one Dynamo frame with ZeRO sharding; returns the callable Dynamo runs."""
     group = resolve_group(cfg.process_group)
     frame = _frame_name(gm)
-    gm = _copy_graph_module(gm)
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    traced = _copy_graph_module(gm)
+    placeholders = list(traced.graph.find_nodes(op="placeholder"))
     sources = [_torch_compat.placeholder_source(node) for node in placeholders]
     plans, roots, eager_owned = _param_states(placeholders, sources, example_inputs, cfg, group)
     if cfg.offload_param.device == "cpu" and any(sp is not None and sp.device.type == "cpu" for sp in plans):
         log.info("[%s] offload_param device 'cpu': the parameters are on the CPU, so their shards already "
                  "live in host memory; nothing to offload", frame)
-    ctx = PassContext(config=cfg, group=group, frame=frame, recorder=recorder_for(cfg, group),
-                      device=_frame_device(plans))
-    ctx.gradient_reduction = _gradient_reduction(cfg, group, plans, frame)
-    if ctx.gradient_reduction is not None:
-        ctx.results["gradient_reduction"] = ctx.gradient_reduction.as_dict()
-        if ctx.recorder is not None:
-            ctx.recorder.note(frame, "gradient_reduction", ctx.gradient_reduction.as_dict())
-    with compile_status(frame, cfg.stage) as status:
-        ctx.progress = status.update
-        try:
-            compiled, partitioner = _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx, cfg, status)
-        finally:
-            ctx.progress = None
+    source = _TracedFrame(traced, example_inputs, sources, eager_owned, frame, torch.is_grad_enabled(),
+                          _torch_compat.dynamo_fake_mode())
+    compiled, partitioner = source.compile(cfg, plans, _gradient_reduction(cfg, group, plans, frame))
+    _adopt_parameters(plans, roots, eager_owned)
+    return FrameRunner(compiled, plans, partitioner, frame, roots, source)
 
-    def new_state(param, plan: ShardedParam) -> ShardedParam:
-        # a parameter first seen at run time, in the place of one traced like it (same shape,
-        # dtype and requires_grad: Dynamo's guards checked them); named after that one
+
+class _TracedFrame:
+    """What a frame's compile starts from: a copy of Dynamo's graph, untouched by the passes,
+    and its example inputs; ``FrameRunner.recompile`` compiles it again with other pass options."""
+
+    def __init__(self, gm, example_inputs, sources, eager_owned: set, frame: str, grad_enabled: bool,
+                 fake_mode=None):
+        self.gm = gm
+        self.example_inputs = example_inputs
+        self.sources = sources
+        self.eager_owned = eager_owned
+        self.frame = frame
+        self.grad_enabled = grad_enabled
+        """Whether autograd was on when Dynamo traced it (AOTAutograd compiles a training or an
+        inference graph by it)."""
+        self.fake_mode = fake_mode
+        """The fake mode of Dynamo's compile (None outside Dynamo): a later compile traces in it."""
+        self.compiled_once = False
+
+    def compile(self, cfg: ZeroConfig, plans: list, reduction) -> tuple:
+        """The passes and inner compile of a fresh copy of the graph with ``cfg``: the compiled
+        callable and its partitioner. ``reduction``: the frame's ``ReductionChoice`` (or None)."""
+        group = resolve_group(cfg.process_group)
+        frame = self.frame
+        ctx = PassContext(config=cfg, group=group, frame=frame, recorder=recorder_for(cfg, group),
+                          device=_frame_device(plans))
+        ctx.gradient_reduction = reduction
+        if reduction is not None:
+            ctx.results["gradient_reduction"] = reduction.as_dict()
+            if ctx.recorder is not None:
+                ctx.recorder.note(frame, "gradient_reduction", reduction.as_dict())
+        # the first compile runs inside Dynamo's; a later one (FrameRunner.recompile) as it ran
+        again = _torch_compat.as_in_dynamo_compile(self.fake_mode) if self.compiled_once else contextlib.nullcontext()
+        self.compiled_once = True
+        with again, compile_status(frame, cfg.stage) as status, torch.set_grad_enabled(self.grad_enabled):
+            ctx.progress = status.update
+            try:
+                return _passes_and_inner_compile(_copy_graph_module(self.gm), self.example_inputs, self.sources,
+                                                 plans, ctx, cfg, status)
+            finally:
+                ctx.progress = None
+
+    def new_state(self, param, plan: ShardedParam, ctx: PassContext) -> ShardedParam:
+        """The shard state of ``param``, first met at run time where ``plan``'s parameter was
+        traced, with the options the frame's graphs were compiled with (``ctx``)."""
+        cfg = ctx.config
         loss_scale.register(param, cfg.loss_scale, plan.name)
-        state = _shard_parameter(param, plan.name, cfg, group, keep_full=id(param) in eager_owned)
+        state = _shard_parameter(param, plan.name, cfg, ctx.group, keep_full=id(param) in self.eager_owned)
         state.gradient_reduction = ctx.gradient_reduction
         return state
-
-    _adopt_parameters(plans, roots, eager_owned)
-    return FrameRunner(compiled, plans, partitioner, frame, roots, new_state)
 
 
 def _gradient_reduction(cfg: ZeroConfig, group: CommGroup, plans: list, frame: str):

@@ -406,6 +406,25 @@ class ZeroConfig:
                 "ZeroOptimizer, or compute in bfloat16")
 
 
+PASS_OPTIONS = frozenset({
+    "bucket_mb", "reshard_after_forward", "prefetch", "prefetch_mb", "unshard_budget_mb", "memory_limit_mb",
+    "recompute", "offload_activations", "zero_quantized_weights", "zero_quantized_gradients",
+    "zero_hpz_partition_size", "disabled_passes",
+})
+"""Options only the graph passes read: a compiled frame takes new values of them by running
+its passes again over the Dynamo graph it was traced from, with the same parameters and shard
+states (``FrameRunner.recompile``; ``zerocompile tune`` plans such candidates on one trace). The
+other options bind the parameters' shard states (stage, dtypes, process group, loss scale,
+offload, clipping, gradient reduction) or how a frame is compiled (inner compiler, cost model,
+profile, dump, debug checks): a new value of one of them needs the script traced again."""
+
+
+def options_needing_a_new_trace(old: ZeroConfig, new: ZeroConfig) -> list[str]:
+    """The options outside ``PASS_OPTIONS`` whose values differ between ``old`` and ``new``."""
+    return [f.name for f in fields(ZeroConfig)
+            if f.name not in PASS_OPTIONS and getattr(old, f.name) != getattr(new, f.name)]
+
+
 def _check_mb(name: str, value, extra: str = "", allow_inf: bool = False) -> None:
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0
             or (math.isinf(value) and not allow_inf)):

@@ -135,6 +135,16 @@ class GraphReplay(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
 
+    def start_measuring(self, tracker, timer) -> None:
+        """From now on a replay advances ``tracker`` and ``timer``: ``plan``'s, new for each
+        measured step. What was recorded before is forgotten (the graphs it was recorded from may
+        have been compiled anew since, ``FrameRunner.recompile``), and so is a mismatch."""
+        self.tracker, self.timer = tracker, timer
+        self.measuring = True
+        self.mismatch = None
+        self._records.clear()
+        self._graph_ok.clear()
+
     # ---------------------------------------------------------------------------- runs
     def run(self, graph: torch.fx.GraphModule, execute, args: list):
         """Run ``graph`` on the boxed ``args`` (cleared, as ``execute`` clears them): replay an

@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerocompile import _torch_compat
 from zerocompile.passes.collective_summary import COLLECTIVE_KINDS_BY_OP, collective_group_size
+from zerocompile.errors import ZeroConfigError
 from zerocompile.passes.cost_model import DEFAULT_RATES, CostModel
 from zerocompile.runtime import accounting
 from zerocompile.runtime.memory_tracker import LiveStorageTracker
@@ -324,6 +325,9 @@ class PlanReport:
     """The collective stages 1/2 reduce gradients with, and where the choice comes from."""
     replay_mismatch: str | None = None
     """Why a replay could not vouch for its figures (``plan_script`` then raises)."""
+    error: str | None = None
+    """Why these options could not be planned on the trace of an earlier report
+    (``plan_script``'s ``next_options``); None otherwise."""
     activations: dict = field(default_factory=dict)
     """What the compiled frames do with the activations they save for backward, summed over the
     frames: ``saved_bytes`` (the forward saves, as partitioned), ``offloaded_bytes`` and the
@@ -369,6 +373,7 @@ class PlanReport:
             "unsharded_params": dict(self.unsharded_params),
             "gradient_reduction": self.gradient_reduction,
             "activations": dict(self.activations),
+            "error": self.error,
         }
 
 
@@ -394,7 +399,8 @@ def gradient_reduction_line(options: dict | None, hardware: Hardware) -> str:
 
 
 def plan_script(script: Path, script_args: list, world_size: int, options: dict | None = None,
-                hardware: Hardware = HARDWARE["h100"], stdout=None, replay: bool = True) -> PlanReport:
+                hardware: Hardware = HARDWARE["h100"], stdout=None, replay: bool = True,
+                next_options=None) -> PlanReport:
     """Run ``script`` as rank 0 of ``world_size`` fake ranks with fake tensors and measure its
     second optimizer step. ``stdout``: where the script's own output goes (``--json`` sends it
     to stderr). ``report.measured_step`` is 0 when the script ran fewer than two steps.
@@ -403,68 +409,145 @@ def plan_script(script: Path, script_args: list, world_size: int, options: dict 
     (``zerocompile.graph_replay``; the figures are the same). If a replay cannot vouch for its
     figures, ``PlanReplayError`` says so (plan again with ``replay=False``, ``--no-replay``).
 
+    ``next_options(report)``: plan more option sets on this one trace of the script. It is
+    called with each measured report (the first included) and returns the next options, or
+    None to stop the script. The next option sets may differ from the first in the pass options
+    only (``config.PASS_OPTIONS``): every compiled frame runs its passes again with them
+    (``backend.recompile_with_overriding_options``) and the script's next step is measured, as a
+    fresh plan measures its second. A report whose options could not be compiled carries
+    ``error`` (and the callback is asked again); a report the script ended before measuring
+    (``measured_step`` 0) is passed last (what the callback returns then is not used). Only the
+    first report is returned; replay mismatches are in each report's ``replay_mismatch``.
+
     Plan each script in a process of its own, as the CLI does: models and compiled frames an
     earlier plan in this process left alive would count again."""
-    report = _plan_once(script, script_args, world_size, options, hardware, stdout, replay)
-    if report.replay_mismatch:
+    run = _PlanRun(world_size, options, hardware, replay, next_options)
+    run.run(script, script_args, stdout)
+    report = run.reports[0]
+    if report.replay_mismatch and next_options is None:
         raise PlanReplayError(f"{report.replay_mismatch}, so its figures may be wrong; plan again without "
                               "replay (--no-replay, or replay=False)")
     return report
 
 
-def _plan_once(script, script_args, world_size, options, hardware, stdout, replay: bool) -> PlanReport:
-    from torch._subclasses.fake_tensor import FakeTensorMode
+class _PlanRun:
+    """One run of a script under plan: the fake mode, the measurements, and the reports of the
+    option sets measured on its trace (see ``plan_script``)."""
 
-    from zerocompile.backend import overriding_options
-    from zerocompile.graph_replay import GraphReplay
-    from zerocompile.script_runner import run_script
+    def __init__(self, world_size: int, options: dict | None, hardware: Hardware, replay: bool, next_options):
+        from torch._subclasses.fake_tensor import FakeTensorMode
 
-    reduction = gradient_reduction_line(options, hardware)
-    options = plan_options(options, hardware)
-    report = PlanReport(world_size=world_size, hardware=hardware, options=options, gradient_reduction=reduction)
-    timer = StepTimer(CostModel.from_rates(hardware.cost_model()), world_size, hardware.intra_node_gbps * 1e9)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    # incremental peak: the resizes of a step are ops the tracker sees (resize_storage_bytes_)
-    tracker = LiveStorageTracker(track_inputs=True, fake_mode=fake_mode)
-    replayer = GraphReplay(tracker, timer) if replay else None
-    measuring = contextlib.ExitStack()
+        from zerocompile.graph_replay import GraphReplay
 
-    def measure(step: int) -> None:
-        report.steps_seen = step
-        if step == 1:
-            # the tracker and the timer watch the second step only (they would slow the first,
-            # which compiles, for nothing): every fake tensor alive now is recorded first
-            track_live_tensors(tracker, fake_mode)
-            timer.node_local_groups = node_local_groups(hardware, options)
-            measuring.enter_context(tracker)
-            measuring.enter_context(timer)
-            tracker.reset_peak()
-            accounting.reset_stats()
-            if replayer is not None:
-                replayer.measuring = True
+        self.world_size, self.hardware, self.next_options = world_size, hardware, next_options
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.replayer = GraphReplay() if replay else None
+        self.measuring = contextlib.ExitStack()
+        self.reports: list[PlanReport] = []
+        self.start_step = 1
+        """The script's optimizer step after which the current report's measured step begins."""
+        self._new_report(options)
+        self.tracker = self.timer = None
+
+    def _new_report(self, options: dict | None) -> PlanReport:
+        self.report = PlanReport(world_size=self.world_size, hardware=self.hardware,
+                                 options=plan_options(options, self.hardware),
+                                 gradient_reduction=gradient_reduction_line(options, self.hardware))
+        self.reports.append(self.report)
+        self._started = time.perf_counter()
+        return self.report
+
+    def run(self, script: Path, script_args: list, stdout) -> None:
+        from zerocompile.backend import overriding_options
+        from zerocompile.script_runner import run_script
+
+        @contextlib.contextmanager
+        def around():
+            with self.fake_mode, ScalarReadsAreZero(), StepWatcher(self.on_step), \
+                    (self.replayer if self.replayer is not None else contextlib.nullcontext()), \
+                    contextlib.redirect_stdout(stdout or sys.stdout):
+                try:
+                    yield
+                finally:
+                    self.measuring.close()       # the modes pushed at the first step, innermost first
+
+        # the backend compiles every frame with plan's options
+        with overriding_options(self.report.options):
+            exit_code = run_script(Path(script).resolve(), script_args, {}, self.world_size, around=around(),
+                                   stop=PlanFinished)
+        for report in self.reports:
+            report.exit_code = exit_code
+        last = self.report
+        if last.measured_step == 0 and last.error is None:
+            self._finish(last)
+            if len(self.reports) > 1 and self.next_options is not None:
+                self.next_options(last)      # the script ended before this report's step
+
+    def on_step(self, step: int) -> None:
+        report = self.report
+        report.steps_seen = step - self.start_step + 1
+        if step == self.start_step:
+            self._start_measuring()
             return
-        _record(report, tracker, timer, step)
-        raise PlanFinished
-
-    @contextlib.contextmanager
-    def around():
-        with fake_mode, ScalarReadsAreZero(), StepWatcher(measure), \
-                (replayer if replayer is not None else contextlib.nullcontext()), \
-                contextlib.redirect_stdout(stdout or sys.stdout):
+        _record(report, self.tracker, self.timer, 2)
+        self.measuring.close()
+        self._finish(report)
+        if self.next_options is None:
+            raise PlanFinished
+        while True:
+            options = self.next_options(report)
+            if options is None:
+                raise PlanFinished
+            report = self._new_report(options)
             try:
-                yield
-            finally:
-                measuring.close()       # the modes pushed at the first step, innermost first
+                self._switch(report.options)
+            except (ZeroConfigError, ValueError, RuntimeError) as exc:
+                report.error = str(exc)
+                self._finish(report)
+                continue
+            break
+        self.start_step = step
+        report.steps_seen = 1
+        self._start_measuring()
 
-    start = time.perf_counter()
-    with overriding_options(options):       # the backend compiles every frame with plan's options
-        report.exit_code = run_script(Path(script).resolve(), script_args, {}, world_size, around=around(),
-                                      stop=PlanFinished)
-    report.wall_s = time.perf_counter() - start
-    if replayer is not None:
-        report.graph_runs = {"executed": replayer.executed, "replayed": replayer.replayed}
-        report.replay_mismatch = replayer.mismatch
-    return report
+    def _switch(self, options: dict) -> None:
+        """Recompile every frame with ``options`` (measurements off: compiling is not the step)."""
+        from zerocompile.backend import recompile_with_overriding_options
+
+        recompile_with_overriding_options(options)
+
+    def _start_measuring(self) -> None:
+        # the tracker and the timer watch the measured step only (they would slow the first,
+        # which compiles, for nothing): every fake tensor alive now is recorded first (after a
+        # collection: what a compile left in reference cycles is not alive)
+        gc.collect()
+        self.tracker = LiveStorageTracker(track_inputs=True, fake_mode=self.fake_mode)
+        hardware = self.hardware
+        self.timer = StepTimer(CostModel.from_rates(hardware.cost_model()), self.world_size,
+                               hardware.intra_node_gbps * 1e9)
+        track_live_tensors(self.tracker, self.fake_mode)
+        self.timer.node_local_groups = node_local_groups(hardware, self.report.options)
+        self.measuring.enter_context(self.tracker)
+        self.measuring.enter_context(self.timer)
+        self.tracker.reset_peak()
+        accounting.reset_stats()
+        if self.replayer is not None:
+            self.replayer.start_measuring(self.tracker, self.timer)
+
+    def _finish(self, report: PlanReport) -> None:
+        report.wall_s = time.perf_counter() - self._started
+        if self.replayer is not None:
+            report.graph_runs = {"executed": self.replayer.executed, "replayed": self.replayer.replayed}
+            report.replay_mismatch = self.replayer.mismatch
+
+
+def unmeasured_reason(report: PlanReport, script: Path) -> str:
+    """Why ``report`` (a first plan of ``script``) has no measured step."""
+    ran = {0: "ran no optimizer step", 1: "ran only one optimizer step"}[report.steps_seen]
+    reason = f"exited with code {report.exit_code} after {report.steps_seen} optimizer step(s)" \
+        if report.exit_code != 0 else ran
+    return (f"{script} {reason}: plan measures the second training step (forward, backward and "
+            "optimizer.step()); the first compiles. Let the script run two steps")
 
 
 def node_local_groups(hardware: Hardware, options: dict) -> frozenset:

@@ -54,6 +54,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zerocompile.config import ZeroConfig
 from zerocompile.plan import Hardware, activations_line
 
 _MiB = 2**20
@@ -109,6 +110,7 @@ class Experiment:
                 "tokens_per_s": samples * tokens_per_sample if samples is not None and tokens_per_sample else None,
                 "verdict": self.verdict, "error": self.error,
                 "derived_from": self.derived_from, "measured": self.measured,
+                "trace": (self.report or {}).get("trace") if self.derived_from is None else None,
                 "activations": (self.report or {}).get("activations")}
 
 
@@ -313,7 +315,9 @@ class Tuner:
 
     # ------------------------------------------------------------------ running
     def _fingerprint(self, options: dict, mb, gas) -> str:
-        return json.dumps([options, mb, gas], sort_keys=True, default=str)
+        # an option set to its default is the same experiment as one without it (bucket 50 halved is 25)
+        given = {k: v for k, v in options.items() if _DEFAULTS.get(k, _MISSING) != v}
+        return json.dumps([given, mb, gas], sort_keys=True, default=str)
 
     def _plan(self, candidates: list) -> list[Experiment]:
         base = self.experiments[0].options if self.experiments else self.settings.base_options
@@ -415,6 +419,7 @@ class Tuner:
 
 
 _MISSING = object()
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ZeroConfig) if f.default is not dataclasses.MISSING}
 
 
 def size(nbytes: float) -> str:
@@ -472,11 +477,13 @@ def deepspeed_config(options: dict, micro_batch: int | None = None, grad_accum: 
     return ds, left
 
 
-def write_results(out_dir: Path, tuner: Tuner, settings: TuneSettings, command: list) -> dict:
+def write_results(out_dir: Path, tuner: Tuner, settings: TuneSettings, command: list,
+                  traces: dict | None = None) -> dict:
     """``summary.txt``, ``experiments/<name>.json``, ``best_options.json``,
     ``ds_config_optimal.json`` and ``cmd_optimal.txt`` under ``out_dir`` (replacing an earlier
     tune's; other files there are left alone); returns the ``--json`` object (``best``,
-    ``baseline``, ``experiments``)."""
+    ``baseline``, ``experiments``). ``traces``: ``PlanWorkers``' counts (``made``, ``reused``,
+    ``ran_out``), or None when every experiment ran in a fresh process."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "experiments").mkdir(exist_ok=True)
     for stale in (out_dir / "experiments").glob("*.json"):     # an earlier tune's experiments
@@ -495,11 +502,11 @@ def write_results(out_dir: Path, tuner: Tuner, settings: TuneSettings, command: 
     cmd = " ".join(command[:1] + substitute(command[1:], best.micro_batch, best.grad_accum))
     (out_dir / "cmd_optimal.txt").write_text(
         f"ZEROCOMPILE_OPTIONS='{json.dumps(clean)}' torchrun --nproc-per-node <GPUS> {cmd}\n")
-    (out_dir / "summary.txt").write_text(summary_text(tuner, settings, left))
+    (out_dir / "summary.txt").write_text(summary_text(tuner, settings, left, traces))
     return {"best": best.summary(world, tokens), "baseline": baseline.summary(world, tokens),
             "experiments": [e.summary(world, tokens) for e in tuner.ranked()], "skipped": tuner.skipped,
             "memory_limit_bytes": settings.memory_limit_bytes, "world_size": world,
-            "hardware": dataclasses.asdict(settings.hardware), "out": str(out_dir)}
+            "hardware": dataclasses.asdict(settings.hardware), "out": str(out_dir), "traces": traces}
 
 
 def _measured_text(measured: dict | None) -> str:
@@ -510,7 +517,7 @@ def _measured_text(measured: dict | None) -> str:
     return f"; measured {ms(measured['step_ms'])}, {size(measured['peak_bytes'])}"
 
 
-def summary_text(tuner: Tuner, settings: TuneSettings, ds_left: list) -> str:
+def summary_text(tuner: Tuner, settings: TuneSettings, ds_left: list, traces: dict | None = None) -> str:
     limit = settings.memory_limit_bytes
     lines = [f"zerocompile tune: {settings.world_size} ranks, hardware {settings.hardware.name}, memory limit "
              f"{size(limit)} per rank", ""]
@@ -550,6 +557,15 @@ def summary_text(tuner: Tuner, settings: TuneSettings, ds_left: list) -> str:
         lines.append(f"note: the best row is derived from {best.derived_from} (optimizer offload is not simulated)")
     if any(k in best.options for k in ("offload_activations", "offload_optimizer")):
         lines.append(f"note: set nvme_path (here {settings.nvme_path}) to a local disk of the training machines")
+    planned = sum(e.derived_from is None for e in tuner.experiments)
+    if traces is None:
+        lines.append(f"traces: {planned} experiments, each traced in a fresh process (--no-reuse)")
+    else:
+        lines.append(f"traces: {planned} experiments on {traces['made']} traces of the script ({traces['reused']} "
+                     "planned on a trace made for an earlier experiment: they differ from it in pass options only)")
+        if traces["ran_out"]:
+            lines.append(f"note: the script ran out of steps {traces['ran_out']} time(s) while its trace was "
+                         "reused: give it more steps (e.g. --steps 100; tune stops it after its last experiment)")
     if ds_left:
         lines.append(f"ds_config_optimal.json has no DeepSpeed key for {', '.join(ds_left)}: pass those as options "
                      "(best_options.json)")

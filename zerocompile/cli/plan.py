@@ -60,7 +60,7 @@ def _hardware_names() -> list:
 
 def cmd_plan(args) -> int:
     """``zerocompile plan``: run SCRIPT on fake ranks with fake tensors; report per rank."""
-    from zerocompile.plan import PlanReplayError, hardware_from, plan_script
+    from zerocompile.plan import PlanReplayError, hardware_from, plan_script, unmeasured_reason
 
     if args.world_size < 1:
         raise CliError(f"zerocompile plan: error: --world-size must be >= 1, got {args.world_size}")
@@ -86,12 +86,7 @@ def cmd_plan(args) -> int:
     except (ScriptRunError, PlanReplayError) as exc:
         raise CliError(f"zerocompile plan: error: {exc}") from None
     if report.measured_step == 0:
-        ran = {0: "ran no optimizer step", 1: "ran only one optimizer step"}[report.steps_seen]
-        reason = f"exited with code {report.exit_code} after {report.steps_seen} optimizer step(s)" \
-            if report.exit_code != 0 else ran
-        print(f"zerocompile plan: error: {script} {reason}: plan measures the second training step "
-              "(forward, backward and optimizer.step()); the first compiles. Let the script run two steps",
-              file=sys.stderr)
+        print(f"zerocompile plan: error: {unmeasured_reason(report, script)}", file=sys.stderr)
         return report.exit_code or 1
     rows = [report]
     if args.compare:

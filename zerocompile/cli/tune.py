@@ -1,5 +1,6 @@
 """``zerocompile tune --world-size N [--hardware NAME|FILE] [--memory-limit-gb G] [--options JSON]
-[--out DIR] [--json] [--verify K] [--jobs J] [--micro-batch M --grad-accum A] -- SCRIPT [ARGS...]``:
+[--out DIR] [--json] [--verify K] [--jobs J] [--micro-batch M --grad-accum A] [--no-reuse] -- SCRIPT
+[ARGS...]``:
 search the backend options for an N-rank job with plan's simulation (``zerocompile.tune``)."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from zerocompile.cli.errors import CliError
 from zerocompile.cli.inputs import check_options, script_of
 from zerocompile.cli.plan import plan_in_subprocess
 from zerocompile.cli.render import new_console
+from zerocompile.plan_worker import PlanWorkers
 
 
 def add_parser(subparsers) -> None:
@@ -35,7 +37,7 @@ def add_parser(subparsers) -> None:
                     "in them are replaced per experiment.",
         usage="zerocompile tune --world-size N [--hardware NAME|FILE] [--memory-limit-gb G] [--options JSON] "
               "[--out DIR] [--json] [--verify K] [--jobs J] [--micro-batch M] [--grad-accum A] [--tokens-per-sample T] "
-              "-- SCRIPT [ARGS...]")
+              "[--no-reuse] -- SCRIPT [ARGS...]")
     tune.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks of the planned job")
     tune.add_argument("--hardware", default="h100", metavar="NAME|FILE",
                       help="rates of the planned machine, as for plan (default: h100)")
@@ -68,6 +70,9 @@ def add_parser(subparsers) -> None:
     tune.add_argument("--patience", type=int, default=5, metavar="P",
                       help="stop after this many experiments in a row that do not improve the best "
                            "(default: %(default)s)")
+    tune.add_argument("--no-reuse", action="store_true",
+                      help="plan every experiment in a fresh process, Dynamo's trace included (by default the "
+                           "experiments that differ in pass options only are planned on one trace of the script)")
     tune.add_argument("--exact", action="store_true",
                       help="leave out qwZ and qgZ, which round what they move: every experiment trains the "
                            "baseline's numbers")
@@ -120,8 +125,15 @@ def cmd_tune(args) -> int:
                             patience=args.patience, max_experiments=args.max_experiments, nvme_path=args.nvme_path,
                             exact=args.exact, tokens_per_sample=args.tokens_per_sample)
 
+    workers = None if args.no_reuse else PlanWorkers(args.world_size, args.hardware, script,
+                                                     max_idle=max(4, args.jobs))
+
     def plan_one(opts, mb, gas):
-        return plan_in_subprocess(args.world_size, args.hardware, opts, script, substitute(script_args, mb, gas))
+        experiment_args = substitute(script_args, mb, gas)
+        if workers is None:
+            return {**plan_in_subprocess(args.world_size, args.hardware, opts, script, experiment_args), "trace": "new"}
+        report, reused = workers.plan(opts, experiment_args)
+        return {**report, "trace": "reused" if reused else "new"}
 
     def plan_many(candidates):
         def one(c):
@@ -147,10 +159,15 @@ def cmd_tune(args) -> int:
             tuner.run(jobs=args.jobs)
         except RuntimeError as exc:
             raise CliError(f"zerocompile tune: error: {exc}") from None
+        finally:
+            if workers is not None:
+                workers.close()
+    traces = None if workers is None else {"made": workers.started, "reused": workers.reused,
+                                           "ran_out": workers.ran_out}
     if args.verify:
         chosen = [e for e in tuner.ranked() if e.report is not None and e.derived_from is None][:args.verify]
         verify_experiments(chosen, script, script_args, args.verify_nproc, console, nvme_path=args.nvme_path)
-    result = write_results(Path(args.out), tuner, settings, [str(script), *script_args])
+    result = write_results(Path(args.out), tuner, settings, [str(script), *script_args], traces)
     if args.json:
         print(json.dumps(result, default=str))
     else:
