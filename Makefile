@@ -54,7 +54,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/onebit_bytes.py
 	$(PY) benchmarks/step_breakdown.py
 	$(PY) benchmarks/plan_llama70b.py
-	$(PY) benchmarks/tune_llama70b.py
+	$(PY) benchmarks/tune_llama70b.py --compare-reuse
 	$(PY) benchmarks/tune_llama70b.py --exact
 	$(PY) benchmarks/lr_schedules_vs_deepspeed.py | tee benchmarks/results/lr_schedules_vs_deepspeed.txt
 	$(PY) benchmarks/whole_param_step.py

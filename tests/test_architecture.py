@@ -25,7 +25,7 @@ PACKAGES = {"zerocompile": ROOT / "zerocompile", "zerocompile.passes": ROOT / "p
 LAYERS = ("leaves", "runtime", "passes", "front", "tools")
 LEAVES = {"zerocompile.errors", "zerocompile.env", "zerocompile._torch_compat"}
 TOOLS = {"zerocompile", "zerocompile.__main__", "zerocompile.cli", "zerocompile.plan", "zerocompile.tune",
-         "zerocompile.measure", "zerocompile.script_runner", "zerocompile.integrations", "zerocompile.deepspeed_training"}
+         "zerocompile.measure", "zerocompile.plan_worker", "zerocompile.script_runner", "zerocompile.integrations", "zerocompile.deepspeed_training"}
 
 
 def modules() -> dict[str, Path]:

@@ -179,6 +179,37 @@ def test_inside_dynamo_trace_is_true_only_while_dynamo_compiles():
     assert seen == [True], "torch._guards.TracingContext is no longer set during a Dynamo compile"
 
 
+def test_a_compile_run_again_traces_in_dynamos_fake_mode_with_the_callers_modes_off():
+    """``FrameRunner.recompile`` compiles a frame's graph again after Dynamo is done: it needs the
+    fake mode Dynamo traced with (``dynamo_fake_mode``), and AOTAutograd must find that mode, not
+    one the caller has active (plan's), nor see the caller's dispatch modes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+    modes = []
+
+    def backend(gm, example_inputs):
+        modes.append(_torch_compat.dynamo_fake_mode())
+        return gm
+
+    assert _torch_compat.dynamo_fake_mode() is None
+    torch._dynamo.reset()
+    torch.compile(lambda x: x * 2, backend=backend)(torch.ones(2))
+    dynamo_mode = modes[0]
+    assert isinstance(dynamo_mode, FakeTensorMode), "TracingContext.fake_mode is no longer Dynamo's fake mode"
+
+    class Caller(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    callers = FakeTensorMode()
+    with callers, Caller():
+        with _torch_compat.as_in_dynamo_compile(dynamo_mode):
+            assert _get_current_dispatch_mode_stack() == [], "_disable_current_modes no longer clears the stack"
+            assert torch._guards.detect_fake_mode() is dynamo_mode, "AOTAutograd would not find Dynamo's mode"
+        assert len(_get_current_dispatch_mode_stack()) == 2      # the caller's modes are back
+
+
 def test_custom_node_meta_reaches_the_joint_graph_forward_and_backward():
     """``passes/param_identity.py`` relies on AOTAutograd copying ``node.meta["custom"]`` of a
     Dynamo-graph node to the nodes traced from it, and to their backward (by ``seq_nr``)."""

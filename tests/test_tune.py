@@ -189,18 +189,24 @@ def test_the_results_directory(tmp_path):
 
 def test_tune_on_a_real_script(tmp_path):
     """The command line on the tiny Llama at 16 ranks (two nodes of the h100 profile): one JSON
-    object with best and baseline first on stdout, the files in --out."""
+    object with best and baseline first on stdout, the files in --out, and the experiments that
+    differ in pass options only planned on a trace made for an earlier one."""
     done = run_cli(["tune", "--world-size", "16", "--hardware", "h100", "--memory-limit-gb", "0.05", "--jobs", "2",
-                    "--max-experiments", "4", "--out", str(tmp_path / "out"), "--json", "--",
+                    "--max-experiments", "6", "--out", str(tmp_path / "out"), "--json", "--",
                     str(REPO / "benchmarks" / "train_llama.py"), "--size", "tiny", "--layers", "2", "--seq", "32",
-                    "--steps", "2"], REPO, timeout=TIMEOUT)
+                    "--steps", "20"], REPO, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.splitlines()[0])
     assert got["baseline"]["options"] == {} and got["best"]["peak_bytes_per_rank"] <= 0.05 * GiB
     assert got["best"]["estimated_step_ms"] <= got["baseline"]["estimated_step_ms"]
-    assert 2 <= len(got["experiments"]) <= 4
+    assert 2 <= len(got["experiments"]) <= 6
     assert got["best"]["activations"]["saved_bytes"] > 0          # what the frames save, as plan reports it
     assert (tmp_path / "out" / "summary.txt").is_file() and (tmp_path / "out" / "best_options.json").is_file()
+    # the stages need traces of their own; a knob turned around the best reuses the best's trace
+    traces = got["traces"]
+    assert traces["made"] + traces["reused"] == len(got["experiments"]) and traces["reused"] >= 1
+    assert sorted(e["trace"] for e in got["experiments"]).count("reused") == traces["reused"]
+    assert "traces:" in (tmp_path / "out" / "summary.txt").read_text()
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -423,9 +423,8 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     if cfg.offload_param.device == "cpu" and any(sp is not None and sp.device.type == "cpu" for sp in plans):
         log.info("[%s] offload_param device 'cpu': the parameters are on the CPU, so their shards already "
                  "live in host memory; nothing to offload", frame)
-    source = _TracedFrame(traced, example_inputs, sources, eager_owned, frame, torch.is_grad_enabled(),
-                          _torch_compat.dynamo_fake_mode())
-    compiled, partitioner = source.compile(cfg, plans, _gradient_reduction(cfg, group, plans, frame))
+    source = _TracedFrame(traced, sources, eager_owned, frame, torch.is_grad_enabled(), _torch_compat.dynamo_fake_mode())
+    compiled, partitioner = source.compile(cfg, plans, _gradient_reduction(cfg, group, plans, frame), example_inputs)
     _adopt_parameters(plans, roots, eager_owned)
     return FrameRunner(compiled, plans, partitioner, frame, roots, source)
 
@@ -434,10 +433,8 @@ class _TracedFrame:
     """What a frame's compile starts from: a copy of Dynamo's graph, untouched by the passes,
     and its example inputs; ``FrameRunner.recompile`` compiles it again with other pass options."""
 
-    def __init__(self, gm, example_inputs, sources, eager_owned: set, frame: str, grad_enabled: bool,
-                 fake_mode=None):
+    def __init__(self, gm, sources, eager_owned: set, frame: str, grad_enabled: bool, fake_mode=None):
         self.gm = gm
-        self.example_inputs = example_inputs
         self.sources = sources
         self.eager_owned = eager_owned
         self.frame = frame
@@ -447,10 +444,17 @@ class _TracedFrame:
         self.fake_mode = fake_mode
         """The fake mode of Dynamo's compile (None outside Dynamo): a later compile traces in it."""
         self.compiled_once = False
+        self._scalars: list = []
+        """The example inputs that are not tensors (sizes Dynamo made inputs), for a later compile."""
 
-    def compile(self, cfg: ZeroConfig, plans: list, reduction) -> tuple:
+    def compile(self, cfg: ZeroConfig, plans: list, reduction, example_inputs=None) -> tuple:
         """The passes and inner compile of a fresh copy of the graph with ``cfg``: the compiled
-        callable and its partitioner. ``reduction``: the frame's ``ReductionChoice`` (or None)."""
+        callable and its partitioner. ``reduction``: the frame's ``ReductionChoice`` (or None).
+        ``example_inputs``: Dynamo's, at the first compile; a later one makes its own."""
+        if example_inputs is None:
+            example_inputs = self._example_inputs(plans)
+        else:
+            self._scalars = [None if isinstance(ex, torch.Tensor) else ex for ex in example_inputs]
         group = resolve_group(cfg.process_group)
         frame = self.frame
         ctx = PassContext(config=cfg, group=group, frame=frame, recorder=recorder_for(cfg, group),
@@ -466,10 +470,19 @@ class _TracedFrame:
         with again, compile_status(frame, cfg.stage) as status, torch.set_grad_enabled(self.grad_enabled):
             ctx.progress = status.update
             try:
-                return _passes_and_inner_compile(_copy_graph_module(self.gm), self.example_inputs, self.sources,
+                return _passes_and_inner_compile(_copy_graph_module(self.gm), example_inputs, self.sources,
                                                  plans, ctx, cfg, status)
             finally:
                 ctx.progress = None
+
+    def _example_inputs(self, plans: list) -> list:
+        """Inputs for a later compile: each parameter, Dynamo's fake tensor of every other tensor
+        input (its placeholder's ``example_value``, in Dynamo's fake mode) and the scalars.
+        Dynamo's example inputs are not kept: under ``plan`` the activations among them are
+        fake tensors of plan's mode, which plan would count as alive."""
+        placeholders = list(self.gm.graph.find_nodes(op="placeholder"))
+        return [sp.param if sp is not None else scalar if scalar is not None else node.meta["example_value"]
+                for node, sp, scalar in zip(placeholders, plans, self._scalars)]
 
     def new_state(self, param, plan: ShardedParam, ctx: PassContext) -> ShardedParam:
         """The shard state of ``param``, first met at run time where ``plan``'s parameter was

@@ -521,6 +521,7 @@ class _PlanRun:
         # which compiles, for nothing): every fake tensor alive now is recorded first (after a
         # collection: what a compile left in reference cycles is not alive)
         gc.collect()
+        # incremental peak: the resizes of a step are ops the tracker sees (resize_storage_bytes_)
         self.tracker = LiveStorageTracker(track_inputs=True, fake_mode=self.fake_mode)
         hardware = self.hardware
         self.timer = StepTimer(CostModel.from_rates(hardware.cost_model()), self.world_size,

@@ -2,10 +2,9 @@
 simulation, from one process on this machine.
 
 Each *experiment* plans the unmodified script at the target world size with one set of
-options (``plan_script`` in a subprocess of its own, as ``plan --compare`` does: a fresh
-process, so nothing of an earlier experiment's model or compiled frames counts in the next).
-Its figures are the plan's: the peak live bytes per rank and the estimated step time at the
-hardware profile's rates. An experiment *fits* when its peak is within the memory limit.
+options, as ``zerocompile plan`` does. Its figures are the plan's: the peak live bytes per rank
+and the estimated step time at the hardware profile's rates. An experiment *fits* when its peak
+is within the memory limit.
 
 **Search.** A coordinate search guided by the figures, as DeepSpeed's autotuner walks its space:
 
@@ -35,10 +34,11 @@ that product (so every experiment trains the same global batch) and tries twice 
 experiment's micro-batch where they divide it. With a known batch the summary gives samples per
 second (and tokens per second with ``tokens_per_sample``, the sequence length).
 
-**Cost.** Every experiment runs the script from the start in a new process, Dynamo's tracing
-included; nothing is reused between experiments (``--jobs`` of them run at once). Llama-3-70B at
-1024 ranks plans in about 12 s (``benchmarks/plan_llama70b.py``), so a search of 20 experiments
-takes about 2 minutes with 2 jobs here.
+**Cost.** Experiments that differ in pass options only (``config.PASS_OPTIONS``) share one trace
+of the script: ``zerocompile.plan_worker`` keeps a script running under plan, and each such
+experiment recompiles the frames' passes over their traced graphs and measures one more step
+(the figures are a fresh plan's). A new stage or micro-batch starts a new trace. ``--no-reuse``
+plans each experiment in a fresh process. ``--jobs`` experiments run at once.
 
 Not simulated: optimizer offload (plan refuses it, its state moves with real I/O). Its rows are
 derived from the experiment they offload from: the optimizer state leaves the model state and the
