@@ -151,6 +151,8 @@ class Accounting:
         self.optimizers: "weakref.WeakSet" = weakref.WeakSet()
         self.frames: "weakref.WeakSet" = weakref.WeakSet()
         """Compiled frames alive (their reports: ``frame_reports()``)."""
+        self.pending_metrics: dict = {}
+        """``zerocompile.log_metrics``' values waiting for the next ``ZeroOptimizer.step()``."""
         self.channels: "weakref.WeakSet" = weakref.WeakSet()
         """Shared-memory channels alive (``runtime/shared_memory.py``): their segments' bytes."""
 

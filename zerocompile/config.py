@@ -18,6 +18,7 @@ import torch
 
 from zerocompile import deepspeed_config
 from zerocompile.errors import ZeroConfigError, unknown_key_message
+from zerocompile.monitor import parse_monitor
 from zerocompile.loss_scale import parse_loss_scale
 from zerocompile.passes.manager import check_disabled_passes, check_pipeline, check_stages
 from zerocompile.runtime.offload_settings import parse_activation_offload, parse_offload
@@ -251,6 +252,12 @@ class ZeroConfig:
     """Names of optional graph passes to skip (see docs/passes.md). Also given as
     ``options={"passes": {"disable": [...]}}``."""
 
+    monitor: object = None
+    """Monitors ``ZeroOptimizer.step()`` writes its figures to on rank 0 (``zerocompile/monitor.py``):
+    ``{"tensorboard": {"enabled": True, "output_path": "logs", "job_name": "run"}, "csv_monitor":
+    {...}, "samples_per_step": N}``, as DeepSpeed's top-level keys of those names (which translate
+    to it). None = off. Parsed into a ``MonitorSettings``; see docs/monitoring.md."""
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_options(cls, options: "dict | str | os.PathLike | ZeroConfig | None") -> "ZeroConfig":
@@ -379,6 +386,7 @@ class ZeroConfig:
                                   "parameter shard is offloaded (allowed: 1); partial offload is offload_optimizer's")
         object.__setattr__(self, "offload_param", offload_param)
         object.__setattr__(self, "recompute", _parse_recompute(self.recompute))
+        object.__setattr__(self, "monitor", parse_monitor(self.monitor))
         try:
             activations = parse_activation_offload(self.offload_activations)
         except ValueError as err:

@@ -38,7 +38,7 @@ from zerocompile.errors import ZeroConfigError
 log = logging.getLogger("zerocompile")
 
 TOP_LEVEL_TRANSLATED = ("zero_optimization", "bf16", "bfloat16", "fp16", "communication_data_type", "aio",
-                        "gradient_clipping", "activation_checkpointing")
+                        "gradient_clipping", "activation_checkpointing", "tensorboard", "csv_monitor")
 """Top-level DeepSpeed keys with a zerocompile meaning (``bfloat16`` is DeepSpeed's alias of ``bf16``)."""
 
 ZERO_TRANSLATED = ("stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
@@ -70,10 +70,8 @@ ACCEPTED_KEYS = {
     "gradient_predivide_factor": "zerocompile averages gradients in its reduce-scatter (op avg, or a sum divided "
                                  "by the world size in float32)",
     "zero_allow_untested_optimizer": "ZeroOptimizer wraps any torch.optim optimizer",
-    "tensorboard": "log from your training loop",
-    "wandb": "log from your training loop",
-    "csv_monitor": "log from your training loop",
-    "comet": "log from your training loop",
+    "wandb": "log from your training loop, or use the tensorboard or csv_monitor keys",
+    "comet": "log from your training loop, or use the tensorboard or csv_monitor keys",
     "flops_profiler": "profile with torch.profiler or benchmarks/step_breakdown.py",
     "comms_logger": "zerocompile.stats() counts every collective and its bytes",
     "memory_breakdown": "zerocompile.stats() reports parameter, gradient and optimizer-state bytes",
@@ -366,6 +364,12 @@ def translate_deepspeed(ds: dict, option_names=()) -> dict:
                 _advise(key, "1 is what a loop without accumulation does")
             else:
                 warn_once(f"DeepSpeed key '{key}' is not applied by the 'zero' backend: {TRAINING_LOOP_KEYS[key]}")
+        elif key in ("tensorboard", "csv_monitor"):
+            out.setdefault("monitor", {})[key] = value
+        elif key in ("wandb", "comet") and isinstance(value, dict) and value.get("enabled") is True:
+            raise ZeroConfigError(f"DeepSpeed key '{key}' is enabled, but zerocompile has no {key} monitor yet: its "
+                                  "figures would not be written. Use the 'tensorboard' or 'csv_monitor' keys (the same "
+                                  f"tags; docs/monitoring.md), or set '{key}.enabled' to false")
         elif key in ACCEPTED_KEYS:
             _advise(key, ACCEPTED_KEYS[key])
         else:
@@ -382,6 +386,9 @@ def translate_deepspeed(ds: dict, option_names=()) -> dict:
         warn_once(f"DeepSpeed {keys} 'auto', which HF Trainer (and so ZeroTrainer) fills in from its own arguments "
                   "and applies itself; nothing else applies them. Outside HF Trainer give them values: "
                   "zerocompile.initialize(model, config=..., auto_values={...}) (docs/api.md)")
+    batch = ds.get("train_batch_size")
+    if "monitor" in out and isinstance(batch, int) and not isinstance(batch, bool) and batch > 0:
+        out["monitor"]["samples_per_step"] = batch        # the monitors' x counts samples, as DeepSpeed's
     elements = out.pop("_prefetch_elements", None)
     if elements is not None:
         bytes_per_element = 2 if out.get("param_dtype") in ("bfloat16", "float16") else 4

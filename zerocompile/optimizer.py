@@ -62,6 +62,7 @@ from zerocompile.optim.whole_param import placeholder
 from zerocompile.optim.scaling import LossScaling, check_one_scaler
 from zerocompile.optim.state_io import StateIO
 from zerocompile.optim.step_record import StepRecord, optimizer_name
+from zerocompile.optim.monitoring import StepMonitor
 from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup
 from zerocompile.runtime.sharded_param import get_state
@@ -135,6 +136,7 @@ class ZeroOptimizer(Optimizer):
         self._state_io = StateIO(self._binding, self._scaling, optimizer_class, self.defaults)
         self.created_ns = time.monotonic_ns()      # names it in the dump's optimizer_steps.json
         self._step_record = StepRecord()
+        self._monitor = StepMonitor(self._params_view, self._params_view.layout_group)
         ACCOUNTING.optimizers.add(self)
 
     # ------------------------------------------------------------------ binding and parameters
@@ -332,6 +334,7 @@ class ZeroOptimizer(Optimizer):
         self._end_step()
         self._collected_through = update.collect_compile_garbage(self._collected_through)
         self._step_record.end(self._step_name, self._layout_group())
+        self._monitor.after_step(self)          # the monitors' figures (the monitor option), rank 0 writes
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -357,7 +360,9 @@ class ZeroOptimizer(Optimizer):
         else:
             self._scaling.clipped_scaled = True
         self._reduce_gradients()
-        return self._clipper.clip(max_norm, norm_type, self._binding.inner)
+        norm = self._clipper.clip(max_norm, norm_type, self._binding.inner)
+        self._monitor.grad_norm = norm
+        return norm
 
     def state_dict(self) -> dict:
         """torch's layout (``state`` keyed by each parameter's position in the param groups,

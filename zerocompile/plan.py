@@ -378,11 +378,12 @@ class PlanReport:
 
 
 def plan_options(options: dict | None, hardware: Hardware) -> dict:
-    """The options plan runs the script with: the user's, over which the eager inner compiler
-    and (unless given) the hardware's rates as ``cost_model`` and its ``gradient_reduction`` for
+    """The options plan runs the script with: the user's, over which the eager inner compiler, no
+    monitor, and (unless given) the hardware's rates as ``cost_model`` and its ``gradient_reduction`` for
     ``"auto"`` (fake ranks time nothing)."""
     out = dict(options or {})
     out["inner_compiler"] = "eager"
+    out["monitor"] = None           # a fake step's figures are not the job's: the script's monitors stay off
     out.setdefault("cost_model", hardware.cost_model())
     if out.get("gradient_reduction", "auto") == "auto":
         out["gradient_reduction"] = hardware.gradient_reduction

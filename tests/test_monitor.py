@@ -1,0 +1,162 @@
+"""Monitors (``zerocompile/monitor.py``, ``zerocompile/optim/monitoring.py``): DeepSpeed's
+TensorBoard and CSV monitors from a DeepSpeed config, written by rank 0 after every
+``ZeroOptimizer.step()``; the files are read back (TensorBoard's event reader, the CSV files)
+and every figure is checked against what the ranks computed themselves."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerocompile
+from dist_utils import run_ranks
+from zerocompile.config import ZeroConfig
+from zerocompile.errors import ZeroConfigError
+from zerocompile.monitor import MonitorSettings
+
+STEPS = 3
+BATCH = 4          # per rank
+
+
+def _train(rank: int, world: int, out: str, options: dict) -> dict:
+    from models import make_batch, make_model
+
+    torch.manual_seed(0)
+    model = make_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={**options, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    seen = {"lr": [], "grad_norm": [], "loss": [], "own_loss": [], "comm": [], "state": []}
+    before = zerocompile.stats()
+    for step in range(STEPS):
+        x, y = make_batch("gpt", step * world + rank, BATCH)
+        loss = compiled(x, y)
+        loss.backward()
+        zerocompile.log_metrics({"train_loss": loss})
+        seen["lr"].append(opt.param_groups[0]["lr"])
+        seen["grad_norm"].append(float(opt.clip_grad_norm_(1.0)) if step != 1 else None)
+        opt.step()
+        now = zerocompile.stats()          # as the step ends: its gradients are still held
+        opt.zero_grad()
+        sched.step()
+        losses = [torch.zeros(()) for _ in range(world)]
+        dist.all_gather(losses, loss.detach())
+        seen["loss"].append(sum(float(v) for v in losses) / world)
+        seen["own_loss"].append(float(loss.detach()))
+        seen["comm"].append({k: getattr(now, k).bytes - getattr(before, k).bytes
+                             for k in ("all_gather", "reduce_scatter", "all_reduce")})
+        seen["state"].append(now.param_bytes + now.grad_bytes + now.optimizer_state_bytes)
+        before = now
+    return seen
+
+
+def _ds_options(path: Path) -> dict:
+    return {"zero_optimization": {"stage": 3}, "train_batch_size": 2 * BATCH,
+            "tensorboard": {"enabled": True, "output_path": str(path), "job_name": "tb"},
+            "csv_monitor": {"enabled": True, "output_path": str(path), "job_name": "csv"}}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("monitor")
+    ranks = run_ranks(_train, 2, str(path), _ds_options(path))
+    return path, ranks
+
+
+def _csv(path: Path, tag: str) -> list:
+    with open(path / "csv" / (tag.replace("/", "_") + ".csv")) as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", tag.split("/")[-1]]
+    return [(int(x), float(v)) for x, v in rows[1:]]
+
+
+def _tensorboard(path: Path) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((path / "tb").glob("events.out.tfevents.*"))
+    assert len(events) == 1, events           # rank 0 only
+    acc = EventAccumulator(str(path / "tb"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_every_tag_is_written_once_per_step_by_rank_0_with_the_ranks_figures(run):
+    path, ranks = run
+    seen = ranks[0]
+    samples = [2 * BATCH * (i + 1) for i in range(STEPS)]    # x counts samples (train_batch_size)
+    board = _tensorboard(path)
+    expected = {"lr": seen["lr"], "train_loss": seen["loss"], "model_state_bytes": seen["state"],
+                "comm_bytes_all_gather": [c["all_gather"] for c in seen["comm"]],
+                "comm_bytes_reduce_scatter": [c["reduce_scatter"] for c in seen["comm"]]}
+    for name, values in expected.items():
+        tag = f"Train/Samples/{name}"
+        for got in (board[tag], _csv(path, tag)):
+            assert [x for x, _ in got] == samples, tag
+            assert [v for _, v in got] == pytest.approx(values, rel=1e-6), tag
+    # clipping ran in steps 1 and 3 only: the norm each returned
+    norms = [(x, v) for x, v in zip(samples, seen["grad_norm"]) if v is not None]
+    assert [x for x, _ in board["Train/Samples/grad_norm"]] == [x for x, _ in norms]
+    assert [v for _, v in board["Train/Samples/grad_norm"]] == pytest.approx([v for _, v in norms], rel=1e-6)
+    assert [x for x, _ in board["Train/Samples/step_time_ms"]] == samples
+    assert all(v > 0 for _, v in board["Train/Samples/step_time_ms"])
+    # each rank's own loss differs: what is written is their mean
+    assert all(a != b for a, b in zip(ranks[0]["own_loss"], ranks[1]["own_loss"]))
+    # the CSV monitor writes the same tags as TensorBoard
+    assert sorted(p.stem for p in (path / "csv").glob("*.csv")) == sorted(t.replace("/", "_") for t in board)
+
+
+def test_options_and_deepspeed_keys():
+    cfg = ZeroConfig.from_options({"monitor": {"csv_monitor": {"enabled": True, "output_path": "a", "job_name": "b"}}})
+    assert cfg.monitor == MonitorSettings(csv="a/b")
+    assert ZeroConfig.from_options({"monitor": {"tensorboard": {"enabled": False}}}).monitor is None
+    ds = ZeroConfig.from_options({"tensorboard": {"enabled": True, "job_name": "j"}, "train_batch_size": 64})
+    assert ds.monitor == MonitorSettings(tensorboard="j", samples_per_step=64)
+    assert ZeroConfig.from_options({"wandb": {"enabled": False, "project": "p"}}).monitor is None
+    for options, message in (
+            ({"wandb": {"enabled": True, "project": "p"}}, "no wandb monitor yet"),
+            ({"comet": {"enabled": True}}, "no comet monitor yet"),
+            ({"monitor": {"tensorboard": {"enabled": True, "path": "x"}}}, "unknown key(s) path"),
+            ({"monitor": {"tensorboard": {"enabled": "yes"}}}, "give true or false"),
+            ({"monitor": {"mlflow": {}}}, "unknown key(s) mlflow"),
+            ({"monitor": {"samples_per_step": 0}}, "samples_per_step"),
+            ({"monitor": "logs"}, "option 'monitor'")):
+        with pytest.raises(ZeroConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            ZeroConfig.from_options(options)
+
+
+def test_log_metrics_refuses_what_it_cannot_write():
+    with pytest.raises(TypeError, match="give a number"):
+        zerocompile.log_metrics({"loss": "low"})
+    with pytest.raises(ValueError, match="one number"):
+        zerocompile.log_metrics({"loss": torch.ones(2)})
+    with pytest.raises(TypeError, match="dict"):
+        zerocompile.log_metrics([1.0])
+
+
+def _bad_path(rank: int, world: int, path: str) -> str:
+    from models import make_batch, make_model
+
+    torch.manual_seed(0)
+    model = make_model("mlp")
+    options = {"stage": 2, "inner_compiler": "eager",
+               "monitor": {"csv_monitor": {"enabled": True, "output_path": path, "job_name": "x"}}}
+    compiled = torch.compile(model, backend="zero", options=options)
+    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    x, y = make_batch("mlp", rank, 4)
+    compiled(x, y).backward()
+    try:
+        opt.step()
+    except ZeroConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_path_the_monitor_cannot_write_is_one_clear_error_on_every_rank(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")          # a file where the output directory should be
+    errors = run_ranks(_bad_path, 2, str(blocker / "logs"))
+    assert all("the monitor cannot write" in e and str(blocker) in e for e in errors), errors

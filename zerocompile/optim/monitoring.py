@@ -1,0 +1,179 @@
+"""What a ``ZeroOptimizer`` writes to the monitors after each step (``zerocompile/monitor.py``).
+
+The settings come from the ``monitor`` option of the frames that use the optimizer's
+parameters (the first step that finds one turns monitoring on; frames that disagree are an
+error). Rank 0 of the optimizer's group writes; at the first step every rank learns whether it
+could (a broadcast), so a path it cannot write is one clear error on every rank, not a crash of
+rank 0 and a hang of the others.
+
+Tags (DeepSpeed's ``Train/Samples/...``), each step:
+
+- ``lr`` (the first param group's; ``lr_group{i}`` for the others);
+- ``grad_norm``: the global norm before clipping, in the steps that clipped (the
+  ``gradient_clipping`` option or ``opt.clip_grad_norm_``);
+- ``loss_scale`` and ``skipped_steps`` (so far) with loss scaling;
+- ``step_time_ms``: wall time since the previous step ended (the first: since the optimizer
+  was made, so it holds the first step's compile);
+- ``comm_bytes_<kind>``: bytes each collective kind moved since the previous step (``stats()``);
+- ``model_state_bytes``: parameters, gradients and optimizer state held (``stats()``);
+- ``cuda_peak_bytes``: ``torch.cuda.max_memory_allocated()`` on a CUDA device;
+- the user's values from ``zerocompile.log_metrics``, as given (``train_loss`` becomes
+  ``Train/Samples/train_loss``), each the mean over the ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from zerocompile.errors import ZeroConfigError
+from zerocompile.monitor import MetricWriter, MonitorSettings
+from zerocompile.runtime import accounting
+from zerocompile.runtime.accounting import ACCOUNTING
+
+log = logging.getLogger("zerocompile")
+TAG_PREFIX = "Train/Samples/"
+
+
+def log_metrics(values: dict) -> None:
+    """Add the user's figures to the monitors: each is reduced over the ranks (mean) and written
+    with the figures of the next ``ZeroOptimizer.step()``. Every rank must log the same names in a
+    step. Values: numbers or one-element tensors (read at that step, a host sync for a device
+    tensor). Without an enabled monitor they are dropped (one warning)."""
+    if not isinstance(values, dict):
+        raise TypeError(f"zerocompile.log_metrics takes a dict of name -> number, got {type(values).__name__}")
+    for name, value in values.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"zerocompile.log_metrics: metric names are non-empty strings, got {name!r}")
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"zerocompile.log_metrics: '{name}' is a tensor of {value.numel()} elements; "
+                                 "give one number")
+            value = value.detach()
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"zerocompile.log_metrics: '{name}' = {value!r}; give a number or a one-element tensor")
+        ACCOUNTING.pending_metrics[name] = value
+
+
+class StepMonitor:
+    """The ``ZeroOptimizer``'s monitoring: ``after_step`` writes one step's figures."""
+
+    def __init__(self, params_view, layout_group):
+        self.params = params_view
+        self._layout_group = layout_group
+        self.settings: MonitorSettings | None = None
+        self._writer: MetricWriter | None = None
+        self._steps = 0
+        self._last_end = time.monotonic()
+        self._comm_before: dict | None = None
+        self.grad_norm: torch.Tensor | None = None
+        """The norm ``clip_grad_norm_`` returned in this step (None: no clipping)."""
+        self._warned = False
+        self._looked_through = 0
+        """The compile order of the newest frame whose options were looked at."""
+
+    def _find_settings(self) -> MonitorSettings | None:
+        ids = {id(s) for s in self.params.states()}
+        found = {runner.config.monitor for runner in list(ACCOUNTING.frames)
+                 if any(id(sp) in ids for sp in runner.plans if sp is not None)} - {None}
+        if len(found) > 1:
+            raise ZeroConfigError("ZeroOptimizer: the frames using this optimizer's parameters were compiled with "
+                                  f"different 'monitor' options ({', '.join(sorted(map(repr, found)))}); compile them "
+                                  "with the same one")
+        return next(iter(found), None)
+
+    def after_step(self, optimizer) -> None:
+        """Write this step's figures (rank 0), once a frame's options enable a monitor."""
+        now = time.monotonic()
+        elapsed_ms, self._last_end = (now - self._last_end) * 1e3, now
+        grad_norm, self.grad_norm = self.grad_norm, None
+        self._steps += 1
+        if self.settings is None:
+            newest = accounting.newest_frame_order()
+            if newest != self._looked_through:       # a frame compiled since the last look
+                self._looked_through = newest
+                self.settings = self._find_settings()
+            if self.settings is None:
+                self._drop_pending()
+                return
+            self._open()
+        group = self._layout_group()
+        metrics = {f"{TAG_PREFIX}lr": float(optimizer.param_groups[0]["lr"])}
+        for i, g in enumerate(optimizer.param_groups[1:], start=1):
+            metrics[f"{TAG_PREFIX}lr_group{i}"] = float(g["lr"])
+        if grad_norm is not None:
+            metrics[f"{TAG_PREFIX}grad_norm"] = float(grad_norm)
+        if optimizer.loss_scale is not None:
+            metrics[f"{TAG_PREFIX}loss_scale"] = float(optimizer.loss_scale)
+            metrics[f"{TAG_PREFIX}skipped_steps"] = float(optimizer.skipped_steps)
+        metrics[f"{TAG_PREFIX}step_time_ms"] = elapsed_ms
+        stats = accounting.stats()
+        comm = {k: getattr(stats, k).bytes for k in accounting.COLLECTIVE_KINDS + accounting.COMPRESSED_KINDS}
+        before = self._comm_before or dict.fromkeys(comm, 0)
+        for kind, nbytes in comm.items():
+            if nbytes - before.get(kind, 0):
+                metrics[f"{TAG_PREFIX}comm_bytes_{kind}"] = float(nbytes - before.get(kind, 0))
+        self._comm_before = comm
+        metrics[f"{TAG_PREFIX}model_state_bytes"] = float(stats.param_bytes + stats.grad_bytes
+                                                          + stats.optimizer_state_bytes)
+        device = next((s.device for s in self.params.states()), torch.device("cpu"))
+        if device.type == "cuda":
+            metrics[f"{TAG_PREFIX}cuda_peak_bytes"] = float(torch.cuda.max_memory_allocated(device))
+        metrics.update(self._user_metrics(group))
+        if self._writer is not None:
+            samples = self.settings.samples_per_step
+            self._writer.write(metrics, self._steps * samples if samples else self._steps)
+
+    def _open(self) -> None:
+        """Rank 0 makes its writers; every rank learns whether it could (one broadcast)."""
+        group = self._layout_group()
+        error = None
+        if group.rank == 0:
+            try:
+                self._writer = MetricWriter(self.settings)
+            except (OSError, ZeroConfigError) as exc:
+                error = str(exc)
+        if group.world > 1:
+            box = [error]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group.group, 0), group=group.group)
+            error = box[0]
+        if error is not None:
+            settings, self.settings = self.settings, None
+            raise ZeroConfigError(f"ZeroOptimizer: the monitor cannot write ({settings}): {error}. Give an "
+                                  "output_path this process can create and write")
+        log.info("monitoring to %s", ", ".join(p for p in (self.settings.tensorboard, self.settings.csv) if p))
+
+    def _user_metrics(self, group) -> dict:
+        """``log_metrics``' values since the last step, each the mean over the ranks."""
+        pending = dict(ACCOUNTING.pending_metrics)
+        ACCOUNTING.pending_metrics.clear()
+        names = sorted(pending)
+        if group.world > 1:
+            everyone = [None] * group.world
+            dist.all_gather_object(everyone, names, group=group.group)
+            if any(n != names for n in everyone):
+                raise ValueError("zerocompile.log_metrics: the ranks logged different names in this step ("
+                                 + "; ".join(f"rank {r}: {', '.join(n) or 'none'}" for r, n in enumerate(everyone))
+                                 + "): log the same names on every rank")
+        if not names:
+            return {}
+        values = torch.tensor([float(pending[n]) for n in names], dtype=torch.float64)
+        if group.world > 1:
+            dist.all_reduce(values, group=group.group)
+            values /= group.world
+        return {f"{TAG_PREFIX}{name}": float(v) for name, v in zip(names, values.tolist())}
+
+    def _drop_pending(self) -> None:
+        if ACCOUNTING.pending_metrics and not self._warned:
+            self._warned = True
+            log.warning("zerocompile.log_metrics: no monitor is enabled, so the values are dropped; enable one "
+                        "with the 'monitor' option or a DeepSpeed config's tensorboard / csv_monitor keys")
+        ACCOUNTING.pending_metrics.clear()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
