@@ -18,6 +18,7 @@ from zerocompile.config import ZeroConfig
 from zerocompile.errors import ZeroConfigError
 from zerocompile.monitor import MonitorSettings
 
+REPO = Path(__file__).resolve().parent.parent
 STEPS = 3
 BATCH = 4          # per rank
 
@@ -160,3 +161,25 @@ def test_a_path_the_monitor_cannot_write_is_one_clear_error_on_every_rank(tmp_pa
     blocker.write_text("")          # a file where the output directory should be
     errors = run_ranks(_bad_path, 2, str(blocker / "logs"))
     assert all("the monitor cannot write" in e and str(blocker) in e for e in errors), errors
+
+
+def test_show_metrics_plots_what_the_monitors_wrote(run, tmp_path):
+    """``zerocompile show --metrics DIR``: the CSV monitor's directory and TensorBoard's give the
+    same table of tags, and a plot with one panel per tag."""
+    from dist_utils import run_cli
+
+    path, _ = run
+    outputs = {}
+    for kind in ("csv", "tb"):
+        out = tmp_path / f"{kind}.png"
+        done = run_cli(["show", "--metrics", str(path / kind), "--out", str(out)], REPO, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert out.stat().st_size > 10_000
+        outputs[kind] = sorted(ln.split()[1] for ln in done.stdout.splitlines() if "Train/Samples/" in ln)
+    assert outputs["csv"] == outputs["tb"] and "Train/Samples/train_loss" in outputs["csv"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = run_cli(["show", "--metrics", str(empty)], REPO, timeout=120)
+    assert done.returncode == 2 and "holds no monitor files" in done.stderr
+    done = run_cli(["show", str(empty), "--metrics", str(empty)], REPO, timeout=120)
+    assert done.returncode == 2 and "not both" in done.stderr

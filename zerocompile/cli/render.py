@@ -221,6 +221,45 @@ def write_memory_plot(nodes: list, title: str, out: Path) -> None:
         raise CliError(f"zerocompile show: error: cannot write {out}: {exc}", code=2) from None
 
 
+def metrics_table(series: dict, root: Path) -> Table:
+    """One row per monitored tag: points, x range, first, last, min and max."""
+    table = Table(title=f"monitor figures in {root}", title_justify="left")
+    for column in ("tag", "points", "x", "first", "last", "min", "max"):
+        table.add_column(column, justify="left" if column == "tag" else "right")
+    for tag, points in series.items():
+        values = [v for _, v in points]
+        table.add_row(tag, str(len(points)), f"{points[0][0]:g}-{points[-1][0]:g}" if points else "-",
+                      *(f"{v:.6g}" for v in (values[0], values[-1], min(values), max(values))) if values
+                      else ["-"] * 4)
+    return table
+
+
+def write_metrics_plot(series: dict, title: str, out: Path) -> None:
+    """One small plot per tag (Agg backend), x as the monitor wrote it (samples or steps)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise CliError("zerocompile show: error: --metrics needs matplotlib, which is not installed "
+                       "(pip install 'zerocompile[plot]', or pip install matplotlib)", code=1) from None
+    cols = min(3, len(series))
+    rows = -(-len(series) // cols)
+    fig = Figure(figsize=(4.2 * cols, 2.8 * rows))
+    FigureCanvasAgg(fig)
+    for i, (tag, points) in enumerate(series.items(), start=1):
+        ax = fig.add_subplot(rows, cols, i)
+        ax.plot([x for x, _ in points], [v for _, v in points], marker="." if len(points) < 50 else None,
+                linewidth=1.2, color="black")
+        ax.set_title(tag.split("/")[-1], fontsize=9)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    try:
+        fig.savefig(out, dpi=100)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"zerocompile show: error: cannot write {out}: {exc}", code=2) from None
+
+
 # ============================================================================ a plan's tables
 def print_plan(report, script: Path, console: Console) -> None:
     """A plan's figures: model state and peak bytes, collectives and the estimated step."""

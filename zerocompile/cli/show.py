@@ -11,8 +11,8 @@ from pathlib import Path
 
 from zerocompile.cli.errors import CliError
 from zerocompile.cli.inputs import read_dump, read_json
-from zerocompile.cli.render import (human_bytes, new_console, optimizer_steps_table, print_code, steps_table,
-                                    write_memory_plot, write_svg)
+from zerocompile.cli.render import (human_bytes, metrics_table, new_console, optimizer_steps_table, print_code,
+                                    steps_table, write_memory_plot, write_metrics_plot, write_svg)
 from zerocompile.dump import GRAPH_KINDS, INDEX_FILE, OPTIMIZER_STEPS_FILE
 
 GRAPH_ALIASES = {"fw": "forward", "bw": "backward"}
@@ -21,7 +21,8 @@ GRAPH_ALIASES = {"fw": "forward", "bw": "backward"}
 def add_parser(subparsers) -> None:
     show = subparsers.add_parser("show", help="summarise a dump: per-pass tables, code, diffs, drawings",
                                  description="Show what a zerocompile dump recorded.")
-    show.add_argument("dir", metavar="DIR", help="a dump directory (from zerocompile dump or options={'dump': DIR})")
+    show.add_argument("dir", metavar="DIR", nargs="?", default=None,
+                      help="a dump directory (from zerocompile dump or options={'dump': DIR})")
     show.add_argument("--rank", type=int, default=0, help="rank to show (default: 0)")
     show.add_argument("--frame", default=None, metavar="F",
                       help="frame: its name ('frame 0/0'), directory (frame_0_0) or compile id (0/0) "
@@ -37,6 +38,11 @@ def add_parser(subparsers) -> None:
                       help="draw the selected step with graphviz; OUT.dot is written next to it (default: none)")
     show.add_argument("--memory", default=None, metavar="OUT.png",
                       help="plot simulated live bytes per node of the selected step (default: none)")
+    show.add_argument("--metrics", default=None, metavar="DIR",
+                      help="instead of a dump: plot the figures a monitor wrote to DIR (output_path/job_name of "
+                           "the csv_monitor or tensorboard option) to DIR/metrics.png (or --out), and print a "
+                           "table of them")
+    show.add_argument("--out", default=None, metavar="OUT.png", help="with --metrics: where the plot goes")
     show.set_defaults(func=cmd_show)
 
 
@@ -132,6 +138,14 @@ def _load_nodes(rank_dir: Path, step: dict) -> list:
 def cmd_show(args) -> int:
     """``zerocompile show``: tables, code, diffs and drawings of a dump."""
     console = new_console()
+    if args.metrics is not None:
+        if args.dir is not None:
+            raise CliError("zerocompile show: error: give either a dump DIR or --metrics DIR, not both")
+        return _show_metrics(Path(args.metrics), Path(args.out) if args.out else None, console)
+    if args.dir is None:
+        raise CliError("zerocompile show: error: give a dump directory (DIR) or --metrics DIR")
+    if args.out is not None:
+        raise CliError("zerocompile show: error: --out goes with --metrics")
     root = Path(args.dir)
     if not root.exists():
         raise CliError(f"zerocompile show: error: no such directory: {root}")
@@ -212,3 +226,48 @@ def cmd_show(args) -> int:
             console.rule(f"{frame} | {kind} graph | {step['index']:02d} after {step['pass']} (last step)")
             print_code(console, _code(rank_dir, step), "python")
     return 0
+
+
+def _show_metrics(root: Path, out: Path | None, console) -> int:
+    """``--metrics DIR``: the monitor's series (its CSV files, else TensorBoard's event files)
+    as a table and a plot."""
+    if not root.is_dir():
+        raise CliError(f"zerocompile show: error: --metrics: no such directory: {root}")
+    series = read_metrics(root)
+    if not series:
+        raise CliError(f"zerocompile show: error: --metrics: {root} holds no monitor files (Train_*.csv or "
+                       "events.out.tfevents.*); point it at output_path/job_name of the csv_monitor or "
+                       "tensorboard option")
+    console.print(metrics_table(series, root))
+    out = out or root / "metrics.png"
+    write_metrics_plot(series, str(root), out)
+    console.print(f"plot: {out}")
+    return 0
+
+
+def read_metrics(root: Path) -> dict:
+    """``{tag: [(x, value), ...]}`` from a monitor's directory: the CSV monitor's files (one per
+    tag, header ``step,<name>``), or TensorBoard's event files when there is no CSV."""
+    import csv
+
+    series = {}
+    for path in sorted(root.glob("*.csv")):
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))
+        if len(rows) < 2 or len(rows[0]) != 2 or rows[0][0] != "step":
+            continue
+        try:
+            series[path.stem.replace("_", "/", 2)] = [(float(x), float(v)) for x, v in rows[1:]]
+        except ValueError:
+            raise CliError(f"zerocompile show: error: --metrics: {path} has a row that is not two numbers") from None
+    if series or not any(root.glob("events.out.tfevents.*")):
+        return series
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        raise CliError("zerocompile show: error: --metrics: reading TensorBoard's event files needs the tensorboard "
+                       "package (pip install 'zerocompile[monitor]'); the csv_monitor's files need nothing", code=1) \
+            from None
+    acc = EventAccumulator(str(root))
+    acc.Reload()
+    return {tag: [(float(e.step), float(e.value)) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
