@@ -97,6 +97,12 @@ class ZeroStats:
     """1-bit Adam / 0/1 Adam: the all-to-alls of packed signs and scales (``COMPRESSED_KINDS``)."""
     compressed_all_gather: CollectiveTotals = field(default_factory=CollectiveTotals)
     """1-bit Adam / 0/1 Adam: the all-gathers of the servers' packed signs and scales."""
+    flops_per_step: int = 0
+    """FLOPs this rank's compiled graphs ran in the last ``ZeroOptimizer.step()``'s step (forward
+    and backward of every frame call since the step before, by torch's ``FlopCounterMode``
+    formulas), recomputed forward ops included; 0 before the first step."""
+    recompute_flops_per_step: int = 0
+    """The share of ``flops_per_step`` the backward spent recomputing forward ops."""
 
     @property
     def comm_bytes(self) -> int:
@@ -117,7 +123,8 @@ class ZeroStats:
                    offloaded_bytes=self.offloaded_bytes, offloaded_param_bytes=self.offloaded_param_bytes,
                    offload_buffer_bytes=self.offload_buffer_bytes, shared_memory_bytes=self.shared_memory_bytes,
                    offloaded_activation_bytes=self.offloaded_activation_bytes,
-                   activation_buffer_bytes=self.activation_buffer_bytes)
+                   activation_buffer_bytes=self.activation_buffer_bytes, flops_per_step=self.flops_per_step,
+                   recompute_flops_per_step=self.recompute_flops_per_step)
         return out
 
 
@@ -155,6 +162,10 @@ class Accounting:
         """``zerocompile.log_metrics``' values waiting for the next ``ZeroOptimizer.step()``."""
         self.channels: "weakref.WeakSet" = weakref.WeakSet()
         """Shared-memory channels alive (``runtime/shared_memory.py``): their segments' bytes."""
+        self.flops = {"flops": 0, "recompute": 0}
+        """FLOPs the compiled graphs ran since the last optimizer step ended."""
+        self.step_flops = {"flops": 0, "recompute": 0}
+        """The same, of the last step (``end_step_flops``)."""
 
     def record(self, kind: str, nbytes: int, count: int = 1) -> None:
         """``count`` eager collectives of ``kind`` over the data-parallel group, ``nbytes`` in all."""
@@ -166,8 +177,19 @@ class Accounting:
         for kind, tot in summary.totals.items():
             self.comm[kind].add(tot)
 
+    def record_flops(self, flops: int, recompute: int = 0) -> None:
+        """A compiled graph's run: its FLOPs, of which ``recompute`` recomputed forward ops."""
+        self.flops["flops"] += flops
+        self.flops["recompute"] += recompute
+
+    def end_step_flops(self) -> None:
+        """An optimizer step ended: what ran since the last one is the step's."""
+        self.step_flops, self.flops = self.flops, {"flops": 0, "recompute": 0}
+
     def reset(self) -> None:
         self.comm = {k: CollectiveTotals() for k in COLLECTIVE_KINDS + COMPRESSED_KINDS}
+        self.flops = {"flops": 0, "recompute": 0}
+        self.step_flops = {"flops": 0, "recompute": 0}
 
     def snapshot(self) -> ZeroStats:
         params: dict[int, int] = {}
@@ -195,6 +217,8 @@ class Accounting:
             shared_memory_bytes=sum(channel.nbytes for channel in list(self.channels)),
             offloaded_activation_bytes=sum(store.held_bytes() for store in activation_offload.stores.all()),
             activation_buffer_bytes=sum(store.buffer_bytes() for store in activation_offload.stores.all()),
+            flops_per_step=self.step_flops["flops"],
+            recompute_flops_per_step=self.step_flops["recompute"],
         )
 
 

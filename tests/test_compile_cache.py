@@ -106,7 +106,7 @@ def test_frame_key_changes_with_the_graph_inputs_rank_and_options():
 
 
 def test_options_and_sources_change_the_partitioner_uuid():
-    from zerocompile.capture import ZeroPartitioner
+    from zerocompile.partitioner import ZeroPartitioner
     from zerocompile.config import ZeroConfig
     from zerocompile.passes.context import PassContext
 

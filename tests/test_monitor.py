@@ -31,7 +31,7 @@ def _train(rank: int, world: int, out: str, options: dict) -> dict:
     compiled = torch.compile(model, backend="zero", options={**options, "inner_compiler": "eager"})
     opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    seen = {"lr": [], "grad_norm": [], "loss": [], "own_loss": [], "comm": [], "state": []}
+    seen = {"lr": [], "grad_norm": [], "loss": [], "own_loss": [], "comm": [], "state": [], "flops": []}
     before = zerocompile.stats()
     for step in range(STEPS):
         x, y = make_batch("gpt", step * world + rank, BATCH)
@@ -42,6 +42,7 @@ def _train(rank: int, world: int, out: str, options: dict) -> dict:
         seen["grad_norm"].append(float(opt.clip_grad_norm_(1.0)) if step != 1 else None)
         opt.step()
         now = zerocompile.stats()          # as the step ends: its gradients are still held
+        seen["flops"].append(now.flops_per_step)
         opt.zero_grad()
         sched.step()
         losses = [torch.zeros(()) for _ in range(world)]
@@ -90,7 +91,9 @@ def test_every_tag_is_written_once_per_step_by_rank_0_with_the_ranks_figures(run
     seen = ranks[0]
     samples = [2 * BATCH * (i + 1) for i in range(STEPS)]    # x counts samples (train_batch_size)
     board = _tensorboard(path)
+    assert all(f > 0 for f in seen["flops"])
     expected = {"lr": seen["lr"], "train_loss": seen["loss"], "model_state_bytes": seen["state"],
+                "flops": seen["flops"],
                 "comm_bytes_all_gather": [c["all_gather"] for c in seen["comm"]],
                 "comm_bytes_reduce_scatter": [c["reduce_scatter"] for c in seen["comm"]]}
     for name, values in expected.items():

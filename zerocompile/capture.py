@@ -3,24 +3,24 @@
 1. Find the parameter inputs; create (or reuse) each one's shard state.
 2. Run the Dynamo-graph passes (``insert_param_collectives``: parameters become shards
    plus collectives, per stage; ``cast_before_gather``).
-3. AOTAutograd traces the joint forward/backward graph; our partitioner runs the
-   joint-graph passes (tagging, selective unsharding, resharding, recompute), calls the
-   min-cut partitioner, runs the forward and backward passes (bucketing, prefetch) and
-   summarises the collectives of both graphs. A frame run without autograd gets one
+3. AOTAutograd traces the joint forward/backward graph; our partitioner (``partitioner.py``)
+   runs the joint-graph passes (tagging, selective unsharding, resharding, recompute), calls
+   the min-cut partitioner, runs the forward and backward passes (bucketing, prefetch) and
+   summarises the collectives and FLOPs of both graphs. A frame run without autograd gets one
    inference graph instead, which gets the tagging and forward passes.
 4. The inner compiler (inductor or eager) compiles the graphs.
 5. ``FrameRunner`` swaps each parameter argument for its shard tensors at call time
-   and records the collectives for ``zerocompile.stats()``.
+   and records the collectives and FLOPs for ``zerocompile.stats()``. ``FrameRunner.recompile``
+   runs steps 2-4 again with other pass options (``zerocompile plan``'s trace reuse).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import functools
 import logging
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.fx
@@ -29,12 +29,11 @@ from zerocompile import _torch_compat, compile_cache, env, inner_compilers, loss
 from zerocompile.config import ZeroConfig, options_needing_a_new_trace
 from zerocompile.dump import recorder_for
 from zerocompile.progress import compile_status
-from zerocompile.passes.collective_summary import summarize_collectives
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.cost_model import CostModel, cost_model_for, probe_offload
-from zerocompile.passes.liveness import saved_activation_bytes, simulate
+from zerocompile.partitioner import ZeroPartitioner
+from zerocompile.passes.flop_count import evaluate, size_symbols
 from zerocompile.passes.manager import pipeline, run_passes
-from zerocompile.passes.profiler import profile_graph
 from zerocompile.runtime.accounting import ACCOUNTING, CollectiveSummary
 from zerocompile.runtime.comm import CommGroup, resolve_group
 from zerocompile.runtime.reduction_choice import gradient_reduction
@@ -47,107 +46,6 @@ from zerocompile.runtime.zero_parameter import adopt
 log = logging.getLogger("zerocompile")
 
 
-class ZeroPartitioner(_torch_compat.PartitionerBase):
-    """Joint-graph passes, then the min-cut partitioner, then collective summaries."""
-
-    def __init__(self, ctx: PassContext):
-        self.ctx = ctx
-        self.backward_summary = CollectiveSummary()
-        self.forward_summary: CollectiveSummary | None = None
-        self.inference_summary: CollectiveSummary | None = None
-        self.ran = False
-        """Whether AOTAutograd called it (not on a hit in its cache: ``restore`` then)."""
-
-    def __call__(self, gm, joint_inputs, **kwargs):
-        self.ran = True
-        self.ctx.num_fwd_outputs = kwargs.get("num_fwd_outputs", 0)
-        self._profile(gm.graph)
-        gm = run_passes(gm, self.ctx, "joint")
-        fw, bw = _torch_compat.min_cut_partition(gm, joint_inputs, **kwargs)
-        self.ctx.results["saved_activation_bytes"] = saved_activation_bytes(fw.graph, self.ctx.num_fwd_outputs)
-        fw = run_passes(fw, self.ctx, "forward")
-        bw = run_passes(bw, self.ctx, "backward")
-        # the transient peak a training step of this frame is simulated to reach (the backward
-        # counts its inputs: the saved activations and the incoming gradients)
-        self.ctx.results["simulated_peak_bytes"] = max(simulate(fw.graph).peak,
-                                                       simulate(bw.graph, count_inputs=True).peak)
-        self.forward_summary = summarize_collectives(fw.graph, self.ctx.group.world)
-        self.backward_summary = summarize_collectives(bw.graph, self.ctx.group.world)
-        log.debug("[%s] forward: %s; backward: %s", self.ctx.frame, self.forward_summary,
-                  self.backward_summary)
-        return fw, bw
-
-    def inference(self, gm):
-        """Passes on the graph of a frame run without autograd (AOTAutograd compiles one
-        inference graph and calls no partitioner): tagging, then the forward passes."""
-        self.ran = True
-        self.ctx.num_fwd_outputs = len(next(iter(gm.graph.find_nodes(op="output"))).args[0])
-        self._profile(gm.graph)
-        gm = run_passes(gm, self.ctx, "inference")
-        self.inference_summary = summarize_collectives(gm.graph, self.ctx.group.world)
-        return gm
-
-    def entry(self) -> compile_cache.FrameEntry:
-        """What this partitioner computed besides the graphs, for a restart that hits the caches."""
-        cost_model = self.ctx.cost_model.as_dict() if self.ctx.cost_model is not None else None
-        return compile_cache.FrameEntry(self.forward_summary, self.backward_summary, self.inference_summary,
-                                        dict(self.ctx.results), cost_model)
-
-    def restore(self, entry: compile_cache.FrameEntry) -> None:
-        """Take the summaries and results of a compile that AOTAutograd's cache replays."""
-        self.forward_summary = entry.forward_summary
-        self.backward_summary = entry.backward_summary
-        self.inference_summary = entry.inference_summary
-        self.ctx.results.update(entry.results)
-
-    def _profile(self, graph: torch.fx.Graph) -> None:
-        """With ``profile=True``: replace the estimated cost model by one measured on this
-        graph (passes/profiler.py), before any pass weighs a cost."""
-        ctx = self.ctx
-        if not ctx.config.profile or ctx.cost_model is None:
-            return
-        bucket_bytes = int(ctx.config.bucket_mb * (1 << 20)) if ctx.config.stage in (2, 3) else 0
-        fake = any(_torch_compat.is_fake_tensor(sp.param) for sp in ctx.primal_params if sp is not None)
-        ctx.cost_model, ctx.results["profile"] = profile_graph(
-            graph, ctx.cost_model, ctx.group, ctx.device or torch.device("cpu"), bucket_bytes, ctx.frame,
-            fake_params=fake, offload=ctx.config.offload_activations)
-
-    def __deepcopy__(self, memo):
-        # inductor deep-copies its config (which holds this object) when it snapshots it;
-        # the context holds a process group, which cannot be copied, and need not be
-        return self
-
-    def __reduce__(self):
-        # inductor's FX-graph cache key pickles its config, which holds this object; what
-        # identifies it is its uuid (the pass code and options), not the context's tensors
-        return (str, (self.uuid(),))
-
-    def uuid(self):
-        import zerocompile.passes
-        import zerocompile.runtime
-
-        dirs = [Path(__file__).parent, Path(zerocompile.passes.__file__).parent,
-                Path(zerocompile.runtime.__file__).parent]
-        files = sorted(f for d in dirs for f in d.glob("*.py"))
-        digest = hashlib.sha256()
-        for f in files:
-            digest.update(f.read_bytes())
-        cfg = self.ctx.config
-        # not the probed cost model: what it decides is in the graphs inductor hashes anyway
-        digest.update(repr(sorted((k, v) for k, v in vars(cfg).items() if k != "process_group")).encode())
-        # the gradient reduction chosen (not its timings): AOTAutograd keys on the Dynamo graph,
-        # before the backward pass that writes the choice into the graph
-        choice = self.ctx.gradient_reduction
-        if choice is not None:
-            digest.update(repr((choice.sizes, choice.kinds, choice.gather_kinds)).encode())
-        # the rank and group: a backward graph can be rank-specific (all_reduce_gradients slices
-        # this rank's rows), and AOTAutograd's key is otherwise the same on every rank, so one
-        # rank would load another's graphs from a shared cache directory
-        group = self.ctx.group
-        digest.update(repr((group.rank, group.world, group.name)).encode())
-        return digest.hexdigest()
-
-
 class FrameRunner:
     """The callable Dynamo runs for a compiled frame."""
 
@@ -158,6 +56,8 @@ class FrameRunner:
         self.partitioner = partitioner
         self.frame = frame
         self._source = source
+        self._flops_cache: dict = {}
+        """The frame's FLOPs per call sizes, where its shapes are symbolic (``_flops``)."""
         self.script_options = None
         """The options the script compiled this frame with (before any override), set by the
         backend: ``recompile`` merges new pass options over them."""
@@ -218,6 +118,22 @@ class FrameRunner:
         self.compiled, self.partitioner = compiled, partitioner
         self._loss_scale = cfg.loss_scale
         self._checked = False        # the new graphs' collectives are checked across ranks again
+        self._flops_cache = {}
+
+    def _flops(self, args) -> dict:
+        """The FLOPs of this call's graphs (``forward``, ``backward``, ``recompute``): the frame's
+        counts, evaluated at this call's sizes where shapes are symbolic (cached per sizes)."""
+        flops = self.partitioner.ctx.results.get("flops") or {}
+        if all(isinstance(v, int) for v in flops.values()):
+            return flops
+        bindings = {}
+        for i, dim, name in self._source.size_symbols():
+            arg = args[i]
+            bindings[name] = int(arg if dim is None else arg.shape[dim])
+        key = tuple(sorted(bindings.items()))
+        if key not in self._flops_cache:
+            self._flops_cache[key] = {k: evaluate(v, bindings) for k, v in flops.items()}
+        return self._flops_cache[key]
 
     def _first_run(self) -> None:
         for root in self._roots_without_hooks:
@@ -287,18 +203,27 @@ class FrameRunner:
         if grad_mode and self._loss_scale is not None:
             loss_scale.install_frame_scaling(out, args, states, self._loss_scale, self.frame)
         ACCOUNTING.record_summary(self._forward_summary())
+        flops = self._flops(args)
+        ACCOUNTING.record_flops(flops.get("forward", 0))
         bw = self.partitioner.backward_summary
-        if any(t.count for t in bw.totals.values()):
+        if any(t.count for t in bw.totals.values()) or flops.get("backward"):
             tensors = [t for t in (out if isinstance(out, (list, tuple)) else [out])
                        if isinstance(t, torch.Tensor) and t.grad_fn is not None]
             stop = {id(a.grad_fn) for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
             node = _torch_compat.compiled_backward_node(tensors, stop)
             if node is not None:
-                node.register_prehook(lambda grads: ACCOUNTING.record_summary(bw))
+                node.register_prehook(functools.partial(_backward_ran, bw, flops.get("backward", 0),
+                                                        flops.get("recompute", 0)))
             elif tensors:
-                log.warning("[%s] backward node not found: its collectives are missing from "
+                log.warning("[%s] backward node not found: its collectives and FLOPs are missing from "
                             "zerocompile.stats()", self.frame)
         return out
+
+
+def _backward_ran(summary: CollectiveSummary, flops: int, recompute: int, grads) -> None:
+    """A compiled backward is about to run: its collectives and FLOPs count."""
+    ACCOUNTING.record_summary(summary)
+    ACCOUNTING.record_flops(flops, recompute)
 
 
 def _frame_name(gm: torch.fx.GraphModule) -> str:
@@ -444,6 +369,7 @@ class _TracedFrame:
         self.fake_mode = fake_mode
         """The fake mode of Dynamo's compile (None outside Dynamo): a later compile traces in it."""
         self.compiled_once = False
+        self._size_symbols: list | None = None
         self._scalars: list = []
         """The example inputs that are not tensors (sizes Dynamo made inputs), for a later compile."""
 
@@ -483,6 +409,13 @@ class _TracedFrame:
         placeholders = list(self.gm.graph.find_nodes(op="placeholder"))
         return [sp.param if sp is not None else scalar if scalar is not None else node.meta["example_value"]
                 for node, sp, scalar in zip(placeholders, plans, self._scalars)]
+
+    def size_symbols(self) -> list:
+        """``flop_count.size_symbols`` of the frame's inputs (Dynamo's placeholders)."""
+        if self._size_symbols is None:
+            placeholders = self.gm.graph.find_nodes(op="placeholder")
+            self._size_symbols = size_symbols([n.meta.get("example_value") for n in placeholders])
+        return self._size_symbols
 
     def new_state(self, param, plan: ShardedParam, ctx: PassContext) -> ShardedParam:
         """The shard state of ``param``, first met at run time where ``plan``'s parameter was

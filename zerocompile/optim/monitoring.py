@@ -16,6 +16,8 @@ Tags (DeepSpeed's ``Train/Samples/...``), each step:
   was made, so it holds the first step's compile);
 - ``comm_bytes_<kind>``: bytes each collective kind moved since the previous step (``stats()``);
 - ``model_state_bytes``: parameters, gradients and optimizer state held (``stats()``);
+- ``flops``, ``recompute_flops`` and ``achieved_tflops``: this rank's compiled graphs' FLOPs in the
+  step (``stats().flops_per_step``, the recomputed share apart) and per second of ``step_time_ms``;
 - ``cuda_peak_bytes``: ``torch.cuda.max_memory_allocated()`` on a CUDA device;
 - the user's values from ``zerocompile.log_metrics``, as given (``train_loss`` becomes
   ``Train/Samples/train_loss``), each the mean over the ranks.
@@ -119,6 +121,10 @@ class StepMonitor:
         self._comm_before = comm
         metrics[f"{TAG_PREFIX}model_state_bytes"] = float(stats.param_bytes + stats.grad_bytes
                                                           + stats.optimizer_state_bytes)
+        if stats.flops_per_step:
+            metrics[f"{TAG_PREFIX}flops"] = float(stats.flops_per_step)
+            metrics[f"{TAG_PREFIX}recompute_flops"] = float(stats.recompute_flops_per_step)
+            metrics[f"{TAG_PREFIX}achieved_tflops"] = stats.flops_per_step / max(elapsed_ms, 1e-9) / 1e9
         device = next((s.device for s in self.params.states()), torch.device("cpu"))
         if device.type == "cuda":
             metrics[f"{TAG_PREFIX}cuda_peak_bytes"] = float(torch.cuda.max_memory_allocated(device))
