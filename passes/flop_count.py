@@ -15,6 +15,7 @@ must not specialize the graph), and ``evaluate`` gives the number for a call's s
 from __future__ import annotations
 
 import contextlib
+import re
 
 import sympy
 import torch
@@ -25,9 +26,12 @@ from zerocompile import _torch_compat
 
 
 def graph_flops(graph: torch.fx.Graph, backward: bool = False) -> dict:
-    """``{"flops": total, "recompute": the recomputed forward ops' share}`` of ``graph``: ints,
-    or expressions of the size symbols (strings) where shapes are symbolic."""
+    """``{"flops": total, "recompute": the recomputed forward ops' share, "modules": {module path:
+    [FLOPs, class name]}}`` of ``graph``: ints, or expressions of the size symbols (strings) where
+    shapes are symbolic (those ops are left out of ``modules``). A module path is the innermost
+    module the op ran in, as Dynamo recorded it (``nn_module_stack``), relative to the frame's."""
     total = recompute = sympy.Integer(0)
+    modules: dict = {}
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -59,7 +63,22 @@ def graph_flops(graph: torch.fx.Graph, backward: bool = False) -> dict:
         total += flops
         if backward and node.meta.get("partitioner_tag") != "is_backward":
             recompute += flops
-    return {"flops": _plain(total), "recompute": _plain(recompute)}
+        # a backward op carries its forward op's modules (AOTAutograd copies them by seq_nr)
+        stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+        if stack and flops.is_number:
+            path, cls = list(stack.values())[-1]
+            entry = modules.setdefault(module_path(path), [0, getattr(cls, "__name__", str(cls))])
+            entry[0] += int(flops)
+    return {"flops": _plain(total), "recompute": _plain(recompute), "modules": modules}
+
+
+def module_path(dynamo_path: str) -> str:
+    """``blocks.0.qkv`` from Dynamo's ``L['self'].blocks.0.qkv`` (or ``L['self']._modules['blocks']``
+    ``._modules['0']...``, ``L['self'].blocks[0]``); ``""`` for the frame's own module."""
+    path = re.sub(r"^L\['[^']*'\]\.?", "", dynamo_path)
+    path = re.sub(r"_modules\['([^']*)'\]", r"\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return path.strip(".").replace("..", ".")
 
 
 def _no_guards(val):

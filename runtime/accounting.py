@@ -166,6 +166,10 @@ class Accounting:
         """FLOPs the compiled graphs ran since the last optimizer step ended."""
         self.step_flops = {"flops": 0, "recompute": 0}
         """The same, of the last step (``end_step_flops``)."""
+        self.calls: dict = {}
+        """Forward and backward runs per compiled frame (by ``FrameRunner.order``) since the last step."""
+        self.step_calls: dict = {}
+        """The same, of the last step."""
 
     def record(self, kind: str, nbytes: int, count: int = 1) -> None:
         """``count`` eager collectives of ``kind`` over the data-parallel group, ``nbytes`` in all."""
@@ -177,19 +181,25 @@ class Accounting:
         for kind, tot in summary.totals.items():
             self.comm[kind].add(tot)
 
-    def record_flops(self, flops: int, recompute: int = 0) -> None:
-        """A compiled graph's run: its FLOPs, of which ``recompute`` recomputed forward ops."""
+    def record_flops(self, flops: int, recompute: int = 0, frame: int | None = None, backward: bool = False) -> None:
+        """A compiled graph's run: its FLOPs, of which ``recompute`` recomputed forward ops;
+        ``frame`` (its ``FrameRunner.order``) counts the run among that frame's forward or
+        backward runs of the step (the flops profiler's per-module figures)."""
         self.flops["flops"] += flops
         self.flops["recompute"] += recompute
+        if frame is not None:
+            self.calls.setdefault(frame, [0, 0])[int(backward)] += 1
 
     def end_step_flops(self) -> None:
         """An optimizer step ended: what ran since the last one is the step's."""
         self.step_flops, self.flops = self.flops, {"flops": 0, "recompute": 0}
+        self.step_calls, self.calls = self.calls, {}
 
     def reset(self) -> None:
         self.comm = {k: CollectiveTotals() for k in COLLECTIVE_KINDS + COMPRESSED_KINDS}
         self.flops = {"flops": 0, "recompute": 0}
         self.step_flops = {"flops": 0, "recompute": 0}
+        self.calls, self.step_calls = {}, {}
 
     def snapshot(self) -> ZeroStats:
         params: dict[int, int] = {}

@@ -118,3 +118,59 @@ def test_a_dynamic_batch_is_counted_at_each_calls_size_without_recompiling():
         assert zerocompile.stats().flops_per_step == pytest.approx(want, rel=0.02), batch
     assert counters["stats"]["unique_graphs"] <= 2
     assert any(isinstance(r["results"]["flops"]["forward"], str) for r in zerocompile.frame_reports())
+
+
+def _profiled(rank: int, world: int, out: str) -> dict:
+    from zerocompile.flops_profiler import step_modules
+    from zerocompile.runtime.accounting import ACCOUNTING
+
+    torch.manual_seed(0)
+    model = make_model("gpt")
+    options = {"zero_optimization": {"stage": 3}, "flops_profiler": {
+        "enabled": True, "profile_step": 2, "module_depth": -1, "top_modules": 2, "output_file": out,
+        "peak_tflops": 1.0}}
+    compiled = torch.compile(model, backend="zero", options={**options, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    for step in range(3):
+        x, y = make_batch("gpt", step * world + rank, 4)
+        compiled(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 1:        # the profiled step
+            flops = zerocompile.stats().flops_per_step
+            modules = step_modules(list(ACCOUNTING.frames), ACCOUNTING.step_calls)
+            batch = (x, y)
+    return {"flops": flops, "modules": modules, "batch": batch}
+
+
+def test_the_flops_profiler_reports_each_modules_flops_at_its_step(tmp_path):
+    """DeepSpeed's ``flops_profiler`` key on 2 ranks: rank 0 writes the profile of step 2 to
+    ``output_file``; its per-module FLOPs are ``FlopCounterMode``'s per module on an uncompiled
+    copy running rank 0's batch, and they add up to ``stats().flops_per_step``."""
+    from zerocompile.flops_profiler import report, FlopsProfilerSettings
+    from dist_utils import run_ranks
+
+    out = tmp_path / "profile.txt"
+    ranks = run_ranks(_profiled, 2, str(out))
+    got = ranks[0]
+    torch.manual_seed(0)
+    ref = make_model("gpt")
+    with FlopCounterMode(display=False) as counter:
+        ref(*got["batch"]).backward()
+    per_module = counter.get_flop_counts()
+    modules = got["modules"]
+    assert sum(m["forward"] + m["backward"] for m in modules.values()) == got["flops"] > 0
+    leaves = [p for p in modules if p and not any(q.startswith(p + ".") for q in modules)]
+    assert "blocks.0.qkv" in leaves and "head" in leaves
+    for path in leaves:
+        want = sum(per_module[f"GPT.{path}"].values())
+        assert modules[path]["forward"] + modules[path]["backward"] == pytest.approx(want, rel=0.02), path
+    text = out.read_text()
+    for section in ("zerocompile flops profiler", "aggregated profile per depth", "detailed profile per module",
+                    "model FLOPs utilization (MFU)", "blocks.0.qkv"):
+        assert section in text, section
+    assert "profile step:" in text and text.count("zerocompile flops profiler") == 1   # rank 0 only
+    # the report's text from the same figures (a unit check of the depth roll-up)
+    settings = FlopsProfilerSettings(top_modules=1)
+    rolled = report(settings, 2, 2, got["flops"], 0, 10.0, modules, {"blocks.0.qkv.weight": 3})
+    assert "depth 0: (frame)" in rolled and "(100.0%)" in rolled

@@ -120,6 +120,9 @@ def test_options_and_deepspeed_keys():
     ds = ZeroConfig.from_options({"tensorboard": {"enabled": True, "job_name": "j"}, "train_batch_size": 64})
     assert ds.monitor == MonitorSettings(tensorboard="j", samples_per_step=64)
     assert ZeroConfig.from_options({"wandb": {"enabled": False, "project": "p"}}).monitor is None
+    assert ZeroConfig.from_options({"flops_profiler": {"enabled": False, "profile_step": 3}}).flops_profiler is None
+    fp = ZeroConfig.from_options({"flops_profiler": {"enabled": True, "profile_step": 3}}).flops_profiler
+    assert fp.profile_step == 3 and fp.module_depth == -1 and fp.detailed
     for options, message in (
             ({"wandb": {"enabled": True, "project": "p"}}, "no wandb monitor yet"),
             ({"comet": {"enabled": True}}, "no comet monitor yet"),
@@ -127,7 +130,11 @@ def test_options_and_deepspeed_keys():
             ({"monitor": {"tensorboard": {"enabled": "yes"}}}, "give true or false"),
             ({"monitor": {"mlflow": {}}}, "unknown key(s) mlflow"),
             ({"monitor": {"samples_per_step": 0}}, "samples_per_step"),
-            ({"monitor": "logs"}, "option 'monitor'")):
+            ({"monitor": "logs"}, "option 'monitor'"),
+            ({"flops_profiler": {"enabled": True, "profile_steps": 1}}, "unknown key(s) profile_steps"),
+            ({"flops_profiler": {"enabled": True, "profile_step": 0}}, "'profile_step' = 0"),
+            ({"flops_profiler": {"enabled": True, "peak_tflops": -1}}, "'peak_tflops' = -1"),
+            ({"flops_profiler": {"enabled": 1}}, "give true or false")):
         with pytest.raises(ZeroConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             ZeroConfig.from_options(options)
 

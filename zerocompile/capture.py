@@ -204,7 +204,7 @@ class FrameRunner:
             loss_scale.install_frame_scaling(out, args, states, self._loss_scale, self.frame)
         ACCOUNTING.record_summary(self._forward_summary())
         flops = self._flops(args)
-        ACCOUNTING.record_flops(flops.get("forward", 0))
+        ACCOUNTING.record_flops(flops.get("forward", 0), frame=self.order)
         bw = self.partitioner.backward_summary
         if any(t.count for t in bw.totals.values()) or flops.get("backward"):
             tensors = [t for t in (out if isinstance(out, (list, tuple)) else [out])
@@ -213,17 +213,17 @@ class FrameRunner:
             node = _torch_compat.compiled_backward_node(tensors, stop)
             if node is not None:
                 node.register_prehook(functools.partial(_backward_ran, bw, flops.get("backward", 0),
-                                                        flops.get("recompute", 0)))
+                                                        flops.get("recompute", 0), self.order))
             elif tensors:
                 log.warning("[%s] backward node not found: its collectives and FLOPs are missing from "
                             "zerocompile.stats()", self.frame)
         return out
 
 
-def _backward_ran(summary: CollectiveSummary, flops: int, recompute: int, grads) -> None:
+def _backward_ran(summary: CollectiveSummary, flops: int, recompute: int, frame: int, grads) -> None:
     """A compiled backward is about to run: its collectives and FLOPs count."""
     ACCOUNTING.record_summary(summary)
-    ACCOUNTING.record_flops(flops, recompute)
+    ACCOUNTING.record_flops(flops, recompute, frame=frame, backward=True)
 
 
 def _frame_name(gm: torch.fx.GraphModule) -> str:

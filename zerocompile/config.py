@@ -18,6 +18,7 @@ import torch
 
 from zerocompile import deepspeed_config
 from zerocompile.errors import ZeroConfigError, unknown_key_message
+from zerocompile.flops_profiler import parse_flops_profiler
 from zerocompile.monitor import parse_monitor
 from zerocompile.loss_scale import parse_loss_scale
 from zerocompile.passes.manager import check_disabled_passes, check_pipeline, check_stages
@@ -258,6 +259,13 @@ class ZeroConfig:
     {...}, "samples_per_step": N}``, as DeepSpeed's top-level keys of those names (which translate
     to it). None = off. Parsed into a ``MonitorSettings``; see docs/monitoring.md."""
 
+    flops_profiler: object = None
+    """DeepSpeed's flops profiler: ``{"enabled": True, "profile_step": 1, "module_depth": -1,
+    "top_modules": 1, "detailed": True, "output_file": None, "peak_tflops": None}`` (DeepSpeed's key
+    of that name translates to it): rank 0 prints the FLOPs per module, the step's latency and
+    FLOP/s after that ``ZeroOptimizer.step()``. None = off. Parsed into a
+    ``FlopsProfilerSettings``; see docs/monitoring.md."""
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_options(cls, options: "dict | str | os.PathLike | ZeroConfig | None") -> "ZeroConfig":
@@ -387,6 +395,7 @@ class ZeroConfig:
         object.__setattr__(self, "offload_param", offload_param)
         object.__setattr__(self, "recompute", _parse_recompute(self.recompute))
         object.__setattr__(self, "monitor", parse_monitor(self.monitor))
+        object.__setattr__(self, "flops_profiler", parse_flops_profiler(self.flops_profiler))
         try:
             activations = parse_activation_offload(self.offload_activations)
         except ValueError as err:

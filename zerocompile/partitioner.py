@@ -51,6 +51,7 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         fw_flops, bw_flops = graph_flops(fw.graph), graph_flops(bw.graph, backward=True)
         self.ctx.results["flops"] = {"forward": fw_flops["flops"], "backward": bw_flops["flops"],
                                      "recompute": bw_flops["recompute"]}
+        self.ctx.results["flops_by_module"] = {"forward": fw_flops["modules"], "backward": bw_flops["modules"]}
         self.forward_summary = summarize_collectives(fw.graph, self.ctx.group.world)
         self.backward_summary = summarize_collectives(bw.graph, self.ctx.group.world)
         log.debug("[%s] forward: %s; backward: %s", self.ctx.frame, self.forward_summary,
@@ -65,7 +66,9 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         self._profile(gm.graph)
         gm = run_passes(gm, self.ctx, "inference")
         self.inference_summary = summarize_collectives(gm.graph, self.ctx.group.world)
-        self.ctx.results["flops"] = {"forward": graph_flops(gm.graph)["flops"], "backward": 0, "recompute": 0}
+        counted = graph_flops(gm.graph)
+        self.ctx.results["flops"] = {"forward": counted["flops"], "backward": 0, "recompute": 0}
+        self.ctx.results["flops_by_module"] = {"forward": counted["modules"], "backward": {}}
         return gm
 
     def entry(self) -> compile_cache.FrameEntry:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from zerocompile.errors import ZeroConfigError
+from zerocompile.flops_profiler import FlopsProfilerSettings, report, step_modules
 from zerocompile.monitor import MetricWriter, MonitorSettings
 from zerocompile.runtime import accounting
 from zerocompile.runtime.accounting import ACCOUNTING
@@ -76,31 +77,42 @@ class StepMonitor:
         self._warned = False
         self._looked_through = 0
         """The compile order of the newest frame whose options were looked at."""
+        self.profiler: FlopsProfilerSettings | None = None
+        self._opened = False
 
-    def _find_settings(self) -> MonitorSettings | None:
+    def _frames(self) -> list:
+        """The compiled frames alive that use this optimizer's parameters."""
         ids = {id(s) for s in self.params.states()}
-        found = {runner.config.monitor for runner in list(ACCOUNTING.frames)
-                 if any(id(sp) in ids for sp in runner.plans if sp is not None)} - {None}
+        return [runner for runner in list(ACCOUNTING.frames)
+                if any(id(sp) in ids for sp in runner.plans if sp is not None)]
+
+    def _frame_option(self, name: str):
+        """The option ``name`` of the frames using this optimizer's parameters (None: none set it)."""
+        found = {getattr(runner.config, name) for runner in self._frames()} - {None}
         if len(found) > 1:
-            raise ZeroConfigError("ZeroOptimizer: the frames using this optimizer's parameters were compiled with "
-                                  f"different 'monitor' options ({', '.join(sorted(map(repr, found)))}); compile them "
+            raise ZeroConfigError(f"ZeroOptimizer: the frames using this optimizer's parameters were compiled with "
+                                  f"different '{name}' options ({', '.join(sorted(map(repr, found)))}); compile them "
                                   "with the same one")
         return next(iter(found), None)
 
     def after_step(self, optimizer) -> None:
-        """Write this step's figures (rank 0), once a frame's options enable a monitor."""
+        """Write this step's figures (rank 0), once a frame's options enable a monitor; print the
+        flops profile at its step."""
         now = time.monotonic()
         elapsed_ms, self._last_end = (now - self._last_end) * 1e3, now
         grad_norm, self.grad_norm = self.grad_norm, None
         self._steps += 1
+        newest = accounting.newest_frame_order()
+        if newest != self._looked_through:       # a frame compiled since the last look
+            self._looked_through = newest
+            self.settings = self.settings or self._frame_option("monitor")
+            self.profiler = self.profiler or self._frame_option("flops_profiler")
+        if self.profiler is not None and self._steps == self.profiler.profile_step:
+            self._profile(elapsed_ms)
         if self.settings is None:
-            newest = accounting.newest_frame_order()
-            if newest != self._looked_through:       # a frame compiled since the last look
-                self._looked_through = newest
-                self.settings = self._find_settings()
-            if self.settings is None:
-                self._drop_pending()
-                return
+            self._drop_pending()
+            return
+        if not self._opened:
             self._open()
         group = self._layout_group()
         metrics = {f"{TAG_PREFIX}lr": float(optimizer.param_groups[0]["lr"])}
@@ -133,8 +145,28 @@ class StepMonitor:
             samples = self.settings.samples_per_step
             self._writer.write(metrics, self._steps * samples if samples else self._steps)
 
+    def _profile(self, step_ms: float) -> None:
+        """The flops profile of this step, printed (or written to ``output_file``) by rank 0."""
+        if self._layout_group().rank != 0:
+            return
+        stats = accounting.stats()
+        numels = {s.name: s.numel for s in self.params.states()}
+        text = report(self.profiler, self._steps, self._layout_group().world, stats.flops_per_step,
+                      stats.recompute_flops_per_step, step_ms, step_modules(self._frames(), ACCOUNTING.step_calls),
+                      numels)
+        if self.profiler.output_file:
+            try:
+                with open(self.profiler.output_file, "w") as f:
+                    f.write(text)
+            except OSError as exc:
+                log.warning("flops profiler: cannot write %s (%s); the profile follows", self.profiler.output_file, exc)
+                print(text, end="", flush=True)
+        else:
+            print(text, end="", flush=True)
+
     def _open(self) -> None:
         """Rank 0 makes its writers; every rank learns whether it could (one broadcast)."""
+        self._opened = True
         group = self._layout_group()
         error = None
         if group.rank == 0:
@@ -147,7 +179,7 @@ class StepMonitor:
             dist.broadcast_object_list(box, src=dist.get_global_rank(group.group, 0), group=group.group)
             error = box[0]
         if error is not None:
-            settings, self.settings = self.settings, None
+            settings, self.settings, self._opened = self.settings, None, False
             raise ZeroConfigError(f"ZeroOptimizer: the monitor cannot write ({settings}): {error}. Give an "
                                   "output_path this process can create and write")
         log.info("monitoring to %s", ", ".join(p for p in (self.settings.tensorboard, self.settings.csv) if p))
