@@ -193,3 +193,29 @@ def test_show_metrics_plots_what_the_monitors_wrote(run, tmp_path):
     assert done.returncode == 2 and "holds no monitor files" in done.stderr
     done = run_cli(["show", str(empty), "--metrics", str(empty)], REPO, timeout=120)
     assert done.returncode == 2 and "not both" in done.stderr
+
+
+def _disk_goes_away(rank: int, world: int, path: str) -> int:
+    import shutil
+
+    from models import make_batch, make_model
+
+    torch.manual_seed(0)
+    model = make_model("mlp")
+    options = {"stage": 3, "inner_compiler": "eager",
+               "monitor": {"csv_monitor": {"enabled": True, "output_path": path, "job_name": "x"}}}
+    compiled = torch.compile(model, backend="zero", options=options)
+    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    for step in range(3):
+        x, y = make_batch("mlp", step * world + rank, 4)
+        compiled(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0 and rank == 0:          # the monitor's directory becomes a file: writes fail
+            shutil.rmtree(Path(path) / "x")
+            (Path(path) / "x").write_text("")
+    return step + 1
+
+
+def test_a_write_that_fails_later_stops_the_monitor_not_the_training(tmp_path):
+    assert run_ranks(_disk_goes_away, 2, str(tmp_path)) == [3, 3]

@@ -143,7 +143,14 @@ class StepMonitor:
         metrics.update(self._user_metrics(group))
         if self._writer is not None:
             samples = self.settings.samples_per_step
-            self._writer.write(metrics, self._steps * samples if samples else self._steps)
+            try:
+                self._writer.write(metrics, self._steps * samples if samples else self._steps)
+            except OSError as exc:
+                # rank 0 alone writes: raising here would leave the other ranks waiting at the
+                # next collective, so the monitor stops with an error in the log instead
+                log.error("monitor: cannot write step %d's figures (%s); monitoring stops, training goes on",
+                          self._steps, exc)
+                self.close()
 
     def _profile(self, step_ms: float) -> None:
         """The flops profile of this step, printed (or written to ``output_file``) by rank 0."""
