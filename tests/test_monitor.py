@@ -148,15 +148,22 @@ def test_log_metrics_refuses_what_it_cannot_write():
         zerocompile.log_metrics([1.0])
 
 
-def _bad_path(rank: int, world: int, path: str) -> str:
-    from models import make_batch, make_model
+def _mlp_with_csv_monitor(path: str, stage: int):
+    """An MLP compiled at ``stage`` whose CSV monitor writes to ``path/x``, and its optimizer."""
+    from models import make_model
 
     torch.manual_seed(0)
     model = make_model("mlp")
-    options = {"stage": 2, "inner_compiler": "eager",
+    options = {"stage": stage, "inner_compiler": "eager",
                "monitor": {"csv_monitor": {"enabled": True, "output_path": path, "job_name": "x"}}}
-    compiled = torch.compile(model, backend="zero", options=options)
-    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    return torch.compile(model, backend="zero", options=options), \
+        zerocompile.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+
+
+def _bad_path(rank: int, world: int, path: str) -> str:
+    from models import make_batch
+
+    compiled, opt = _mlp_with_csv_monitor(path, 2)
     x, y = make_batch("mlp", rank, 4)
     compiled(x, y).backward()
     try:
@@ -198,14 +205,9 @@ def test_show_metrics_plots_what_the_monitors_wrote(run, tmp_path):
 def _disk_goes_away(rank: int, world: int, path: str) -> int:
     import shutil
 
-    from models import make_batch, make_model
+    from models import make_batch
 
-    torch.manual_seed(0)
-    model = make_model("mlp")
-    options = {"stage": 3, "inner_compiler": "eager",
-               "monitor": {"csv_monitor": {"enabled": True, "output_path": path, "job_name": "x"}}}
-    compiled = torch.compile(model, backend="zero", options=options)
-    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    compiled, opt = _mlp_with_csv_monitor(path, 3)
     for step in range(3):
         x, y = make_batch("mlp", step * world + rank, 4)
         compiled(x, y).backward()
