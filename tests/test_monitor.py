@@ -6,6 +6,7 @@ and every figure is checked against what the ranks computed themselves."""
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 
 import pytest
@@ -185,15 +186,22 @@ def test_show_metrics_plots_what_the_monitors_wrote(run, tmp_path):
     same table of tags, and a plot with one panel per tag."""
     from dist_utils import run_cli
 
+    from zerocompile.cli.show import read_metrics
+
     path, _ = run
-    outputs = {}
+    series = {kind: read_metrics(path / kind) for kind in ("csv", "tb")}
+    assert sorted(series["csv"]) == sorted(series["tb"]) and "Train/Samples/train_loss" in series["csv"]
+    for tag, points in series["csv"].items():
+        assert [v for _, v in points] == pytest.approx([v for _, v in series["tb"][tag]], rel=1e-6), tag
     for kind in ("csv", "tb"):
         out = tmp_path / f"{kind}.png"
-        done = run_cli(["show", "--metrics", str(path / kind), "--out", str(out)], REPO, timeout=120)
+        # a wide console: the table's lines are not wrapped (the test reads them)
+        done = run_cli(["show", "--metrics", str(path / kind), "--out", str(out)], REPO, environ={**os.environ, "COLUMNS": "200"},
+                       timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
         assert out.stat().st_size > 10_000
-        outputs[kind] = sorted(ln.split()[1] for ln in done.stdout.splitlines() if "Train/Samples/" in ln)
-    assert outputs["csv"] == outputs["tb"] and "Train/Samples/train_loss" in outputs["csv"]
+        shown = sorted(ln.split()[1] for ln in done.stdout.splitlines() if "Train/Samples/" in ln)
+        assert shown == sorted(series[kind]), done.stdout
     empty = tmp_path / "empty"
     empty.mkdir()
     done = run_cli(["show", "--metrics", str(empty)], REPO, timeout=120)

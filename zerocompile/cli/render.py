@@ -224,8 +224,9 @@ def write_memory_plot(nodes: list, title: str, out: Path) -> None:
 def metrics_table(series: dict, root: Path) -> Table:
     """One row per monitored tag: points, x range, first, last, min and max."""
     table = Table(title=f"monitor figures in {root}", title_justify="left")
-    for column in ("tag", "points", "x", "first", "last", "min", "max"):
-        table.add_column(column, justify="left" if column == "tag" else "right")
+    table.add_column("tag", overflow="fold")          # whole, over lines on a narrow console
+    for column in ("points", "x", "first", "last", "min", "max"):
+        table.add_column(column, justify="right")
     for tag, points in series.items():
         values = [v for _, v in points]
         table.add_row(tag, str(len(points)), f"{points[0][0]:g}-{points[-1][0]:g}" if points else "-",
