@@ -24,6 +24,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from zerocompile.runtime import activation_offload
+from zerocompile.runtime.comms_log import CommsLog
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 COMPRESSED_KINDS = ("compressed_all_to_all", "compressed_all_gather")
@@ -103,6 +104,9 @@ class ZeroStats:
     formulas), recomputed forward ops included; 0 before the first step."""
     recompute_flops_per_step: int = 0
     """The share of ``flops_per_step`` the backward spent recomputing forward ops."""
+    comm_latency: list = field(default_factory=list)
+    """The comms logger's figures (``comms_logger`` option; empty when it is off): one dict per
+    collective kind and message size, see ``runtime/comms_log.py``'s ``CommsLog.rows``."""
 
     @property
     def comm_bytes(self) -> int:
@@ -124,7 +128,8 @@ class ZeroStats:
                    offload_buffer_bytes=self.offload_buffer_bytes, shared_memory_bytes=self.shared_memory_bytes,
                    offloaded_activation_bytes=self.offloaded_activation_bytes,
                    activation_buffer_bytes=self.activation_buffer_bytes, flops_per_step=self.flops_per_step,
-                   recompute_flops_per_step=self.recompute_flops_per_step)
+                   recompute_flops_per_step=self.recompute_flops_per_step,
+                   comm_latency=[dict(row) for row in self.comm_latency])
         return out
 
 
@@ -170,12 +175,15 @@ class Accounting:
         """Forward and backward runs per compiled frame (by ``FrameRunner.order``) since the last step."""
         self.step_calls: dict = {}
         """The same, of the last step."""
+        self.comms = CommsLog()
+        """The comms logger's settings, call sites and timings (``comms_logger`` option)."""
 
     def record(self, kind: str, nbytes: int, count: int = 1) -> None:
         """``count`` eager collectives of ``kind`` over the data-parallel group, ``nbytes`` in all."""
         self.comm[kind].count += count
         self.comm[kind].bytes += nbytes
         self.comm[kind].wire_bytes += ring_wire_bytes(kind, nbytes, self.world_size)
+        self.comms.counted(kind, nbytes, self.world_size)
 
     def record_summary(self, summary: CollectiveSummary) -> None:
         for kind, tot in summary.totals.items():
@@ -200,6 +208,7 @@ class Accounting:
         self.flops = {"flops": 0, "recompute": 0}
         self.step_flops = {"flops": 0, "recompute": 0}
         self.calls, self.step_calls = {}, {}
+        self.comms.reset()
 
     def snapshot(self) -> ZeroStats:
         params: dict[int, int] = {}
@@ -229,6 +238,7 @@ class Accounting:
             activation_buffer_bytes=sum(store.buffer_bytes() for store in activation_offload.stores.all()),
             flops_per_step=self.step_flops["flops"],
             recompute_flops_per_step=self.step_flops["recompute"],
+            comm_latency=self.comms.rows(),
         )
 
 

@@ -77,8 +77,9 @@ def compare_holders(holders: list[Holder], group: CommGroup, device) -> list[lis
     digest = hashlib.sha256(repr(codes).encode()).digest()
     value = int.from_bytes(digest[:8], "little") >> 2       # fits an int64, and so does -value
     pair = torch.tensor([value, -value], dtype=torch.int64, device=device)
-    ACCOUNTING.record("all_reduce", pair.numel() * pair.element_size())
-    reduced = _c10d.wait_tensor(_c10d.all_reduce(pair, "max", group.name))
+    with ACCOUNTING.comms.timed(pair.device, "gradient participation check"):
+        ACCOUNTING.record("all_reduce", pair.numel() * pair.element_size())
+        reduced = _c10d.wait_tensor(_c10d.all_reduce(pair, "max", group.name))
     if is_fake_group(group) or reduced.is_meta:
         return None         # one process stands for every rank, and a meta tensor holds no value
     top, neg_bottom = reduced.tolist()

@@ -33,15 +33,34 @@ def bucket_indices(sizes: list[int], cap: int, breaks: list[bool] | None = None)
     return out
 
 
-def _two_in_flight(buckets: list[list[int]], start: Callable, finish: Callable) -> None:
+def _two_in_flight(buckets: list[list[int]], start: Callable, finish: Callable, device: torch.device) -> None:
     """For each bucket ``k``, ``start(k, bucket)`` (fill buffer ``k % 2``, issue the collective,
     return a handle), then ``finish(handle)`` of the bucket before it: the next bucket travels
-    while the previous one is read out, and a buffer is refilled only after its bucket finished."""
+    while the previous one is read out, and a buffer is refilled only after its bucket finished.
+
+    The handle's last item is the tensor ``finish`` waits for. With the comms logger on
+    (``runtime/comms_log.py``), each collective ``start`` counts is timed until that wait returns;
+    with its ``blocking`` setting, each bucket finishes before the next one starts."""
+    comms = ACCOUNTING.comms
+    blocking = comms.settings is not None and comms.settings.blocking
     pending = None
     for k, bucket in enumerate([*buckets, None]):
-        started = start(k, bucket) if bucket is not None else None
+        started = None
+        if bucket is not None:
+            comms.capture(device)         # nothing without the comms logger
+            try:
+                handle = start(k, bucket)
+            finally:
+                issued = comms.release()
+            started = (handle, issued)
+        if blocking and started is not None:
+            pending, started = started, None
         if pending is not None:
-            finish(*pending)
+            handle, issued = pending
+            if issued:
+                _c10d.wait_tensor(handle[-1])    # finish's own wait then returns at once
+                comms.done(issued, "optimizer step")
+            finish(*handle)
         pending = started
 
 
@@ -85,7 +104,7 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
             outs = [grads[i][0].new_empty(grads[i][1] // world) for i in bucket]
             torch.ops.zerocompile.reduce_scatter_point_to_point_into([grads[i][0].reshape(-1) for i in bucket], outs,
                                                                      world, group.name, shared_memory)
-            return bucket, outs, None
+            return bucket, outs, outs[0]
         if not slots:
             slots.extend(_slots(len(buckets), max(sum(grads[i][1] for i in b) for b in buckets), grads[0][0],
                                 reduce_dtype))
@@ -109,8 +128,8 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
         return bucket, None, _c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", world, group.name)
 
     def finish(bucket, rows, out):
-        if out is None:            # sent in place: ``rows`` are the bucket's chunks
-            _c10d.wait_tensor(rows[0])
+        if isinstance(rows, list):     # sent in place: ``rows`` are the bucket's chunks, ``out`` the first
+            _c10d.wait_tensor(out)
             for i, chunk in zip(bucket, rows):
                 results[i] = chunk.div_(world)
             return
@@ -124,7 +143,7 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
             results[i] = mine[offset : offset + chunk]
             offset += chunk
 
-    _two_in_flight(buckets, start, finish)
+    _two_in_flight(buckets, start, finish, grads[0][0].device)
     return results
 
 
@@ -206,7 +225,7 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
             write(i, rows[:, offset : offset + chunk])
             offset += chunk
 
-    _two_in_flight(buckets, start, finish)
+    _two_in_flight(buckets, start, finish, first.device)
 
 
 def all_reduce_mean_(tensors: list[torch.Tensor], group: CommGroup, bucket_bytes: int,
@@ -241,7 +260,7 @@ def all_reduce_mean_(tensors: list[torch.Tensor], group: CommGroup, bucket_bytes
             tensors[i].copy_(total[offset : offset + n].view_as(tensors[i]))
             offset += n
 
-    _two_in_flight(buckets, start, finish)
+    _two_in_flight(buckets, start, finish, tensors[0].device)
 
 
 def start_all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int],

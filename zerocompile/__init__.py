@@ -6,6 +6,7 @@
 
 from zerocompile.backend import zero_backend
 from zerocompile.checkpoint import consolidated_state_dict, load_checkpoint, save_checkpoint
+from zerocompile.comms_summary import log_summary
 from zerocompile.config import ZeroConfig
 from zerocompile.deepspeed_training import initialize, training_settings
 from zerocompile.errors import (GradientNotGatheredError, LossScaleError, ParameterNotGatheredError, ParamIdentityError,
@@ -22,7 +23,8 @@ from zerocompile.state_dict import full_state_dict, gathered_parameters
 
 __all__ = [
     "ZeroConfig", "ZeroOptimizer", "ZeroStats", "consolidated_state_dict", "frame_reports", "full_state_dict",
-    "gathered_parameters", "generate", "initialize", "load_checkpoint", "load_pretrained", "log_metrics", "materialize",
+    "gathered_parameters", "generate", "initialize", "load_checkpoint", "load_pretrained", "log_metrics", "log_summary",
+    "materialize",
     "reset_stats", "save_checkpoint", "save_pretrained", "set_leaf_modules", "stats", "training_settings",
     "zero_backend", "OneBitAdam", "ZeroOneAdam",
     # errors (zerocompile/errors.py)

@@ -29,6 +29,7 @@ from zerocompile import _torch_compat, compile_cache, env, inner_compilers, loss
 from zerocompile.config import ZeroConfig, options_needing_a_new_trace
 from zerocompile.dump import recorder_for
 from zerocompile.progress import compile_status
+from zerocompile.passes.comm_timers import insert_comm_timers
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.cost_model import CostModel, cost_model_for, probe_offload
 from zerocompile.partitioner import ZeroPartitioner
@@ -477,17 +478,22 @@ def _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx: PassConte
     log.info("[%s] %d parameters (stage %d, world %d) -> %s", frame,
              sum(p is not None for p in plans), cfg.stage, group.world, cfg.inner_compiler)
     bypass = compile_cache.bypass_reason(cfg.inner_compiler, cfg.profile, ctx.recorder is not None,
-                                         cfg.zero_hpz_partition_size)
+                                         cfg.zero_hpz_partition_size, cfg.comms_logger is not None)
+    timers, blocking = None, cfg.comms_logger is not None and cfg.comms_logger.blocking
+    if cfg.comms_logger is not None:
+        ACCOUNTING.comms.configure(cfg.comms_logger)
+        timers = functools.partial(insert_comm_timers, log=ACCOUNTING.comms, world=group.world, frame=frame)
     key = None if bypass else compile_cache.frame_key(gm, new_inputs, group, partitioner.uuid())
     entry = _reused_entry_and_cost_model(key, ctx, bypass)
     status.compiling(f"AOTAutograd, {cfg.inner_compiler}")
     if cfg.inner_compiler == "eager":
         compiled = inner_compilers.compile_with_aot_eager(gm, new_inputs, partitioner, partitioner.inference,
-                                                          debug_checks=cfg.debug_checks)
+                                                          debug_checks=cfg.debug_checks, comm_timers=timers)
         return compiled, partitioner
     cacheable = None if bypass else compile_cache.cacheable_functions(gm, partitioner.uuid())
     compiled = inner_compilers.compile_with_inductor(gm, new_inputs, partitioner, partitioner.inference,
-                                                     cacheable_functions=cacheable)
+                                                     cacheable_functions=cacheable, comm_timers=timers,
+                                                     keep_graph_order=blocking)
     if not partitioner.ran and entry is not None:
         partitioner.restore(entry)
         log.info("[%s] compiled from torch's caches (zerocompile entry %s)", frame, key[:16])
@@ -495,7 +501,8 @@ def _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx: PassConte
         # AOTAutograd's cache held the graphs but zerocompile's entry is not beside them (removed,
         # or another rank compiles anew): compile again without that cache, so the passes run
         log.info("[%s] AOTAutograd cache hit without zerocompile's entry: compiling anew", frame)
-        compiled = inner_compilers.compile_with_inductor(gm, new_inputs, partitioner, partitioner.inference)
+        compiled = inner_compilers.compile_with_inductor(gm, new_inputs, partitioner, partitioner.inference,
+                                                         comm_timers=timers, keep_graph_order=blocking)
     if key is not None and partitioner.ran:
         compile_cache.FrameCache.in_inductor_cache().save(key, partitioner.entry())
     return compiled, partitioner

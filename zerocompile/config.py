@@ -22,6 +22,7 @@ from zerocompile.flops_profiler import parse_flops_profiler
 from zerocompile.monitor import parse_monitor
 from zerocompile.loss_scale import parse_loss_scale
 from zerocompile.passes.manager import check_disabled_passes, check_pipeline, check_stages
+from zerocompile.runtime.comms_log import parse_comms_logger
 from zerocompile.runtime.offload_settings import parse_activation_offload, parse_offload
 from zerocompile.runtime.reduction_choice import check_gradient_reduction, check_parameter_gather
 
@@ -266,6 +267,13 @@ class ZeroConfig:
     FLOP/s after that ``ZeroOptimizer.step()``. None = off. Parsed into a
     ``FlopsProfilerSettings``; see docs/monitoring.md."""
 
+    comms_logger: object = None
+    """DeepSpeed's comms logger: ``{"enabled": True, "verbose": False, "prof_all": True, "prof_ops": [],
+    "debug": False, "blocking": True}`` (DeepSpeed's key of that name translates to it): each
+    collective's latency and bandwidth, by kind and message size, in ``stats().comm_latency`` and
+    ``zerocompile.log_summary()``. None = off. Parsed into a ``CommsLoggerSettings``
+    (``runtime/comms_log.py``); see docs/monitoring.md."""
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_options(cls, options: "dict | str | os.PathLike | ZeroConfig | None") -> "ZeroConfig":
@@ -396,6 +404,7 @@ class ZeroConfig:
         object.__setattr__(self, "recompute", _parse_recompute(self.recompute))
         object.__setattr__(self, "monitor", parse_monitor(self.monitor))
         object.__setattr__(self, "flops_profiler", parse_flops_profiler(self.flops_profiler))
+        object.__setattr__(self, "comms_logger", parse_comms_logger(self.comms_logger))
         try:
             activations = parse_activation_offload(self.offload_activations)
         except ValueError as err:

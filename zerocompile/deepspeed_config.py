@@ -38,7 +38,8 @@ from zerocompile.errors import ZeroConfigError
 log = logging.getLogger("zerocompile")
 
 TOP_LEVEL_TRANSLATED = ("zero_optimization", "bf16", "bfloat16", "fp16", "communication_data_type", "aio",
-                        "gradient_clipping", "activation_checkpointing", "tensorboard", "csv_monitor", "flops_profiler")
+                        "gradient_clipping", "activation_checkpointing", "tensorboard", "csv_monitor", "flops_profiler",
+                        "comms_logger")
 """Top-level DeepSpeed keys with a zerocompile meaning (``bfloat16`` is DeepSpeed's alias of ``bf16``)."""
 
 ZERO_TRANSLATED = ("stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
@@ -72,7 +73,6 @@ ACCEPTED_KEYS = {
     "zero_allow_untested_optimizer": "ZeroOptimizer wraps any torch.optim optimizer",
     "wandb": "log from your training loop, or use the tensorboard or csv_monitor keys",
     "comet": "log from your training loop, or use the tensorboard or csv_monitor keys",
-    "comms_logger": "zerocompile.stats() counts every collective and its bytes",
     "memory_breakdown": "zerocompile.stats() reports parameter, gradient and optimizer-state bytes",
 }
 """Other top-level DeepSpeed keys zerocompile accepts without a setting of its own (logging,
@@ -365,8 +365,8 @@ def translate_deepspeed(ds: dict, option_names=()) -> dict:
                 warn_once(f"DeepSpeed key '{key}' is not applied by the 'zero' backend: {TRAINING_LOOP_KEYS[key]}")
         elif key in ("tensorboard", "csv_monitor"):
             out.setdefault("monitor", {})[key] = value
-        elif key == "flops_profiler":
-            out["flops_profiler"] = value
+        elif key in ("flops_profiler", "comms_logger"):
+            out[key] = value
         elif key in ("wandb", "comet") and isinstance(value, dict) and value.get("enabled") is True:
             raise ZeroConfigError(f"DeepSpeed key '{key}' is enabled, but zerocompile has no {key} monitor yet: its "
                                   "figures would not be written. Use the 'tensorboard' or 'csv_monitor' keys (the same "

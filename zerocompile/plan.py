@@ -385,6 +385,7 @@ def plan_options(options: dict | None, hardware: Hardware) -> dict:
     out["inner_compiler"] = "eager"
     out["monitor"] = None           # a fake step's figures are not the job's: the script's monitors stay off
     out["flops_profiler"] = None
+    out["comms_logger"] = None      # nor are its latencies: a fake collective takes no time
     out.setdefault("cost_model", hardware.cost_model())
     if out.get("gradient_reduction", "auto") == "auto":
         out["gradient_reduction"] = hardware.gradient_reduction

@@ -23,17 +23,19 @@ def all_reduce_scalar(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """The sum of the 0-d ``x`` over ``group`` (counted in the accounting)."""
     if group.world == 1:
         return x
-    ACCOUNTING.record("all_reduce", x.numel() * x.element_size())
-    return all_reduce_sum(x.reshape(1), group.world, group.name).reshape(())
+    with ACCOUNTING.comms.timed(x.device, "optimizer step scalars"):
+        ACCOUNTING.record("all_reduce", x.numel() * x.element_size())
+        return all_reduce_sum(x.reshape(1), group.world, group.name).reshape(())
 
 
 def all_reduce_max(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """The maximum of the 0-d ``x`` over ``group`` (counted in the accounting)."""
     if group.world == 1:
         return x
-    ACCOUNTING.record("all_reduce", x.numel() * x.element_size())
-    out = torch.ops._c10d_functional.all_reduce(x.reshape(1).contiguous(), "max", group.name)
-    return torch.ops._c10d_functional.wait_tensor(out).reshape(())
+    with ACCOUNTING.comms.timed(x.device, "optimizer step scalars"):
+        ACCOUNTING.record("all_reduce", x.numel() * x.element_size())
+        out = torch.ops._c10d_functional.all_reduce(x.reshape(1).contiguous(), "max", group.name)
+        return torch.ops._c10d_functional.wait_tensor(out).reshape(())
 
 
 def norm(grads: list, norm_type: float, device) -> torch.Tensor:

@@ -1,0 +1,162 @@
+"""The comms logger (``runtime/comms_log.py``, ``passes/comm_timers.py``, ``zerocompile.log_summary``):
+DeepSpeed's ``comms_logger`` key. On 2 ranks every collective the step issues is timed once: the
+timed count and bytes per kind equal what ``stats()`` counts independently (from the graphs and the
+eager call sites), under both inner compilers, blocking or not, and the losses are those of the
+same run without the logger."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+
+import pytest
+import torch
+
+import zerocompile
+from dist_utils import run_ranks
+from zerocompile.config import ZeroConfig
+from zerocompile.errors import ZeroConfigError
+from zerocompile.runtime.comms_log import CommsLoggerSettings, bus_factor, parse_comms_logger
+
+STEPS = 3
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def _run(rank: int, world: int, options: dict) -> dict:
+    """Train a GPT for one step (compiles it, checks fingerprints), reset the counters, then
+    ``STEPS`` more; return the losses, ``stats()``'s counts and the logger's rows."""
+    from models import make_batch, make_model
+
+    torch.manual_seed(0)
+    model = make_model("gpt")
+    compiled = torch.compile(model, backend="zero", options=options)
+    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    printed = io.StringIO()
+    losses = []
+    with contextlib.redirect_stdout(printed):
+        for step in range(STEPS + 1):
+            if step == 1:
+                zerocompile.reset_stats()       # from here on: the steps' collectives only
+                printed.seek(0)
+                printed.truncate()
+            x, y = make_batch("gpt", step * world + rank, 4)
+            loss = compiled(x, y)
+            loss.backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    now = zerocompile.stats()
+    out = io.StringIO()
+    rows = zerocompile.log_summary(show_straggler=True, file=out)
+    torch._dynamo.reset()
+    return {"losses": losses, "counted": {k: (getattr(now, k).count, getattr(now, k).bytes) for k in KINDS},
+            "rows": rows, "stats_rows": now.comm_latency, "printed": out.getvalue(),
+            "verbose": [line for line in printed.getvalue().splitlines() if line.startswith("comm op:")]}
+
+
+def _timed(rows: list) -> dict:
+    out = {}
+    for row in rows:
+        count, nbytes = out.get(row["kind"], (0, 0))
+        out[row["kind"]] = (count + row["count"], nbytes + row["count"] * row["msg_bytes"])
+    return out
+
+
+def _check_rows(rows: list) -> None:
+    for row in rows:
+        assert row["count"] > 0 and row["msg_bytes"] > 0
+        assert 0 < row["min_ms"] <= row["avg_ms"] <= row["max_ms"]
+        assert row["total_ms"] == pytest.approx(row["avg_ms"] * row["count"])
+        assert row["algbw_gbps"] == pytest.approx(row["msg_bytes"] * row["count"] / (row["total_ms"] / 1e3) / 1e9)
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * bus_factor(row["kind"], row["group_size"]))
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return run_ranks(_run, 2, {"stage": 3, "inner_compiler": "eager"})
+
+
+@pytest.mark.parametrize("stage,inner,logger", [
+    (3, "eager", {"enabled": True, "debug": True, "verbose": True}),
+    (3, "eager", {"enabled": True, "blocking": False}),
+    (3, "inductor", {"enabled": True, "debug": True}),
+    (1, "eager", {"enabled": True, "debug": True}),
+], ids=["stage3-blocking-verbose", "stage3-overlapped", "stage3-inductor", "stage1-optimizer-step"])
+def test_every_collective_is_timed_once_and_the_values_do_not_change(plain, stage, inner, logger):
+    ranks = run_ranks(_run, 2, {"stage": stage, "inner_compiler": inner, "comms_logger": logger})
+    if stage == 3 and inner == "eager":
+        assert [r["losses"] for r in ranks] == [r["losses"] for r in plain]
+    for r in ranks:
+        assert _timed(r["rows"]) == {k: v for k, v in r["counted"].items() if v[0]}
+        assert r["counted"]["all_gather"][0] > 0 and r["counted"]["all_reduce"][0] > 0
+        _check_rows(r["rows"])
+        assert [{k: v for k, v in row.items() if k != "straggler_ms"} for row in r["rows"]] == r["stats_rows"]
+        sites = {row["site"] for row in r["rows"]}
+        if logger.get("debug"):
+            assert "optimizer step scalars" in sites       # the clipping norm's all-reduce
+            if stage == 3:
+                assert any(s.startswith("frame ") and "gather" in s for s in sites)
+                assert any(s.startswith("frame ") and "reduce_scatter" in s for s in sites)
+            else:
+                assert "optimizer step" in sites           # stage 1's bucketed reduction and gather
+        else:
+            assert sites == {""}
+    if logger.get("verbose"):      # rank 0 prints each collective as it completes
+        assert len(ranks[0]["verbose"]) == sum(row["count"] for row in ranks[0]["rows"]) and not ranks[1]["verbose"]
+    # straggler: per row, this rank's total over the fastest rank's; the fastest reads 0
+    for i, row in enumerate(ranks[0]["rows"]):
+        spread = [r["rows"][i]["straggler_ms"] for r in ranks]
+        assert min(spread) == 0 and all(s >= 0 for s in spread)
+    assert "zerocompile comms logger" in ranks[0]["printed"] and ranks[1]["printed"] == ""
+
+
+def test_prof_ops_times_only_the_kinds_named_with_deepspeeds_names():
+    options = {"stage": 3, "inner_compiler": "eager", "parameter_gather": "all_gather",
+               "gradient_reduction": "reduce_scatter",
+               "comms_logger": {"enabled": True, "prof_all": False, "prof_ops": ["reduce_scatter_tensor"]}}
+    for r in run_ranks(_run, 2, options):
+        assert _timed(r["rows"]) == {"reduce_scatter": r["counted"]["reduce_scatter"]}
+        assert r["counted"]["all_gather"][0] > 0
+
+
+def test_without_the_logger_nothing_is_timed_and_log_summary_says_why(plain, caplog):
+    for r in plain:
+        assert r["rows"] == [] and r["stats_rows"] == []
+    with caplog.at_level(logging.WARNING, logger="zerocompile"):
+        assert zerocompile.log_summary(file=io.StringIO()) == []
+    assert "comms logger is off" in caplog.text
+
+
+def test_settings_and_bad_input():
+    assert parse_comms_logger(None) is None
+    assert parse_comms_logger({"enabled": False, "verbose": True}) is None
+    assert parse_comms_logger(True) == CommsLoggerSettings()
+    got = parse_comms_logger({"enabled": True, "prof_all": False, "prof_ops": ["all_gather_into_tensor", "all_reduce"],
+                              "debug": True})
+    assert got.prof_ops == ("all_gather", "all_reduce") and got.profiles("all_gather")
+    assert not got.profiles("reduce_scatter") and got.debug and got.blocking
+    with pytest.raises(ZeroConfigError, match="unknown key"):
+        parse_comms_logger({"enabled": True, "prof_al": True})
+    with pytest.raises(ZeroConfigError, match="verbose"):
+        parse_comms_logger({"enabled": True, "verbose": "yes"})
+    with pytest.raises(ZeroConfigError, match="unknown op name"):
+        parse_comms_logger({"enabled": True, "prof_all": False, "prof_ops": ["allgather"]})
+    with pytest.raises(ZeroConfigError, match="nothing would be profiled"):
+        parse_comms_logger({"enabled": True, "prof_all": False})
+    with pytest.raises(ZeroConfigError, match="comms_logger"):
+        ZeroConfig.from_options({"comms_logger": "on"})
+    # DeepSpeed's key translates to the option
+    cfg = ZeroConfig.from_options({"zero_optimization": {"stage": 2},
+                                   "comms_logger": {"enabled": True, "verbose": False, "prof_all": True,
+                                                    "debug": False}})
+    assert cfg.comms_logger == CommsLoggerSettings()
+    assert ZeroConfig.from_options({"comms_logger": {"enabled": False}}).comms_logger is None
+
+
+def test_bus_bandwidth_factors():
+    assert bus_factor("all_gather", 8) == pytest.approx(7 / 8)
+    assert bus_factor("reduce_scatter", 2) == pytest.approx(1 / 2)
+    assert bus_factor("all_reduce", 4) == pytest.approx(2 * 3 / 4)
+    assert bus_factor("all_gather", 1) == 0.0

@@ -1,0 +1,79 @@
+"""``zerocompile.log_summary()``: the comms logger's table (DeepSpeed's ``deepspeed.comm.log_summary``).
+
+The figures come from ``runtime/comms_log.py`` (``stats().comm_latency``): per collective kind and
+message size (and call site with ``debug``), the count, latencies and bandwidths this rank
+measured. ``show_straggler`` adds, per row, how much longer this rank's collectives took than the
+fastest rank's: a rank that reaches a collective early waits there for the last one, so the
+spread is time spent waiting for stragglers, not moving bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+from zerocompile.runtime.accounting import ACCOUNTING
+
+log = logging.getLogger("zerocompile")
+
+_ROW_KEY = ("kind", "site", "group_size", "msg_bytes")
+
+
+def log_summary(show_straggler: bool = False, file=None) -> list[dict]:
+    """Print the comms logger's table on rank 0 and return this rank's rows (those of
+    ``stats().comm_latency``, with ``straggler_ms`` when ``show_straggler``).
+
+    ``show_straggler``: every rank must call it at the same point (one all-gather of the rows).
+    ``file``: where rank 0 prints (default: standard output)."""
+    comms = ACCOUNTING.comms
+    if comms.settings is None:
+        log.warning("zerocompile.log_summary: the comms logger is off, so there is nothing to show; turn it on "
+                    "with options={'comms_logger': {'enabled': True}} (or DeepSpeed's comms_logger key)")
+    rows = comms.rows()
+    distributed = dist.is_available() and dist.is_initialized()
+    if show_straggler:
+        everyone = [rows]
+        if distributed and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, rows)
+        fastest: dict = {}
+        for rank_rows in everyone:
+            for row in rank_rows:
+                key = tuple(row[k] for k in _ROW_KEY)
+                fastest[key] = min(fastest.get(key, float("inf")), row["total_ms"])
+        for row in rows:
+            row["straggler_ms"] = row["total_ms"] - fastest[tuple(row[k] for k in _ROW_KEY)]
+    if not distributed or dist.get_rank() == 0:
+        Console(file=file or sys.stdout, width=160).print(summary_table(rows, show_straggler))
+    return rows
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def summary_table(rows: list[dict], show_straggler: bool = False) -> Table:
+    """The rows as a table: one line per kind, message size (and site)."""
+    debug = any(row["site"] for row in rows)
+    table = Table(title="zerocompile comms logger (this rank; latency: issue to completion)")
+    columns = ["collective", *(["site"] if debug else []), "msg size", "ranks", "count", "total ms", "avg ms",
+               "min ms", "max ms", "algbw GB/s", "busbw GB/s", *(["straggler ms"] if show_straggler else [])]
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("collective", "site") else "right",
+                         overflow="fold")
+    for row in rows:
+        cells = [row["kind"], *([row["site"]] if debug else []), _size(row["msg_bytes"]), str(row["group_size"]),
+                 str(row["count"]), f"{row['total_ms']:.3f}", f"{row['avg_ms']:.3f}", f"{row['min_ms']:.3f}",
+                 f"{row['max_ms']:.3f}", f"{row['algbw_gbps']:.3f}", f"{row['busbw_gbps']:.3f}"]
+        if show_straggler:
+            cells.append(f"{row['straggler_ms']:.3f}")
+        table.add_row(*cells)
+    return table
