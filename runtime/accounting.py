@@ -104,6 +104,9 @@ class ZeroStats:
     formulas), recomputed forward ops included; 0 before the first step."""
     recompute_flops_per_step: int = 0
     """The share of ``flops_per_step`` the backward spent recomputing forward ops."""
+    compile_seconds: float = 0.0
+    """Seconds zerocompile spent compiling frames since the last ``reset_stats()``: its passes,
+    AOTAutograd and the inner compiler (Dynamo's tracing, before them, is not included)."""
     comm_latency: list = field(default_factory=list)
     """The comms logger's figures (``comms_logger`` option; empty when it is off): one dict per
     collective kind and message size, see ``runtime/comms_log.py``'s ``CommsLog.rows``."""
@@ -128,7 +131,7 @@ class ZeroStats:
                    offload_buffer_bytes=self.offload_buffer_bytes, shared_memory_bytes=self.shared_memory_bytes,
                    offloaded_activation_bytes=self.offloaded_activation_bytes,
                    activation_buffer_bytes=self.activation_buffer_bytes, flops_per_step=self.flops_per_step,
-                   recompute_flops_per_step=self.recompute_flops_per_step,
+                   recompute_flops_per_step=self.recompute_flops_per_step, compile_seconds=self.compile_seconds,
                    comm_latency=[dict(row) for row in self.comm_latency])
         return out
 
@@ -177,6 +180,8 @@ class Accounting:
         """The same, of the last step."""
         self.comms = CommsLog()
         """The comms logger's settings, call sites and timings (``comms_logger`` option)."""
+        self.compile_seconds = 0.0
+        """Seconds spent in ``compile_frame`` since the last reset."""
 
     def record(self, kind: str, nbytes: int, count: int = 1) -> None:
         """``count`` eager collectives of ``kind`` over the data-parallel group, ``nbytes`` in all."""
@@ -209,6 +214,7 @@ class Accounting:
         self.step_flops = {"flops": 0, "recompute": 0}
         self.calls, self.step_calls = {}, {}
         self.comms.reset()
+        self.compile_seconds = 0.0
 
     def snapshot(self) -> ZeroStats:
         params: dict[int, int] = {}
@@ -238,6 +244,7 @@ class Accounting:
             activation_buffer_bytes=sum(store.buffer_bytes() for store in activation_offload.stores.all()),
             flops_per_step=self.step_flops["flops"],
             recompute_flops_per_step=self.step_flops["recompute"],
+            compile_seconds=self.compile_seconds,
             comm_latency=self.comms.rows(),
         )
 

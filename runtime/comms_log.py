@@ -11,6 +11,7 @@ Where it measures:
   before the wait, and no dead-code elimination drops them.
 - **The optimizer step's bucketed collectives** (``runtime/step_collectives.py``): from the moment
   each is counted in the accounting (right before it is issued) to the end of its wait.
+- **A whole-parameter optimizer's all-to-alls** (``start_all_to_all`` to ``finish_all_to_all``).
 - **The step's scalar all-reduces** (the clipping norm and overflow check, ``optim/clipping.py``;
   the gradient-participation check, ``runtime/grad_participation.py``) the same way. The
   collectives of set-up checks (the fingerprint of each compiled frame, the rare second round of
@@ -171,6 +172,8 @@ class CommsLog:
         self.capturing: list | None = None
         """The eager collectives counted since ``capture()``: ``[kind, bytes, group_size, start]``."""
         self.capture_device = torch.device("cpu")
+        self.held: dict = {}
+        """``id`` of an eager collective's result -> what ``capture`` timed of it, until its wait."""
 
     def configure(self, settings: CommsLoggerSettings | None) -> None:
         if settings is not None and self.settings is not None and settings != self.settings:
@@ -214,6 +217,14 @@ class CommsLog:
         """Stop capturing; return the collectives captured, for ``done`` once they are waited for."""
         issued, self.capturing = self.capturing or [], None
         return issued
+
+    def hold(self, result: torch.Tensor, issued: list) -> None:
+        """Keep ``issued`` until ``unhold(result)``: collectives waited for elsewhere."""
+        if issued:
+            self.held[id(result)] = issued
+
+    def unhold(self, result: torch.Tensor) -> list:
+        return self.held.pop(id(result), [])
 
     @contextlib.contextmanager
     def timed(self, device: torch.device, label: str):
@@ -292,4 +303,4 @@ class CommsLog:
 
     def reset(self) -> None:
         """Forget the timings (the sites and settings stay: the compiled graphs use them)."""
-        self.totals, self.pending, self.started = {}, [], {}
+        self.totals, self.pending, self.started, self.held = {}, [], {}, {}

@@ -271,10 +271,19 @@ def start_all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: li
     if group.world == 1:
         return send
     elem = send.element_size()
-    ACCOUNTING.record("all_to_all", (sum(send_counts) - send_counts[group.rank]) * elem)
-    return _c10d.all_to_all_single(send, list(recv_counts), list(send_counts), group.name)
+    comms = ACCOUNTING.comms
+    comms.capture(send.device)        # nothing without the comms logger
+    try:
+        ACCOUNTING.record("all_to_all", (sum(send_counts) - send_counts[group.rank]) * elem)
+        received = _c10d.all_to_all_single(send, list(recv_counts), list(send_counts), group.name)
+    finally:
+        issued = comms.release()
+    comms.hold(received, issued)         # timed until finish_all_to_all's wait
+    return received
 
 
 def finish_all_to_all(received: torch.Tensor) -> torch.Tensor:
     """Wait for an all-to-all ``start_all_to_all`` started; return the received tensor."""
-    return _c10d.wait_tensor(received)
+    out = _c10d.wait_tensor(received)
+    ACCOUNTING.comms.done(ACCOUNTING.comms.unhold(received), "optimizer step")
+    return out

@@ -9,6 +9,9 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,10 +23,10 @@ from zerocompile.errors import ZeroConfigError
 from zerocompile.runtime.comms_log import CommsLoggerSettings, bus_factor, parse_comms_logger
 
 STEPS = 3
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
-def _run(rank: int, world: int, options: dict) -> dict:
+def _run(rank: int, world: int, options: dict, optimizer=torch.optim.AdamW) -> dict:
     """Train a GPT for one step (compiles it, checks fingerprints), reset the counters, then
     ``STEPS`` more; return the losses, ``stats()``'s counts and the logger's rows."""
     from models import make_batch, make_model
@@ -31,7 +34,7 @@ def _run(rank: int, world: int, options: dict) -> dict:
     torch.manual_seed(0)
     model = make_model("gpt")
     compiled = torch.compile(model, backend="zero", options=options)
-    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer, lr=1e-3)
     printed = io.StringIO()
     losses = []
     with contextlib.redirect_stdout(printed):
@@ -54,6 +57,49 @@ def _run(rank: int, world: int, options: dict) -> dict:
     return {"losses": losses, "counted": {k: (getattr(now, k).count, getattr(now, k).bytes) for k in KINDS},
             "rows": rows, "stats_rows": now.comm_latency, "printed": out.getvalue(),
             "verbose": [line for line in printed.getvalue().splitlines() if line.startswith("comm op:")]}
+
+
+_RUNS_NOTHING = re.compile(r"(buf\d+ = buf\d+\[\d+\]|buf\d+ = buf\d+|del buf\d+|assert_size_stride\(.*|"
+                           r"assert_alignment\(.*|torch\.ops\._c10d_functional\.wait_tensor\.default\(buf\d+\))(; .*)?$")
+
+
+def _check_blocking_order(code: str) -> int:
+    """In inductor's generated code, between each ``comm_timer_start`` and its ``comm_timer_end``
+    run the collective and its waits only (no kernel: with ``blocking`` nothing overlaps the
+    collective). Returns how many timed collectives the code has."""
+    site, collective, timed = None, None, 0
+    for line in (ln.strip() for ln in code.splitlines()):
+        start = re.match(r"torch\.ops\.zerocompile\.comm_timer_start\.default\(buf\d+, (\d+)\)", line)
+        end = re.match(r"torch\.ops\.zerocompile\.comm_timer_end\.default\(\[.*\], (\d+)\)", line)
+        if start:
+            assert site is None, line
+            site, collective = start.group(1), None
+        elif end:
+            assert end.group(1) == site and collective is not None, line
+            site, timed = None, timed + 1
+        elif site is not None and line and not line.startswith("#") and not _RUNS_NOTHING.match(line):
+            assert collective is None, f"{line!r} runs between the collective {collective!r} and its end timer"
+            collective = line
+    assert site is None
+    return timed
+
+
+def test_the_order_check_sees_a_kernel_inside_a_timed_collective():
+    ok = """
+        torch.ops.zerocompile.comm_timer_start.default(buf1, 0)
+        buf4 = torch.ops.zerocompile.all_gather_point_to_point_unpacked.default(buf1, 2, '0', [4, 4])
+        buf5 = buf4[0]
+        assert_size_stride(buf5, (8, ), (1, ), 'x')
+        del buf4
+        torch.ops._c10d_functional.wait_tensor.default(buf5)
+        torch.ops.zerocompile.comm_timer_end.default([buf5], 0)
+        cpp_fused_add_0(buf5, buf6)
+    """
+    assert _check_blocking_order(ok) == 1
+    late = ok.replace("        torch.ops._c10d_functional.wait", "        cpp_fused_add_0(buf2, buf3)\n"
+                      "        torch.ops._c10d_functional.wait")
+    with pytest.raises(AssertionError, match="cpp_fused_add_0.* runs between"):
+        _check_blocking_order(late)
 
 
 def _timed(rows: list) -> dict:
@@ -84,8 +130,17 @@ def plain():
     (3, "inductor", {"enabled": True, "debug": True}),
     (1, "eager", {"enabled": True, "debug": True}),
 ], ids=["stage3-blocking-verbose", "stage3-overlapped", "stage3-inductor", "stage1-optimizer-step"])
-def test_every_collective_is_timed_once_and_the_values_do_not_change(plain, stage, inner, logger):
+def test_every_collective_is_timed_once_and_the_values_do_not_change(plain, stage, inner, logger, monkeypatch,
+                                                                    tmp_path):
+    if inner == "inductor":     # a cache folder of its own: the code inductor generated is read below
+        cache = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", tmp_path)) / "comms_logger"
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
     ranks = run_ranks(_run, 2, {"stage": stage, "inner_compiler": inner, "comms_logger": logger})
+    if inner == "inductor":
+        checked = [_check_blocking_order(path.read_text()) for path in cache.rglob("*.py")
+                   if "comm_timer_start" in path.read_text()]
+        # the forward's gather, the backward's gather and reduce-scatter (one bucket each here)
+        assert len(checked) >= 2 and sum(checked) >= 3
     if stage == 3 and inner == "eager":
         assert [r["losses"] for r in ranks] == [r["losses"] for r in plain]
     for r in ranks:
@@ -110,6 +165,16 @@ def test_every_collective_is_timed_once_and_the_values_do_not_change(plain, stag
         spread = [r["rows"][i]["straggler_ms"] for r in ranks]
         assert min(spread) == 0 and all(s >= 0 for s in spread)
     assert "zerocompile comms logger" in ranks[0]["printed"] and ranks[1]["printed"] == ""
+
+
+def test_a_whole_parameter_optimizers_all_to_alls_are_timed():
+    """Adafactor updates whole parameters at their owners: the gradients' pieces travel there and
+    the updated pieces back with all-to-alls the optimizer step issues in eager code."""
+    options = {"stage": 2, "inner_compiler": "eager", "comms_logger": {"enabled": True, "debug": True}}
+    for r in run_ranks(_run, 2, options, torch.optim.Adafactor):
+        assert r["counted"]["all_to_all"][0] > 0
+        assert _timed(r["rows"]) == {k: v for k, v in r["counted"].items() if v[0]}
+        assert {row["site"] for row in r["rows"] if row["kind"] == "all_to_all"} == {"optimizer step"}
 
 
 def test_prof_ops_times_only_the_kinds_named_with_deepspeeds_names():

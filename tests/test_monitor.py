@@ -1,12 +1,17 @@
 """Monitors (``zerocompile/monitor.py``, ``zerocompile/optim/monitoring.py``): DeepSpeed's
-TensorBoard and CSV monitors from a DeepSpeed config, written by rank 0 after every
-``ZeroOptimizer.step()``; the files are read back (TensorBoard's event reader, the CSV files)
-and every figure is checked against what the ranks computed themselves."""
+TensorBoard, CSV, W&B and Comet monitors from a DeepSpeed config, written by rank 0 after every
+``ZeroOptimizer.step()``; the files are read back (TensorBoard's event reader, the CSV files, the
+W&B offline run's transaction log, the Comet offline archive) and every figure is checked against
+what the ranks computed themselves."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
+import struct
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -27,6 +32,9 @@ BATCH = 4          # per rank
 def _train(rank: int, world: int, out: str, options: dict) -> dict:
     from models import make_batch, make_model
 
+    # W&B and Comet keep their runs on disk, under the test's directory
+    os.environ.update(WANDB_MODE="offline", WANDB_DIR=out, WANDB_SILENT="true",
+                      COMET_OFFLINE_DIRECTORY=str(Path(out) / "comet"))
     torch.manual_seed(0)
     model = make_model("gpt")
     compiled = torch.compile(model, backend="zero", options={**options, "inner_compiler": "eager"})
@@ -53,14 +61,19 @@ def _train(rank: int, world: int, out: str, options: dict) -> dict:
         seen["comm"].append({k: getattr(now, k).bytes - getattr(before, k).bytes
                              for k in ("all_gather", "reduce_scatter", "all_reduce")})
         seen["state"].append(now.param_bytes + now.grad_bytes + now.optimizer_state_bytes)
+        seen.setdefault("compile_seconds", []).append(now.compile_seconds - before.compile_seconds)
         before = now
+    zerocompile.close_monitors()       # the ranks leave with os._exit: no exit handlers run
     return seen
 
 
 def _ds_options(path: Path) -> dict:
     return {"zero_optimization": {"stage": 3}, "train_batch_size": 2 * BATCH,
             "tensorboard": {"enabled": True, "output_path": str(path), "job_name": "tb"},
-            "csv_monitor": {"enabled": True, "output_path": str(path), "job_name": "csv"}}
+            "csv_monitor": {"enabled": True, "output_path": str(path), "job_name": "csv"},
+            "wandb": {"enabled": True, "project": "zc-test", "group": "g1", "team": "my-team"},
+            "comet": {"enabled": True, "online": False, "project": "zc-test", "experiment_name": "job",
+                      "samples_log_interval": 16}}
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +125,74 @@ def test_every_tag_is_written_once_per_step_by_rank_0_with_the_ranks_figures(run
     assert all(a != b for a, b in zip(ranks[0]["own_loss"], ranks[1]["own_loss"]))
     # the CSV monitor writes the same tags as TensorBoard
     assert sorted(p.stem for p in (path / "csv").glob("*.csv")) == sorted(t.replace("/", "_") for t in board)
+    # the first step compiled the model: its compile time is written at that step only
+    assert seen["compile_seconds"][0] > 0 and seen["compile_seconds"][1:] == [0, 0]
+    assert board["Train/Samples/compile_seconds"] == [(samples[0], pytest.approx(seen["compile_seconds"][0]))]
+    # W&B: one offline run (rank 0's), its history is TensorBoard's, step for step
+    run_record, history = _wandb_run(path)
+    assert (run_record.project, run_record.run_group, run_record.entity) == ("zc-test", "g1", "my-team")
+    assert [h["_step"] for h in history] == samples
+    for tag, points in board.items():
+        assert [(h["_step"], h[tag]) for h in history if tag in h] == [(x, pytest.approx(v)) for x, v in points], tag
+    # Comet: one offline archive; a tag is logged when 16 samples passed since its last log
+    comet = _comet_metrics(path)
+    for tag, points in board.items():
+        due, last = [], None
+        for x, v in points:
+            if last is None or x - last >= 16:
+                due.append((x, pytest.approx(v)))
+                last = x
+        assert comet.get(tag) == due, tag
+    assert len(comet) == len(board)
+
+
+def _wandb_run(path: Path):
+    """The run record and the history rows of the one W&B offline run under ``path``, read from
+    its transaction log (W&B's LevelDB-style log: a 7-byte header, then 32 KiB blocks of records
+    with a 7-byte header each: CRC, length, type 1 full / 2 first / 3 middle / 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    files = list(path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files             # rank 0 only
+    data = files[0].read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, pending, records = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:          # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    history = [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    return runs[0], history
+
+
+def _comet_metrics(path: Path) -> dict:
+    """Tag -> [(step, value)] of the Train/ metrics in the one Comet offline archive under ``path``
+    (the archive format of comet_ml 3.x: ``messages.json``, one message per line)."""
+    import comet_ml
+
+    assert comet_ml.__version__.startswith("3.")
+    archives = list((path / "comet").glob("*.zip"))
+    assert len(archives) == 1, archives      # rank 0 only
+    out: dict = {}
+    with zipfile.ZipFile(archives[0]) as archive:
+        for line in archive.read("messages.json").decode().splitlines():
+            message = json.loads(line)
+            metric = message.get("payload", {}).get("metric") if message.get("type") == "metric_msg" else None
+            if metric and metric["metricName"].startswith("Train/"):
+                out.setdefault(metric["metricName"], []).append((metric["step"], metric["metricValue"]))
+    return out
 
 
 def test_options_and_deepspeed_keys():
@@ -121,12 +202,20 @@ def test_options_and_deepspeed_keys():
     ds = ZeroConfig.from_options({"tensorboard": {"enabled": True, "job_name": "j"}, "train_batch_size": 64})
     assert ds.monitor == MonitorSettings(tensorboard="j", samples_per_step=64)
     assert ZeroConfig.from_options({"wandb": {"enabled": False, "project": "p"}}).monitor is None
+    wb = ZeroConfig.from_options({"wandb": {"enabled": True, "group": "g"}}).monitor.wandb
+    assert (wb.project, wb.group, wb.team) == ("deepspeed", "g", None)          # DeepSpeed's default project
+    cm = ZeroConfig.from_options({"comet": {"enabled": True, "api_key": "secret", "mode": "get"}}).monitor.comet
+    assert cm.samples_log_interval == 100 and cm.mode == "get" and "secret" not in repr(cm)
     assert ZeroConfig.from_options({"flops_profiler": {"enabled": False, "profile_step": 3}}).flops_profiler is None
     fp = ZeroConfig.from_options({"flops_profiler": {"enabled": True, "profile_step": 3}}).flops_profiler
     assert fp.profile_step == 3 and fp.module_depth == -1 and fp.detailed
     for options, message in (
-            ({"wandb": {"enabled": True, "project": "p"}}, "no wandb monitor yet"),
-            ({"comet": {"enabled": True}}, "no comet monitor yet"),
+            ({"wandb": {"enabled": True, "entity": "p"}}, "unknown key(s) entity"),
+            ({"wandb": {"enabled": True, "project": 3}}, "'wandb.project' = 3"),
+            ({"comet": {"enabled": True, "mode": "append"}}, "'comet.mode' = 'append'"),
+            ({"comet": {"enabled": True, "samples_log_interval": 0}}, "samples_log_interval"),
+            ({"comet": {"enabled": True, "online": "no"}}, "'comet.online'"),
+            ({"comet": {"enabled": True, "api_key": 123}}, "'comet.api_key' = <hidden>"),
             ({"monitor": {"tensorboard": {"enabled": True, "path": "x"}}}, "unknown key(s) path"),
             ({"monitor": {"tensorboard": {"enabled": "yes"}}}, "give true or false"),
             ({"monitor": {"mlflow": {}}}, "unknown key(s) mlflow"),
@@ -138,6 +227,37 @@ def test_options_and_deepspeed_keys():
             ({"flops_profiler": {"enabled": 1}}, "give true or false")):
         with pytest.raises(ZeroConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             ZeroConfig.from_options(options)
+
+
+def test_a_monitor_without_its_package_says_which_extra_to_install(monkeypatch):
+    from zerocompile.monitor import MetricWriter, parse_monitor
+
+    for module, kind, extra in (("wandb", "wandb", "wandb"), ("comet_ml", "comet", "comet")):
+        monkeypatch.setitem(sys.modules, module, None)          # as if it were not installed
+        with pytest.raises(ZeroConfigError, match=rf"pip install 'zerocompile\[{extra}\]'"):
+            MetricWriter(parse_monitor({kind: {"enabled": True}}))
+
+
+def test_wandb_logs_into_the_scripts_own_run_and_leaves_it_open(tmp_path, monkeypatch):
+    """A script that started its W&B run (HF Trainer's report_to="wandb") gets the figures in it,
+    with x as a tag (the run counts its own steps); closing the monitor does not finish the run."""
+    import wandb
+
+    from zerocompile.monitor import MetricWriter, parse_monitor
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = wandb.init(project="own")
+    try:
+        writer = MetricWriter(parse_monitor({"wandb": {"enabled": True, "project": "other"}}))
+        writer.write({"Train/Samples/lr": 0.5}, 64)
+        writer.close()
+        assert wandb.run is run
+    finally:
+        run.finish()
+    _, history = _wandb_run(tmp_path)
+    assert [(h["Train/Samples/lr"], h["Train/Samples/x"]) for h in history] == [(0.5, 64)]
 
 
 def test_log_metrics_refuses_what_it_cannot_write():

@@ -13,7 +13,7 @@ from zerocompile.errors import (GradientNotGatheredError, LossScaleError, Parame
                                 SwapFileError, UnshardedParametersError, ZeroConfigError)
 from zerocompile.generation import generate
 from zerocompile.optimizer import ZeroOptimizer
-from zerocompile.optim.monitoring import log_metrics
+from zerocompile.optim.monitoring import close_monitors, log_metrics
 from zerocompile.optim.onebit_adam import OneBitAdam          # DeepSpeed's 1-bit Adam (stage 0)
 from zerocompile.optim.zero_one_adam import ZeroOneAdam       # DeepSpeed's 0/1 Adam (stage 0)
 from zerocompile.pretrained import load_pretrained, materialize, save_pretrained
@@ -22,7 +22,7 @@ from zerocompile.runtime.accounting import ZeroStats, frame_reports, reset_stats
 from zerocompile.state_dict import full_state_dict, gathered_parameters
 
 __all__ = [
-    "ZeroConfig", "ZeroOptimizer", "ZeroStats", "consolidated_state_dict", "frame_reports", "full_state_dict",
+    "ZeroConfig", "ZeroOptimizer", "ZeroStats", "close_monitors", "consolidated_state_dict", "frame_reports", "full_state_dict",
     "gathered_parameters", "generate", "initialize", "load_checkpoint", "load_pretrained", "log_metrics", "log_summary",
     "materialize",
     "reset_stats", "save_checkpoint", "save_pretrained", "set_leaf_modules", "stats", "training_settings",

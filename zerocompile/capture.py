@@ -340,6 +340,7 @@ def _check_compatible(state: ShardedParam, cfg: ZeroConfig, group: CommGroup, na
 
 def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     """Compile one Dynamo frame with ZeRO sharding; returns the callable Dynamo runs."""
+    started = time.perf_counter()
     group = resolve_group(cfg.process_group)
     frame = _frame_name(gm)
     traced = _copy_graph_module(gm)
@@ -352,7 +353,9 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     source = _TracedFrame(traced, sources, eager_owned, frame, torch.is_grad_enabled(), _torch_compat.dynamo_fake_mode())
     compiled, partitioner = source.compile(cfg, plans, _gradient_reduction(cfg, group, plans, frame), example_inputs)
     _adopt_parameters(plans, roots, eager_owned)
-    return FrameRunner(compiled, plans, partitioner, frame, roots, source)
+    runner = FrameRunner(compiled, plans, partitioner, frame, roots, source)
+    ACCOUNTING.compile_seconds += time.perf_counter() - started
+    return runner
 
 
 class _TracedFrame:

@@ -48,7 +48,8 @@ def log_summary(show_straggler: bool = False, file=None) -> list[dict]:
         for row in rows:
             row["straggler_ms"] = row["total_ms"] - fastest[tuple(row[k] for k in _ROW_KEY)]
     if not distributed or dist.get_rank() == 0:
-        Console(file=file or sys.stdout, width=160).print(summary_table(rows, show_straggler))
+        blocking = comms.settings is None or comms.settings.blocking
+        Console(file=file or sys.stdout, width=160).print(summary_table(rows, show_straggler, blocking))
     return rows
 
 
@@ -60,10 +61,13 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def summary_table(rows: list[dict], show_straggler: bool = False) -> Table:
-    """The rows as a table: one line per kind, message size (and site)."""
+def summary_table(rows: list[dict], show_straggler: bool = False, blocking: bool = True) -> Table:
+    """The rows as a table: one line per kind, message size (and site). ``blocking``: the
+    logger's setting, which says what the latencies include."""
     debug = any(row["site"] for row in rows)
-    table = Table(title="zerocompile comms logger (this rank; latency: issue to completion)")
+    latency = ("issue to completion, each collective blocking" if blocking
+               else "issue to the wait's return, overlapped work included")
+    table = Table(title=f"zerocompile comms logger (this rank; latency: {latency})")
     columns = ["collective", *(["site"] if debug else []), "msg size", "ranks", "count", "total ms", "avg ms",
                "min ms", "max ms", "algbw GB/s", "busbw GB/s", *(["straggler ms"] if show_straggler else [])]
     for name in columns:

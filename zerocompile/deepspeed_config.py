@@ -38,8 +38,8 @@ from zerocompile.errors import ZeroConfigError
 log = logging.getLogger("zerocompile")
 
 TOP_LEVEL_TRANSLATED = ("zero_optimization", "bf16", "bfloat16", "fp16", "communication_data_type", "aio",
-                        "gradient_clipping", "activation_checkpointing", "tensorboard", "csv_monitor", "flops_profiler",
-                        "comms_logger")
+                        "gradient_clipping", "activation_checkpointing", "tensorboard", "csv_monitor", "wandb", "comet",
+                        "flops_profiler", "comms_logger")
 """Top-level DeepSpeed keys with a zerocompile meaning (``bfloat16`` is DeepSpeed's alias of ``bf16``)."""
 
 ZERO_TRANSLATED = ("stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
@@ -71,8 +71,6 @@ ACCEPTED_KEYS = {
     "gradient_predivide_factor": "zerocompile averages gradients in its reduce-scatter (op avg, or a sum divided "
                                  "by the world size in float32)",
     "zero_allow_untested_optimizer": "ZeroOptimizer wraps any torch.optim optimizer",
-    "wandb": "log from your training loop, or use the tensorboard or csv_monitor keys",
-    "comet": "log from your training loop, or use the tensorboard or csv_monitor keys",
     "memory_breakdown": "zerocompile.stats() reports parameter, gradient and optimizer-state bytes",
 }
 """Other top-level DeepSpeed keys zerocompile accepts without a setting of its own (logging,
@@ -363,14 +361,10 @@ def translate_deepspeed(ds: dict, option_names=()) -> dict:
                 _advise(key, "1 is what a loop without accumulation does")
             else:
                 warn_once(f"DeepSpeed key '{key}' is not applied by the 'zero' backend: {TRAINING_LOOP_KEYS[key]}")
-        elif key in ("tensorboard", "csv_monitor"):
+        elif key in ("tensorboard", "csv_monitor", "wandb", "comet"):
             out.setdefault("monitor", {})[key] = value
         elif key in ("flops_profiler", "comms_logger"):
             out[key] = value
-        elif key in ("wandb", "comet") and isinstance(value, dict) and value.get("enabled") is True:
-            raise ZeroConfigError(f"DeepSpeed key '{key}' is enabled, but zerocompile has no {key} monitor yet: its "
-                                  "figures would not be written. Use the 'tensorboard' or 'csv_monitor' keys (the same "
-                                  f"tags; docs/monitoring.md), or set '{key}.enabled' to false")
         elif key in ACCEPTED_KEYS:
             _advise(key, ACCEPTED_KEYS[key])
         else:

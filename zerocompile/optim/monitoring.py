@@ -61,6 +61,16 @@ def log_metrics(values: dict) -> None:
         ACCOUNTING.pending_metrics[name] = value
 
 
+def close_monitors() -> None:
+    """Flush the monitors of every ``ZeroOptimizer`` alive, close their files and end the W&B runs
+    and Comet experiments they started (done at exit otherwise; a script that leaves with
+    ``os._exit`` must call it). They write nothing more afterwards."""
+    for optimizer in list(ACCOUNTING.optimizers):
+        monitor = getattr(optimizer, "_monitor", None)
+        if monitor is not None:
+            monitor.close()
+
+
 class StepMonitor:
     """The ``ZeroOptimizer``'s monitoring: ``after_step`` writes one step's figures."""
 
@@ -86,14 +96,19 @@ class StepMonitor:
         return [runner for runner in list(ACCOUNTING.frames)
                 if any(id(sp) in ids for sp in runner.plans if sp is not None)]
 
-    def _frame_option(self, name: str):
-        """The option ``name`` of the frames using this optimizer's parameters (None: none set it)."""
-        found = {getattr(runner.config, name) for runner in self._frames()} - {None}
-        if len(found) > 1:
-            raise ZeroConfigError(f"ZeroOptimizer: the frames using this optimizer's parameters were compiled with "
-                                  f"different '{name}' options ({', '.join(sorted(map(repr, found)))}); compile them "
-                                  "with the same one")
-        return next(iter(found), None)
+    def _frame_options(self, *names: str) -> list:
+        """Each option of ``names`` as the frames using this optimizer's parameters set it (None:
+        none set it), from one look at the frames."""
+        frames = self._frames()
+        out = []
+        for name in names:
+            found = {getattr(runner.config, name) for runner in frames} - {None}
+            if len(found) > 1:
+                raise ZeroConfigError(f"ZeroOptimizer: the frames using this optimizer's parameters were compiled "
+                                      f"with different '{name}' options ({', '.join(sorted(map(repr, found)))}); "
+                                      "compile them with the same one")
+            out.append(next(iter(found), None))
+        return out
 
     def after_step(self, optimizer) -> None:
         """Write this step's figures (rank 0), once a frame's options enable a monitor; print the
@@ -105,8 +120,9 @@ class StepMonitor:
         newest = accounting.newest_frame_order()
         if newest != self._looked_through:       # a frame compiled since the last look
             self._looked_through = newest
-            self.settings = self.settings or self._frame_option("monitor")
-            self.profiler = self.profiler or self._frame_option("flops_profiler")
+            monitor, profiler = self._frame_options("monitor", "flops_profiler")
+            self.settings = self.settings or monitor
+            self.profiler = self.profiler or profiler
         if self.profiler is not None and self._steps == self.profiler.profile_step:
             self._profile(elapsed_ms)
         if self.settings is None:
@@ -125,12 +141,16 @@ class StepMonitor:
             metrics[f"{TAG_PREFIX}skipped_steps"] = float(optimizer.skipped_steps)
         metrics[f"{TAG_PREFIX}step_time_ms"] = elapsed_ms
         stats = accounting.stats()
-        comm = {k: getattr(stats, k).bytes for k in accounting.COLLECTIVE_KINDS + accounting.COMPRESSED_KINDS}
-        before = self._comm_before or dict.fromkeys(comm, 0)
-        for kind, nbytes in comm.items():
-            if nbytes - before.get(kind, 0):
-                metrics[f"{TAG_PREFIX}comm_bytes_{kind}"] = float(nbytes - before.get(kind, 0))
-        self._comm_before = comm
+        counters = {f"comm_bytes_{k}": getattr(stats, k).bytes
+                    for k in accounting.COLLECTIVE_KINDS + accounting.COMPRESSED_KINDS}
+        counters["compile_seconds"] = stats.compile_seconds
+        before = self._comm_before or dict.fromkeys(counters, 0)
+        for name, total in counters.items():
+            # since the last step; a counter below its last value was reset (reset_stats) in between
+            delta = total - before.get(name, 0) if total >= before.get(name, 0) else total
+            if delta:
+                metrics[f"{TAG_PREFIX}{name}"] = float(delta)
+        self._comm_before = counters
         metrics[f"{TAG_PREFIX}model_state_bytes"] = float(stats.param_bytes + stats.grad_bytes
                                                           + stats.optimizer_state_bytes)
         if stats.flops_per_step:
@@ -189,7 +209,7 @@ class StepMonitor:
             settings, self.settings, self._opened = self.settings, None, False
             raise ZeroConfigError(f"ZeroOptimizer: the monitor cannot write ({settings}): {error}. Give an "
                                   "output_path this process can create and write")
-        log.info("monitoring to %s", ", ".join(p for p in (self.settings.tensorboard, self.settings.csv) if p))
+        log.info("monitoring to %s", self.settings.describe())
 
     def _user_metrics(self, group) -> dict:
         """``log_metrics``' values since the last step, each the mean over the ranks."""
@@ -219,6 +239,8 @@ class StepMonitor:
         ACCOUNTING.pending_metrics.clear()
 
     def close(self) -> None:
+        """Close the writers; the monitor writes nothing more (its figures are still gathered on
+        every rank: a rank that stopped alone must not skip the collectives the others make)."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
