@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from zerocompile.runtime import activation_offload
 from zerocompile.runtime.comms_log import CommsLog
+from zerocompile.runtime.module_times import ModuleTimes
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 COMPRESSED_KINDS = ("compressed_all_to_all", "compressed_all_gather")
@@ -182,6 +183,10 @@ class Accounting:
         """The comms logger's settings, call sites and timings (``comms_logger`` option)."""
         self.compile_seconds = 0.0
         """Seconds spent in ``compile_frame`` since the last reset."""
+        self.last_stepped = 0
+        """``id`` of the optimizer whose step ended last (``end_step_flops``)."""
+        self.module_times = ModuleTimes()
+        """The flops profiler's per-module latencies (``flops_profiler`` option)."""
 
     def record(self, kind: str, nbytes: int, count: int = 1) -> None:
         """``count`` eager collectives of ``kind`` over the data-parallel group, ``nbytes`` in all."""
@@ -203,10 +208,17 @@ class Accounting:
         if frame is not None:
             self.calls.setdefault(frame, [0, 0])[int(backward)] += 1
 
-    def end_step_flops(self) -> None:
-        """An optimizer step ended: what ran since the last one is the step's."""
+    def end_step_flops(self, optimizer: int = 0) -> None:
+        """An optimizer step ended (``optimizer``: its ``id``): what ran since the last one is the
+        step's. Another optimizer stepping right after (no compiled graph ran in between: Muon for
+        the matrices and AdamW beside it) ends the same training step, which keeps its figures."""
+        if not self.calls and optimizer != self.last_stepped:
+            self.last_stepped = optimizer
+            return
+        self.last_stepped = optimizer
         self.step_flops, self.flops = self.flops, {"flops": 0, "recompute": 0}
         self.step_calls, self.calls = self.calls, {}
+        self.module_times.step_ended()
 
     def reset(self) -> None:
         self.comm = {k: CollectiveTotals() for k in COLLECTIVE_KINDS + COMPRESSED_KINDS}

@@ -11,7 +11,8 @@ Where it measures:
   before the wait, and no dead-code elimination drops them.
 - **The optimizer step's bucketed collectives** (``runtime/step_collectives.py``): from the moment
   each is counted in the accounting (right before it is issued) to the end of its wait.
-- **A whole-parameter optimizer's all-to-alls** (``start_all_to_all`` to ``finish_all_to_all``).
+- **A whole-parameter optimizer's all-to-alls** (``start_all_to_all`` to ``finish_all_to_all``, or
+  to a wait right after the issue with ``blocking``).
 - **The step's scalar all-reduces** (the clipping norm and overflow check, ``optim/clipping.py``;
   the gradient-participation check, ``runtime/grad_participation.py``) the same way. The
   collectives of set-up checks (the fingerprint of each compiled frame, the rare second round of
@@ -30,8 +31,9 @@ stream wait for the collective), read when the figures are asked for.
 
 Bandwidths follow nccl-tests: ``algbw = size / latency`` with ``size`` the full buffer (what
 ``stats()`` counts: the gathered output, the reduce-scatter's input, the all-reduce's tensor), and
-``busbw = algbw * factor``, ``factor`` ``(n - 1) / n`` for all-gather, reduce-scatter and all-to-all,
-``2 (n - 1) / n`` for all-reduce, over the collective's group of ``n`` ranks.
+``busbw = algbw * factor``, ``factor`` ``(n - 1) / n`` for all-gather and reduce-scatter, ``2 (n - 1)
+/ n`` for all-reduce, over the collective's group of ``n`` ranks; an all-to-all's size is what
+this rank sends to the others (as ``stats()`` counts it), its factor 1.
 """
 
 from __future__ import annotations
@@ -124,11 +126,13 @@ def parse_comms_logger(value) -> CommsLoggerSettings | None:
 
 
 def bus_factor(kind: str, group_size: int) -> float:
-    """nccl-tests' bus bandwidth factor of a collective of ``kind`` over ``group_size`` ranks."""
+    """nccl-tests' bus bandwidth factor of a collective of ``kind`` over ``group_size`` ranks, for
+    the sizes ``stats()`` counts: an all-to-all's is already what this rank sends to the others
+    (nccl-tests' ``size * (n - 1) / n``), so its bus bandwidth is its algorithmic one."""
     if group_size <= 1:
         return 0.0
     share = (group_size - 1) / group_size
-    return 2 * share if kind == "all_reduce" else share
+    return 2 * share if kind == "all_reduce" else 1.0 if kind == "all_to_all" else share
 
 
 @dataclass

@@ -278,7 +278,11 @@ def start_all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: li
         received = _c10d.all_to_all_single(send, list(recv_counts), list(send_counts), group.name)
     finally:
         issued = comms.release()
-    comms.hold(received, issued)         # timed until finish_all_to_all's wait
+    if issued and comms.settings.blocking:     # waited for here: finish_all_to_all's wait returns at once
+        _c10d.wait_tensor(received)
+        comms.done(issued, "optimizer step")
+    else:
+        comms.hold(received, issued)           # timed until finish_all_to_all's wait
     return received
 
 

@@ -167,10 +167,13 @@ def test_every_collective_is_timed_once_and_the_values_do_not_change(plain, stag
     assert "zerocompile comms logger" in ranks[0]["printed"] and ranks[1]["printed"] == ""
 
 
-def test_a_whole_parameter_optimizers_all_to_alls_are_timed():
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_whole_parameter_optimizers_all_to_alls_are_timed(blocking):
     """Adafactor updates whole parameters at their owners: the gradients' pieces travel there and
-    the updated pieces back with all-to-alls the optimizer step issues in eager code."""
-    options = {"stage": 2, "inner_compiler": "eager", "comms_logger": {"enabled": True, "debug": True}}
+    the updated pieces back with all-to-alls the optimizer step issues in eager code (waited for at
+    once with ``blocking``, else where the step waits for them)."""
+    options = {"stage": 2, "inner_compiler": "eager",
+               "comms_logger": {"enabled": True, "debug": True, "blocking": blocking}}
     for r in run_ranks(_run, 2, options, torch.optim.Adafactor):
         assert r["counted"]["all_to_all"][0] > 0
         assert _timed(r["rows"]) == {k: v for k, v in r["counted"].items() if v[0]}
@@ -225,3 +228,4 @@ def test_bus_bandwidth_factors():
     assert bus_factor("reduce_scatter", 2) == pytest.approx(1 / 2)
     assert bus_factor("all_reduce", 4) == pytest.approx(2 * 3 / 4)
     assert bus_factor("all_gather", 1) == 0.0
+    assert bus_factor("all_to_all", 4) == 1.0        # its size is already what it sends to the others

@@ -6,6 +6,7 @@ model running the same batch (the issue asks for 2%; the counts are equal)."""
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -96,6 +97,29 @@ def test_flops_count_the_last_step_only():
     assert zerocompile.stats().flops_per_step == 0
 
 
+def test_two_optimizers_stepping_one_after_the_other_end_one_step():
+    """Muon for the matrices and AdamW beside it, as people write it: the second optimizer's step
+    keeps the figures of the training step the first one ended."""
+    torch.manual_seed(0)
+    model = make_model("gpt")
+    x, y = make_batch("gpt", 0, 4)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="zero", options={"inner_compiler": "eager", "stage": 2})
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+    first = zerocompile.ZeroOptimizer(matrices, torch.optim.AdamW, lr=1e-3)
+    second = zerocompile.ZeroOptimizer(others, torch.optim.AdamW, lr=1e-3)
+    with FlopCounterMode(display=False) as counter:
+        copy.deepcopy(model)(x, y).backward()
+    for _ in range(2):
+        compiled(x, y).backward()
+        first.step()
+        second.step()
+        assert zerocompile.stats().flops_per_step == counter.get_total_flops() > 0
+    second.step()         # a step of its own with nothing run since: nothing
+    assert zerocompile.stats().flops_per_step == 0
+
+
 def test_a_dynamic_batch_is_counted_at_each_calls_size_without_recompiling():
     """Batch sizes that change make Dynamo compile one graph with a size symbol: its count is an
     expression evaluated at each call's size, and counting adds no guard (no recompile)."""
@@ -131,23 +155,29 @@ def _profiled(rank: int, world: int, out: str) -> dict:
         "peak_tflops": 1.0}}
     compiled = torch.compile(model, backend="zero", options={**options, "inner_compiler": "eager"})
     opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    walls, measured = [], []
     for step in range(3):
         x, y = make_batch("gpt", step * world + rank, 4)
-        compiled(x, y).backward()
+        start = time.perf_counter()
+        loss = compiled(x, y)
+        middle = time.perf_counter()
+        loss.backward()
+        walls.append((middle - start, time.perf_counter() - middle))
         opt.step()
         opt.zero_grad()
+        measured.append(ACCOUNTING.module_times.by_module())
         if step == 1:        # the profiled step
             flops = zerocompile.stats().flops_per_step
             modules = step_modules(list(ACCOUNTING.frames), ACCOUNTING.step_calls)
             batch = (x, y)
-    return {"flops": flops, "modules": modules, "batch": batch}
+    return {"flops": flops, "modules": modules, "batch": batch, "measured": measured, "walls": walls}
 
 
 def test_the_flops_profiler_reports_each_modules_flops_at_its_step(tmp_path):
     """DeepSpeed's ``flops_profiler`` key on 2 ranks: rank 0 writes the profile of step 2 to
     ``output_file``; its per-module FLOPs are ``FlopCounterMode``'s per module on an uncompiled
     copy running rank 0's batch, and they add up to ``stats().flops_per_step``."""
-    from zerocompile.flops_profiler import report, FlopsProfilerSettings
+    from zerocompile.flops_profiler import FlopsProfilerSettings, report, with_latency
     from dist_utils import run_ranks
 
     out = tmp_path / "profile.txt"
@@ -170,7 +200,23 @@ def test_the_flops_profiler_reports_each_modules_flops_at_its_step(tmp_path):
                     "model FLOPs utilization (MFU)", "blocks.0.qkv"):
         assert section in text, section
     assert "profile step:" in text and text.count("zerocompile flops profiler") == 1   # rank 0 only
-    # the report's text from the same figures (a unit check of the depth roll-up)
+    # measured latency: nothing before the profiled step, nothing added after it; every module that
+    # ran ops has its own, forward and backward, and together they fit in that step's forward and
+    # backward (the graphs' ops between their first and last marks)
+    before, latency, after = got["measured"]
+    assert before == {} and after == latency
+    assert set(leaves) <= set(latency) and "blocks.0.ln1" in latency       # LayerNorm: no FLOPs, but time
+    assert all(t["forward"] > 0 and t["backward"] > 0 for p, t in latency.items() if p in leaves)
+    forward_wall, backward_wall = got["walls"][1]
+    assert 0 < sum(t["forward"] for t in latency.values()) < forward_wall
+    assert 0 < sum(t["backward"] for t in latency.values()) < backward_wall
+    assert latency["blocks.0.qkv"]["type"] == "Linear" and latency["blocks.0.ln1"]["type"] == "LayerNorm"
+    # the report's text from the same figures (a unit check of the depth roll-ups)
     settings = FlopsProfilerSettings(top_modules=1)
-    rolled = report(settings, 2, 2, got["flops"], 0, 10.0, modules, {"blocks.0.qkv.weight": 3})
+    figures = with_latency(modules, latency)
+    assert figures["blocks.0.ln1"]["forward"] == 0 and figures["blocks.0.ln1"]["forward_ms"] > 0
+    rolled = report(settings, 2, 2, got["flops"], 0, 10.0, figures, {"blocks.0.qkv.weight": 3})
     assert "depth 0: (frame)" in rolled and "(100.0%)" in rolled
+    total_ms = sum(t["forward"] + t["backward"] for t in latency.values()) * 1e3
+    assert f"latency: (frame) {total_ms:.2f} ms" in rolled
+    assert "fwd ms" in text and "bwd ms" in text

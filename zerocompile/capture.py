@@ -35,6 +35,7 @@ from zerocompile.passes.cost_model import CostModel, cost_model_for, probe_offlo
 from zerocompile.partitioner import ZeroPartitioner
 from zerocompile.passes.flop_count import evaluate, size_symbols
 from zerocompile.passes.manager import pipeline, run_passes
+from zerocompile.passes.module_timers import insert_module_marks
 from zerocompile.runtime.accounting import ACCOUNTING, CollectiveSummary
 from zerocompile.runtime.comm import CommGroup, resolve_group
 from zerocompile.runtime.reduction_choice import gradient_reduction
@@ -481,22 +482,28 @@ def _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx: PassConte
     log.info("[%s] %d parameters (stage %d, world %d) -> %s", frame,
              sum(p is not None for p in plans), cfg.stage, group.world, cfg.inner_compiler)
     bypass = compile_cache.bypass_reason(cfg.inner_compiler, cfg.profile, ctx.recorder is not None,
-                                         cfg.zero_hpz_partition_size, cfg.comms_logger is not None)
-    timers, blocking = None, cfg.comms_logger is not None and cfg.comms_logger.blocking
+                                         cfg.zero_hpz_partition_size,
+                                         cfg.comms_logger is not None or cfg.flops_profiler is not None)
+    lowerings = []
     if cfg.comms_logger is not None:
         ACCOUNTING.comms.configure(cfg.comms_logger)
-        timers = functools.partial(insert_comm_timers, log=ACCOUNTING.comms, world=group.world, frame=frame)
+        lowerings.append(functools.partial(insert_comm_timers, log=ACCOUNTING.comms, world=group.world, frame=frame))
+    if cfg.flops_profiler is not None:
+        ACCOUNTING.module_times.configure(cfg.flops_profiler.profile_step)
+        lowerings.append(functools.partial(insert_module_marks, times=ACCOUNTING.module_times))
+    # the timers measure what ran between them: inductor keeps the graph's order
+    keep_order = (cfg.comms_logger is not None and cfg.comms_logger.blocking) or cfg.flops_profiler is not None
     key = None if bypass else compile_cache.frame_key(gm, new_inputs, group, partitioner.uuid())
     entry = _reused_entry_and_cost_model(key, ctx, bypass)
     status.compiling(f"AOTAutograd, {cfg.inner_compiler}")
     if cfg.inner_compiler == "eager":
         compiled = inner_compilers.compile_with_aot_eager(gm, new_inputs, partitioner, partitioner.inference,
-                                                          debug_checks=cfg.debug_checks, comm_timers=timers)
+                                                          debug_checks=cfg.debug_checks, lowerings=lowerings)
         return compiled, partitioner
     cacheable = None if bypass else compile_cache.cacheable_functions(gm, partitioner.uuid())
     compiled = inner_compilers.compile_with_inductor(gm, new_inputs, partitioner, partitioner.inference,
-                                                     cacheable_functions=cacheable, comm_timers=timers,
-                                                     keep_graph_order=blocking)
+                                                     cacheable_functions=cacheable, lowerings=lowerings,
+                                                     keep_graph_order=keep_order)
     if not partitioner.ran and entry is not None:
         partitioner.restore(entry)
         log.info("[%s] compiled from torch's caches (zerocompile entry %s)", frame, key[:16])
@@ -505,7 +512,7 @@ def _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx: PassConte
         # or another rank compiles anew): compile again without that cache, so the passes run
         log.info("[%s] AOTAutograd cache hit without zerocompile's entry: compiling anew", frame)
         compiled = inner_compilers.compile_with_inductor(gm, new_inputs, partitioner, partitioner.inference,
-                                                         comm_timers=timers, keep_graph_order=blocking)
+                                                         lowerings=lowerings, keep_graph_order=keep_order)
     if key is not None and partitioner.ran:
         compile_cache.FrameCache.in_inductor_cache().save(key, partitioner.entry())
     return compiled, partitioner

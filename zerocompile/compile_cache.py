@@ -63,7 +63,7 @@ class FrameEntry:
 
 
 def bypass_reason(inner_compiler: str, profile: bool, dumping: bool, hpz_partition_size: int,
-                  comms_logger: bool = False) -> str | None:
+                  timers: bool = False) -> str | None:
     """Why a frame with these settings compiles without the caches (None: it uses them)."""
     if inner_compiler != "inductor":
         return "the eager inner compiler compiles nothing to cache"
@@ -75,8 +75,8 @@ def bypass_reason(inner_compiler: str, profile: bool, dumping: bool, hpz_partiti
         return "dumping records every pass's graph, so the passes run"
     if hpz_partition_size > 1:
         return "zero_hpz_partition_size > 1: its passes create the process subgroups the graphs use"
-    if comms_logger:
-        return "comms_logger registers its timers' call sites at every compile"
+    if timers:
+        return "comms_logger and flops_profiler register their timers' call sites at every compile"
     return None
 
 

@@ -10,8 +10,11 @@ table of every module), ``output_file`` (None: stdout), and zerocompile's ``peak
 rank's peak TFLOP/s, for the MFU line).
 
 Module paths are relative to the module of the compiled frame that ran the op (the model, for a
-model compiled whole). Per-module latency is not measured: a compiled graph runs many modules'
-ops as one (fused, reordered, overlapped with communication), so only the step's is.
+model compiled whole). Per-module latency is measured in the compiled graphs themselves: marks at
+each module boundary stamp the time in the profiled step (``passes/module_timers.py``,
+``runtime/module_times.py``); a module's latency is that of its own ops (those of the modules
+inside it are theirs). Inductor fuses ops of one module only with ops on the same side of a mark,
+so with the profiler on a compiled graph can run a little slower, at every step.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 from zerocompile.errors import ZeroConfigError
 
-__all__ = ["FlopsProfilerSettings", "parse_flops_profiler", "step_modules", "report"]
+__all__ = ["FlopsProfilerSettings", "parse_flops_profiler", "step_modules", "with_latency", "report"]
 
 _KEYS = ("enabled", "profile_step", "module_depth", "top_modules", "detailed", "output_file", "peak_tflops")
 
@@ -94,9 +97,37 @@ def _num(x: float, unit: str = "") -> str:
     return f"{x:.0f} {unit}".rstrip()
 
 
+def with_latency(modules: dict, latency: dict) -> dict:
+    """``step_modules``' figures with each module's ``forward_ms`` and ``backward_ms`` from
+    ``latency`` (``ModuleTimes.by_module``: seconds); a module that ran no FLOPs joins with 0 FLOPs."""
+    out = {path: {**m, "forward_ms": 0.0, "backward_ms": 0.0} for path, m in modules.items()}
+    for path, t in latency.items():
+        entry = out.setdefault(path, {"forward": 0, "backward": 0, "type": t["type"], "forward_ms": 0.0,
+                                      "backward_ms": 0.0})
+        entry["forward_ms"] += t["forward"] * 1e3
+        entry["backward_ms"] += t["backward"] * 1e3
+    return out
+
+
+def _rolled(modules: dict, value) -> dict:
+    """Every module's ``value(figures)`` summed with those of the modules under it."""
+    out: dict = {}
+    for path, m in modules.items():
+        parts = path.split(".") if path else []
+        for depth in range(len(parts) + 1):
+            prefix = ".".join(parts[:depth])
+            out[prefix] = out.get(prefix, 0) + value(m)
+    return out
+
+
+def _depth(path: str) -> int:
+    return 0 if not path else path.count(".") + 1
+
+
 def report(settings: FlopsProfilerSettings, step: int, world: int, flops: int, recompute: int, step_ms: float,
            modules: dict, param_numels: dict) -> str:
-    """The profile's text (DeepSpeed's sections: summary, aggregated per depth, detailed)."""
+    """The profile's text (DeepSpeed's sections: summary, aggregated per depth, detailed).
+    ``modules``: ``with_latency``'s figures."""
     forward = sum(m["forward"] for m in modules.values())
     backward = sum(m["backward"] for m in modules.values())
     achieved = flops / max(step_ms, 1e-9) * 1e3
@@ -114,33 +145,35 @@ def report(settings: FlopsProfilerSettings, step: int, world: int, flops: int, r
         lines.append(f"{'model FLOPs utilization (MFU):':<40}{100 * achieved / (settings.peak_tflops * 1e12):.2f}% of "
                      f"{settings.peak_tflops:g} TFLOP/s")
     total = max(forward + backward, 1)
-    # every module's FLOPs and those of the modules under it
-    rolled: dict = {}
-    for path, m in modules.items():
-        parts = path.split(".") if path else []
-        for depth in range(len(parts) + 1):
-            prefix = ".".join(parts[:depth])
-            rolled[prefix] = rolled.get(prefix, 0) + m["forward"] + m["backward"]
-    depths = sorted({0 if not p else p.count(".") + 1 for p in rolled})
+    rolled = _rolled(modules, lambda m: m["forward"] + m["backward"])
+    rolled_ms = _rolled(modules, lambda m: m["forward_ms"] + m["backward_ms"])
+    measured = sum(m["forward_ms"] + m["backward_ms"] for m in modules.values())
+    lines.append(f"{'  by module, measured latency:':<40}{measured:.2f} ms (forward and backward graphs)")
+    depths = sorted({_depth(p) for p in rolled})
     if settings.module_depth >= 0:
         depths = [d for d in depths if d <= settings.module_depth]
     lines += ["", "aggregated profile per depth".center(100), rule,
-              f"top {settings.top_modules} module(s) by FLOPs at each depth (share of the step's module FLOPs)"]
+              f"top {settings.top_modules} module(s) at each depth by FLOPs (share of the step's module FLOPs) and "
+              "by latency (forward + backward, the modules inside included)"]
     for depth in depths:
-        at = sorted(((p, f) for p, f in rolled.items() if (0 if not p else p.count(".") + 1) == depth),
-                    key=lambda pf: -pf[1])[:settings.top_modules]
+        at = sorted(((p, f) for p, f in rolled.items() if _depth(p) == depth), key=lambda pf: -pf[1])
         lines.append(f"depth {depth}: " + ", ".join(f"{p or '(frame)'} {_num(f, 'FLOPs')} ({100 * f / total:.1f}%)"
-                                                   for p, f in at))
+                                                   for p, f in at[:settings.top_modules]))
+        slow = sorted(((p, t) for p, t in rolled_ms.items() if _depth(p) == depth), key=lambda pt: -pt[1])
+        lines.append(f"{'':9}latency: " + ", ".join(f"{p or '(frame)'} {t:.2f} ms"
+                                                  for p, t in slow[:settings.top_modules]))
     if settings.detailed:
-        lines += ["", "detailed profile per module".center(100), rule,
-                  f"{'module':<40}{'type':<16}{'params':>12}{'forward FLOPs':>18}{'backward FLOPs':>18}{'share':>9}"]
+        lines += ["", "detailed profile per module (its own ops; the modules inside it have their rows)".center(100),
+                  rule, f"{'module':<36}{'type':<14}{'params':>10}{'fwd FLOPs':>12}{'bwd FLOPs':>12}{'share':>8}"
+                  f"{'fwd ms':>9}{'bwd ms':>9}"]
         for path in sorted(modules):
-            if settings.module_depth >= 0 and (path.count(".") + 1 if path else 0) > settings.module_depth:
+            if settings.module_depth >= 0 and _depth(path) > settings.module_depth:
                 continue
             m = modules[path]
-            lines.append(f"{path or '(frame)':<40}{m['type'][:15]:<16}{_num(_params_of(path, param_numels)):>12}"
-                         f"{_num(m['forward']):>18}{_num(m['backward']):>18}"
-                         f"{100 * (m['forward'] + m['backward']) / total:>8.1f}%")
-    lines += [rule, "per-module latency is not measured: a compiled graph runs many modules' ops as one "
-              "(fused, reordered, overlapped); the step's latency is", rule]
+            lines.append(f"{path or '(frame)':<36}{m['type'][:13]:<14}{_num(_params_of(path, param_numels)):>10}"
+                         f"{_num(m['forward']):>12}{_num(m['backward']):>12}"
+                         f"{100 * (m['forward'] + m['backward']) / total:>7.1f}%"
+                         f"{m['forward_ms']:>9.2f}{m['backward_ms']:>9.2f}")
+    lines += [rule, "latency: measured between marks at the module boundaries of the compiled graphs; "
+              "collectives and waits count in the module they sit in", rule]
     return "\n".join(lines) + "\n"

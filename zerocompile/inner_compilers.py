@@ -17,7 +17,7 @@ from zerocompile.runtime.comm import check_collectives_runnable, lower_collectiv
 
 
 def compile_with_inductor(gm, example_inputs, partitioner, on_inference=None, cacheable_functions=None,
-                          comm_timers=None, keep_graph_order=False):
+                          lowerings=(), keep_graph_order=False):
     """Inductor's ``compile_fx`` with our partitioner (its ``custom_partitioner_fn`` config
     hook). ``on_inference(graph_module)`` rewrites an inference graph (a frame run without
     autograd, which no partitioner sees) before inductor compiles it, through
@@ -25,15 +25,16 @@ def compile_with_inductor(gm, example_inputs, partitioner, on_inference=None, ca
 
     ``cacheable_functions`` (``compile_cache.cacheable_functions``): AOTAutograd's cache on, with
     these functions of the graph vouched for; a hit calls no partitioner. None: the cache off.
-    ``comm_timers(graph)``: the comms logger's timers (``passes/comm_timers.py``), given to ``runnable``.
-    ``keep_graph_order``: inductor's peak-memory reordering off, so its kernels run in the graph's
-    order (the comms logger's ``blocking``: no kernel between a collective and its timer's end)."""
+    ``lowerings``: functions of a final graph given to ``runnable`` (the comms logger's and the
+    flops profiler's timers). ``keep_graph_order``: inductor's peak-memory reordering off, so its
+    kernels run in the graph's order (no kernel between a blocking collective and its timer's
+    end; segments of one module together)."""
     compile_fx, compile_fx_inner = _torch_compat.inductor_compilers()
 
     def inner_compile(graph, inputs, **kwargs):
         if kwargs.get("is_inference") and on_inference is not None:
             graph = on_inference(graph)
-        return compile_fx_inner(runnable(graph, comm_timers), inputs, **kwargs)
+        return compile_fx_inner(runnable(graph, lowerings), inputs, **kwargs)
 
     caching = (_torch_compat.without_autograd_cache() if cacheable_functions is None
                else _torch_compat.autograd_cache(cacheable_functions))
@@ -44,7 +45,7 @@ def compile_with_inductor(gm, example_inputs, partitioner, on_inference=None, ca
 
 
 def compile_with_aot_eager(gm, example_inputs, partitioner, on_inference=None, debug_checks=False,
-                           comm_timers=None):
+                           lowerings=()):
     """AOTAutograd with our partitioner; the forward and backward graphs run op by op.
 
     ``on_inference(graph_module)`` rewrites an inference graph (no autograd) before it runs.
@@ -54,10 +55,10 @@ def compile_with_aot_eager(gm, example_inputs, partitioner, on_inference=None, d
     inductor, with no interpreter between the ops (``torch.fx.Interpreter`` added a few
     percent to a 40M-parameter GPT's forward on this project's machine).
     ``debug_checks``: run them through ``CheckedInterpreter`` instead (slower; see there).
-    ``comm_timers(graph)``: as for ``compile_with_inductor``.
+    ``lowerings``: as for ``compile_with_inductor``.
     """
     def boxed(graph, _inputs):
-        graph = runnable(graph, comm_timers)
+        graph = runnable(graph, lowerings)
         if debug_checks:
             interpreter = CheckedInterpreter(graph, garbage_collect_values=True)
 
@@ -88,13 +89,13 @@ def compile_with_aot_eager(gm, example_inputs, partitioner, on_inference=None, d
             gm, example_inputs)
 
 
-def runnable(gm: torch.fx.GraphModule, comm_timers=None) -> torch.fx.GraphModule:
+def runnable(gm: torch.fx.GraphModule, lowerings=()) -> torch.fx.GraphModule:
     """``gm`` with its collectives in the form that is safe to run on their process group's
     backend (``runtime/comm.py``: all-gathers on gloo), checked; what both inner compilers get.
-    ``comm_timers(graph)`` then adds the comms logger's timers (it returns how many)."""
+    Each of ``lowerings(graph)`` then rewrites it (returning how many nodes it added)."""
     changed = lower_collectives_for_backend(gm.graph)
-    if comm_timers is not None:
-        changed += comm_timers(gm.graph)
+    for lowering in lowerings:
+        changed += lowering(gm.graph)
     if changed:
         gm.graph.lint()
         gm.recompile()

@@ -334,7 +334,7 @@ class ZeroOptimizer(Optimizer):
         self._end_step()
         self._collected_through = update.collect_compile_garbage(self._collected_through)
         self._step_record.end(self._step_name, self._layout_group())
-        ACCOUNTING.end_step_flops()             # what the compiled graphs ran since the last step is this step's
+        ACCOUNTING.end_step_flops(id(self))     # what the compiled graphs ran since the last step is this step's
         self._monitor.after_step(self)          # the monitors' figures (the monitor option), rank 0 writes
         return loss
 

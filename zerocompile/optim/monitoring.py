@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from zerocompile.errors import ZeroConfigError
-from zerocompile.flops_profiler import FlopsProfilerSettings, report, step_modules
+from zerocompile.flops_profiler import FlopsProfilerSettings, report, step_modules, with_latency
 from zerocompile.monitor import MetricWriter, MonitorSettings
 from zerocompile.runtime import accounting
 from zerocompile.runtime.accounting import ACCOUNTING
@@ -165,7 +165,7 @@ class StepMonitor:
             samples = self.settings.samples_per_step
             try:
                 self._writer.write(metrics, self._steps * samples if samples else self._steps)
-            except OSError as exc:
+            except Exception as exc:     # a full disk, or W&B / Comet raising their own errors
                 # rank 0 alone writes: raising here would leave the other ranks waiting at the
                 # next collective, so the monitor stops with an error in the log instead
                 log.error("monitor: cannot write step %d's figures (%s); monitoring stops, training goes on",
@@ -178,9 +178,10 @@ class StepMonitor:
             return
         stats = accounting.stats()
         numels = {s.name: s.numel for s in self.params.states()}
+        modules = with_latency(step_modules(self._frames(), ACCOUNTING.step_calls),
+                               ACCOUNTING.module_times.by_module())
         text = report(self.profiler, self._steps, self._layout_group().world, stats.flops_per_step,
-                      stats.recompute_flops_per_step, step_ms, step_modules(self._frames(), ACCOUNTING.step_calls),
-                      numels)
+                      stats.recompute_flops_per_step, step_ms, modules, numels)
         if self.profiler.output_file:
             try:
                 with open(self.profiler.output_file, "w") as f:
@@ -208,7 +209,8 @@ class StepMonitor:
         if error is not None:
             settings, self.settings, self._opened = self.settings, None, False
             raise ZeroConfigError(f"ZeroOptimizer: the monitor cannot write ({settings}): {error}. Give an "
-                                  "output_path this process can create and write")
+                                  "output_path this process can create and write, and for W&B and Comet their "
+                                  "package and login (or their offline modes)")
         log.info("monitoring to %s", self.settings.describe())
 
     def _user_metrics(self, group) -> dict:
@@ -235,7 +237,8 @@ class StepMonitor:
         if ACCOUNTING.pending_metrics and not self._warned:
             self._warned = True
             log.warning("zerocompile.log_metrics: no monitor is enabled, so the values are dropped; enable one "
-                        "with the 'monitor' option or a DeepSpeed config's tensorboard / csv_monitor keys")
+                        "with the 'monitor' option or a DeepSpeed config's tensorboard, csv_monitor, wandb or "
+                        "comet keys")
         ACCOUNTING.pending_metrics.clear()
 
     def close(self) -> None:

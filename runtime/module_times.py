@@ -1,0 +1,91 @@
+"""The flops profiler's per-module latency (``flops_profiler`` option): the time each module's ops
+took in the profiled step, measured in the compiled graphs.
+
+``passes/module_timers.py`` splits each final graph into segments, each a run of consecutive ops of
+one module (the innermost module Dynamo recorded for the op, as ``passes/flop_count.py`` counts
+its FLOPs), and puts a ``zerocompile::module_mark`` (``runtime/module_timer_ops.py``) at each
+boundary. A mark stamps the time; the time from one mark to the next is the ending segment's,
+added to its module. The first mark of a graph only starts the clock.
+
+Marks stamp only in the profiled step (``profile_step``, counted in optimizer steps that ran
+compiled graphs); otherwise each returns at once. The host clock on the CPU; CUDA events on the
+current stream for CUDA tensors, read when the report asks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class _Site:
+    kind: str
+    """``"forward"`` or ``"backward"``."""
+    path: str | None
+    """The module whose segment the mark ends; None: the graph's first mark."""
+    cls: str = ""
+    """That module's class name."""
+
+
+class ModuleTimes:
+    """The process's per-module latencies (kept in ``ACCOUNTING.module_times``)."""
+
+    def __init__(self) -> None:
+        self.sites: list[_Site] = []
+        self.profile_step: int | None = None
+        """The optimizer step measured (1-based); None: the flops profiler is off."""
+        self.steps_done = 0
+        """Optimizer steps that ran compiled graphs so far."""
+        self.last = None
+        """The newest stamp of the graph running now."""
+        self.seconds: dict = {}
+        """``(kind, module path, class name)`` -> seconds in the profiled step."""
+        self.pending: list = []
+        """``((kind, path, class name), start event, end event)`` of CUDA-timed segments not yet read."""
+
+    def configure(self, profile_step: int) -> None:
+        self.profile_step = profile_step
+
+    @property
+    def active(self) -> bool:
+        return self.profile_step is not None and self.steps_done + 1 == self.profile_step
+
+    def step_ended(self) -> None:
+        self.steps_done += 1
+        self.last = None
+
+    def site(self, kind: str, path: str | None, cls: str = "") -> int:
+        self.sites.append(_Site(kind, path, cls))
+        return len(self.sites) - 1
+
+    def mark(self, index: int, device: torch.device) -> None:
+        if not self.active:
+            return
+        if device.type == "cuda":
+            stamp = torch.cuda.Event(enable_timing=True)
+            stamp.record()
+        else:
+            stamp = time.perf_counter_ns()
+        site = self.sites[index]
+        if site.path is not None and self.last is not None:
+            if isinstance(stamp, int):
+                key = (site.kind, site.path, site.cls)
+                self.seconds[key] = self.seconds.get(key, 0.0) + (stamp - self.last) / 1e9
+            else:
+                self.pending.append(((site.kind, site.path, site.cls), self.last, stamp))
+        self.last = stamp
+
+    def by_module(self) -> dict:
+        """``{module path: {"forward": seconds, "backward": seconds, "type": class name}}`` of the
+        profiled step."""
+        for key, start, end in self.pending:
+            end.synchronize()
+            self.seconds[key] = self.seconds.get(key, 0.0) + start.elapsed_time(end) / 1e3
+        self.pending = []
+        out: dict = {}
+        for (kind, path, cls), seconds in self.seconds.items():
+            out.setdefault(path, {"forward": 0.0, "backward": 0.0, "type": cls})[kind] += seconds
+        return out
