@@ -7,8 +7,8 @@ its FLOPs), and puts a ``zerocompile::module_mark`` (``runtime/module_timer_ops.
 boundary. A mark stamps the time; the time from one mark to the next is the ending segment's,
 added to its module. The first mark of a graph only starts the clock.
 
-Marks stamp only in the profiled step (``profile_step``, counted in optimizer steps that ran
-compiled graphs); otherwise each returns at once. The host clock on the CPU; CUDA events on the
+Marks stamp only in the profiled step (``profile_step``, counted in training steps as
+``Accounting.end_step_flops`` ends them); otherwise each returns at once. The host clock on the CPU; CUDA events on the
 current stream for CUDA tensors, read when the report asks.
 """
 
@@ -38,13 +38,17 @@ class ModuleTimes:
         self.profile_step: int | None = None
         """The optimizer step measured (1-based); None: the flops profiler is off."""
         self.steps_done = 0
-        """Optimizer steps that ran compiled graphs so far."""
+        """Training steps ended so far (``Accounting.end_step_flops``: an optimizer step after compiled
+        graphs ran, or a step of the same optimizer again; a second optimizer's step right after the
+        first one ends no new step)."""
         self.last = None
         """The newest stamp of the graph running now."""
         self.seconds: dict = {}
         """``(kind, module path, class name)`` -> seconds in the profiled step."""
         self.pending: list = []
         """``((kind, path, class name), start event, end event)`` of CUDA-timed segments not yet read."""
+        self.reported = False
+        """Whether the profile was printed (by the first optimizer whose step ended the profiled step)."""
 
     def configure(self, profile_step: int) -> None:
         self.profile_step = profile_step

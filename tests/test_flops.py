@@ -154,7 +154,10 @@ def _profiled(rank: int, world: int, out: str) -> dict:
         "enabled": True, "profile_step": 2, "module_depth": -1, "top_modules": 2, "output_file": out,
         "peak_tflops": 1.0}}
     compiled = torch.compile(model, backend="zero", options={**options, "inner_compiler": "eager"})
-    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    # two optimizers, as Muon and AdamW are used: one profile, of the whole model
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    opts = [zerocompile.ZeroOptimizer(matrices, torch.optim.AdamW, lr=1e-3),
+            zerocompile.ZeroOptimizer([p for p in model.parameters() if p.ndim != 2], torch.optim.AdamW, lr=1e-3)]
     walls, measured = [], []
     for step in range(3):
         x, y = make_batch("gpt", step * world + rank, 4)
@@ -163,8 +166,9 @@ def _profiled(rank: int, world: int, out: str) -> dict:
         middle = time.perf_counter()
         loss.backward()
         walls.append((middle - start, time.perf_counter() - middle))
-        opt.step()
-        opt.zero_grad()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
         measured.append(ACCOUNTING.module_times.by_module())
         if step == 1:        # the profiled step
             flops = zerocompile.stats().flops_per_step
@@ -200,6 +204,8 @@ def test_the_flops_profiler_reports_each_modules_flops_at_its_step(tmp_path):
                     "model FLOPs utilization (MFU)", "blocks.0.qkv"):
         assert section in text, section
     assert "profile step:" in text and text.count("zerocompile flops profiler") == 1   # rank 0 only
+    numel = sum(p.numel() for p in ref.parameters())
+    assert f"parameters (whole model):               {numel / 1e3:.2f} K" in text
     # measured latency: nothing before the profiled step, nothing added after it; every module that
     # ran ops has its own, forward and backward, and together they fit in that step's forward and
     # backward (the graphs' ops between their first and last marks)

@@ -7,6 +7,7 @@ state without the CPU flag."""
 
 from __future__ import annotations
 
+import csv
 import importlib.metadata
 import os
 import re
@@ -66,8 +67,11 @@ def _trainer_runs(rank, world, out):
     for stage in (2, 3):
         torch._dynamo.reset()
         where = os.path.join(out, f"stage{stage}")
+        # a DeepSpeed config's csv_monitor: rank 0 writes each optimizer step's figures
+        monitor = {"csv_monitor": {"enabled": True, "output_path": where, "job_name": "monitor"}}
         trainer = ZeroTrainer(model=_llama(), args=_args(where, 2, ddp_backend="gloo"), train_dataset=Tokens(32),
-                              eval_dataset=Tokens(8, seed=4), zero_options={"stage": stage, "inner_compiler": "eager"})
+                              eval_dataset=Tokens(8, seed=4),
+                              zero_options={"stage": stage, "inner_compiler": "eager", **monitor})
         trainer.train()
         evaluated = trainer.evaluate()["eval_loss"]
         trained = zerocompile.full_state_dict(trainer.model)
@@ -76,6 +80,7 @@ def _trainer_runs(rank, world, out):
                               zero_options={"stage": stage, "inner_compiler": "eager"})
         resumed.train(resume_from_checkpoint=os.path.join(where, "checkpoint-2"))
         results[stage] = {"losses": _train_losses(trainer), "eval": evaluated, "trained": trained,
+                          "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
                           "resumed": _train_losses(resumed), "resumed_state": zerocompile.full_state_dict(resumed.model)}
     return results
 
@@ -97,6 +102,11 @@ def test_zero_trainer_matches_a_single_process_trainer(tmp_path):
             assert run["eval"] == pytest.approx(want_eval, rel=1e-5), (rank, stage, run["eval"], want_eval)
             assert run["resumed"] == pytest.approx(want, rel=1e-5), (rank, stage, run["resumed"])
     for stage, run in results[0].items():
+        # the monitor's gradient norms are the ones the Trainer logged (its clipping's, before clipping)
+        with open(tmp_path / "zero" / f"stage{stage}" / "monitor" / "Train_Samples_grad_norm.csv") as f:
+            rows = list(csv.reader(f))[1:]
+        assert [int(x) for x, _ in rows] == [1, 2, 3, 4]
+        assert [float(v) for _, v in rows] == pytest.approx(run["grad_norms"], rel=1e-5) and len(rows) == 4
         assert run["trained"]
         for key, value in run["trained"].items():
             assert torch.equal(run["resumed_state"][key], value), (stage, key)

@@ -62,6 +62,8 @@ def _train(rank: int, world: int, out: str, options: dict) -> dict:
                              for k in ("all_gather", "reduce_scatter", "all_reduce")})
         seen["state"].append(now.param_bytes + now.grad_bytes + now.optimizer_state_bytes)
         seen.setdefault("compile_seconds", []).append(now.compile_seconds - before.compile_seconds)
+        seen.setdefault("simulated_peak", []).append(
+            max(r["results"].get("simulated_peak_bytes", 0) for r in zerocompile.frame_reports()))
         before = now
     zerocompile.close_monitors()       # the ranks leave with os._exit: no exit handlers run
     return seen
@@ -105,9 +107,9 @@ def test_every_tag_is_written_once_per_step_by_rank_0_with_the_ranks_figures(run
     seen = ranks[0]
     samples = [2 * BATCH * (i + 1) for i in range(STEPS)]    # x counts samples (train_batch_size)
     board = _tensorboard(path)
-    assert all(f > 0 for f in seen["flops"])
+    assert all(f > 0 for f in seen["flops"]) and all(p > 0 for p in seen["simulated_peak"])
     expected = {"lr": seen["lr"], "train_loss": seen["loss"], "model_state_bytes": seen["state"],
-                "flops": seen["flops"],
+                "flops": seen["flops"], "simulated_peak_bytes": seen["simulated_peak"],
                 "comm_bytes_all_gather": [c["all_gather"] for c in seen["comm"]],
                 "comm_bytes_reduce_scatter": [c["reduce_scatter"] for c in seen["comm"]]}
     for name, values in expected.items():

@@ -181,20 +181,35 @@ def write_svg(nodes: list, title: str, out: Path) -> Path:
 
 
 # ============================================================================ matplotlib
-def write_memory_plot(nodes: list, title: str, out: Path) -> None:
-    """Plot simulated live bytes per node (Agg backend), collectives as vertical lines, peak annotated."""
+def _agg_figure(figsize: tuple, flag: str):
+    """A matplotlib figure on the Agg backend (no display needed); ``flag``: the option that asked
+    for it, named when matplotlib is missing."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise CliError("zerocompile show: error: --memory needs matplotlib, which is not installed "
+        raise CliError(f"zerocompile show: error: {flag} needs matplotlib, which is not installed "
                        "(pip install 'zerocompile[plot]', or pip install matplotlib)", code=1) from None
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, out: Path) -> None:
+    fig.tight_layout()
+    try:
+        fig.savefig(out, dpi=100)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"zerocompile show: error: cannot write {out}: {exc}", code=2) from None
+
+
+def write_memory_plot(nodes: list, title: str, out: Path) -> None:
+    """Plot simulated live bytes per node (Agg backend), collectives as vertical lines, peak annotated."""
+    fig = _agg_figure((10, 4.5), "--memory")
     live = [n.get("live") or 0 for n in nodes]
     peak = max(live, default=0)
     scale, unit = next(((s, u) for s, u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")) if peak >= s),
                        (1, "B"))
-    fig = Figure(figsize=(10, 4.5))
-    FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     ax.plot(range(len(live)), [v / scale for v in live], color="black", linewidth=1.2, label="live")
     labelled = set()
@@ -214,11 +229,7 @@ def write_memory_plot(nodes: list, title: str, out: Path) -> None:
     ax.set_title(title)
     ax.set_ylim(bottom=0, top=max(peak / scale * 1.15, 1e-9))
     ax.legend(loc="upper right")
-    fig.tight_layout()
-    try:
-        fig.savefig(out, dpi=100)
-    except (OSError, ValueError) as exc:
-        raise CliError(f"zerocompile show: error: cannot write {out}: {exc}", code=2) from None
+    _save(fig, out)
 
 
 def metrics_table(series: dict, root: Path) -> Table:
@@ -237,16 +248,9 @@ def metrics_table(series: dict, root: Path) -> Table:
 
 def write_metrics_plot(series: dict, title: str, out: Path) -> None:
     """One small plot per tag (Agg backend), x as the monitor wrote it (samples or steps)."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise CliError("zerocompile show: error: --metrics needs matplotlib, which is not installed "
-                       "(pip install 'zerocompile[plot]', or pip install matplotlib)", code=1) from None
     cols = min(3, len(series))
     rows = -(-len(series) // cols)
-    fig = Figure(figsize=(4.2 * cols, 2.8 * rows))
-    FigureCanvasAgg(fig)
+    fig = _agg_figure((4.2 * cols, 2.8 * rows), "--metrics")
     for i, (tag, points) in enumerate(series.items(), start=1):
         ax = fig.add_subplot(rows, cols, i)
         ax.plot([x for x, _ in points], [v for _, v in points], marker="." if len(points) < 50 else None,
@@ -254,11 +258,7 @@ def write_metrics_plot(series: dict, title: str, out: Path) -> None:
         ax.set_title(tag.split("/")[-1], fontsize=9)
         ax.tick_params(labelsize=7)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    try:
-        fig.savefig(out, dpi=100)
-    except (OSError, ValueError) as exc:
-        raise CliError(f"zerocompile show: error: cannot write {out}: {exc}", code=2) from None
+    _save(fig, out)
 
 
 # ============================================================================ a plan's tables

@@ -18,6 +18,11 @@ Tags (DeepSpeed's ``Train/Samples/...``), each step:
 - ``model_state_bytes``: parameters, gradients and optimizer state held (``stats()``);
 - ``flops``, ``recompute_flops`` and ``achieved_tflops``: this rank's compiled graphs' FLOPs in the
   step (``stats().flops_per_step``, the recomputed share apart) and per second of ``step_time_ms``;
+- ``compile_seconds``: in the steps where frames compiled, the seconds zerocompile spent on them
+  (``stats().compile_seconds``);
+- ``simulated_peak_bytes``: the largest transient peak the compiler simulated for the frames using
+  this optimizer's parameters (their reports' ``simulated_peak_bytes``: what the compiled graphs
+  hold at their fullest, beside the model state), on every device;
 - ``cuda_peak_bytes``: ``torch.cuda.max_memory_allocated()`` on a CUDA device;
 - the user's values from ``zerocompile.log_metrics``, as given (``train_loss`` becomes
   ``Train/Samples/train_loss``), each the mean over the ranks.
@@ -123,7 +128,10 @@ class StepMonitor:
             monitor, profiler = self._frame_options("monitor", "flops_profiler")
             self.settings = self.settings or monitor
             self.profiler = self.profiler or profiler
-        if self.profiler is not None and self._steps == self.profiler.profile_step:
+        times = ACCOUNTING.module_times
+        if self.profiler is not None and times.steps_done == self.profiler.profile_step and not times.reported:
+            # the profiled step just ended; with two optimizers (Muon and AdamW) the first one reports it
+            times.reported = True
             self._profile(elapsed_ms)
         if self.settings is None:
             self._drop_pending()
@@ -157,6 +165,9 @@ class StepMonitor:
             metrics[f"{TAG_PREFIX}flops"] = float(stats.flops_per_step)
             metrics[f"{TAG_PREFIX}recompute_flops"] = float(stats.recompute_flops_per_step)
             metrics[f"{TAG_PREFIX}achieved_tflops"] = stats.flops_per_step / max(elapsed_ms, 1e-9) / 1e9
+        simulated = accounting.simulated_peak_bytes(list(self.params.states()))
+        if simulated:
+            metrics[f"{TAG_PREFIX}simulated_peak_bytes"] = float(simulated)
         device = next((s.device for s in self.params.states()), torch.device("cpu"))
         if device.type == "cuda":
             metrics[f"{TAG_PREFIX}cuda_peak_bytes"] = float(torch.cuda.max_memory_allocated(device))
@@ -177,10 +188,11 @@ class StepMonitor:
         if self._layout_group().rank != 0:
             return
         stats = accounting.stats()
-        numels = {s.name: s.numel for s in self.params.states()}
-        modules = with_latency(step_modules(self._frames(), ACCOUNTING.step_calls),
-                               ACCOUNTING.module_times.by_module())
-        text = report(self.profiler, self._steps, self._layout_group().world, stats.flops_per_step,
+        frames = self._frames()
+        # the whole model's parameters: those of every frame, whichever optimizer holds them
+        numels = {sp.name: sp.numel for runner in frames for sp in runner.plans if sp is not None}
+        modules = with_latency(step_modules(frames, ACCOUNTING.step_calls), ACCOUNTING.module_times.by_module())
+        text = report(self.profiler, ACCOUNTING.module_times.steps_done, self._layout_group().world, stats.flops_per_step,
                       stats.recompute_flops_per_step, step_ms, modules, numels)
         if self.profiler.output_file:
             try:
