@@ -2,7 +2,7 @@
 # make test: same install, run the test suite.
 # make bench: same install plus the bench extra (DeepSpeed, matplotlib, pytest-benchmark), then benchmarks/run.py,
 #             benchmarks/optimizer_step.py, benchmarks/first_step.py, benchmarks/collectives.py, benchmarks/quantize.py,
-#             benchmarks/onebit_bytes.py, benchmarks/whole_param_step.py,
+#             benchmarks/onebit_bytes.py, benchmarks/whole_param_step.py, benchmarks/monitoring_overhead.py,
 #             benchmarks/step_breakdown.py, benchmarks/plan_llama70b.py, benchmarks/tune_llama70b.py,
 #             benchmarks/lr_schedules_vs_deepspeed.py
 #             and the micro benchmarks
@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/lr_schedules_vs_deepspeed.py | tee benchmarks/results/lr_schedules_vs_deepspeed.txt
 	$(PY) benchmarks/whole_param_step.py
 	$(PY) benchmarks/activation_offload.py
+	$(PY) benchmarks/monitoring_overhead.py
 	$(PY) -m pytest benchmarks/micro --benchmark-only -q --benchmark-json benchmarks/results/micro.json
 
 # the GPU paths (Triton kernels, NCCL stage-3 step, CUDA memory); says so and exits 0 without a GPU

@@ -127,20 +127,25 @@ def parse_monitor(value) -> MonitorSettings | None:
     return settings if settings.enabled else None
 
 
+def _enabled(kind: str, section, allowed: tuple) -> bool:
+    """The ``enabled`` of a monitor's section, once the section is checked: a dict of ``allowed`` keys."""
+    if not isinstance(section, dict):
+        raise ZeroConfigError(f"monitor '{kind}' must be a dict with {', '.join(allowed)}; got {section!r}")
+    unknown = sorted(set(section) - set(allowed))
+    if unknown:
+        raise ZeroConfigError(f"monitor '{kind}' has unknown key(s) {', '.join(unknown)}; allowed: "
+                              f"{', '.join(allowed)}")
+    enabled = section.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ZeroConfigError(f"monitor '{kind}.enabled' = {enabled!r} is invalid; give true or false")
+    return enabled
+
+
 def _service(kind: str, section, settings_class):
     """The settings of the ``wandb`` or ``comet`` section (None when absent or not enabled)."""
     if section is None:
         return None
-    names = [f for f in settings_class.__dataclass_fields__]
-    if not isinstance(section, dict):
-        raise ZeroConfigError(f"monitor '{kind}' must be a dict with enabled, {', '.join(names)}; got {section!r}")
-    unknown = sorted(set(section) - {"enabled", *names})
-    if unknown:
-        raise ZeroConfigError(f"monitor '{kind}' has unknown key(s) {', '.join(unknown)}; allowed: enabled, "
-                              f"{', '.join(names)}")
-    enabled = section.get("enabled", False)
-    if not isinstance(enabled, bool):
-        raise ZeroConfigError(f"monitor '{kind}.enabled' = {enabled!r} is invalid; give true or false")
+    enabled = _enabled(kind, section, ("enabled", *settings_class.__dataclass_fields__))
     values = {k: v for k, v in section.items() if k != "enabled" and v is not None}
     for key, value in values.items():
         if key == "online":
@@ -162,15 +167,7 @@ def _service(kind: str, section, settings_class):
 def _directory(kind: str, section) -> str | None:
     if section is None:
         return None
-    if not isinstance(section, dict):
-        raise ZeroConfigError(f"monitor '{kind}' must be a dict with {', '.join(_SUBKEYS)}, got {section!r}")
-    unknown = sorted(set(section) - set(_SUBKEYS))
-    if unknown:
-        raise ZeroConfigError(f"monitor '{kind}' has unknown key(s) {', '.join(unknown)}; allowed: "
-                              f"{', '.join(_SUBKEYS)}")
-    enabled = section.get("enabled", False)
-    if not isinstance(enabled, bool):
-        raise ZeroConfigError(f"monitor '{kind}.enabled' = {enabled!r} is invalid; give true or false")
+    enabled = _enabled(kind, section, _SUBKEYS)
     for key in ("output_path", "job_name"):
         if section.get(key) is not None and not isinstance(section[key], str):
             raise ZeroConfigError(f"monitor '{kind}.{key}' = {section[key]!r} is invalid; give a string")

@@ -1,0 +1,143 @@
+"""What monitoring costs: step time with the monitors, the comms logger and the flops profiler on,
+against the same training without them, on 2 gloo ranks.
+
+    python benchmarks/monitoring_overhead.py [--stage 3] [--layers 4] [--d-model 256]
+                                             [--rounds 10] [--repeats 3] [--inner-compiler eager] [--quick]
+
+A GPT (``examples/train_gpt.py``'s) compiled with ``backend="zero"`` at ``--stage``, trained with
+``ZeroOptimizer(AdamW)``. Each system runs in ranks of its own (the comms logger's settings are
+per process, so a system beside it would be timed too):
+
+- ``plain``: no monitoring;
+- ``tensorboard + csv``: DeepSpeed's ``tensorboard`` and ``csv_monitor`` keys (rank 0 writes every
+  step's figures; every rank gathers them);
+- ``comms_logger``: ``{"enabled": true}`` (each collective made blocking and timed);
+- ``comms_logger overlapped``: ``{"enabled": true, "blocking": false}`` (the compiled schedule kept);
+- ``flops_profiler``: ``profile_step: 1``: the timed steps come after the profiled one, so they
+  measure what the module marks cost when they do not stamp (with inductor: the fusions they
+  prevent).
+
+Reported per system: the median over timed rounds (of every repeat: the systems run in turn
+``--repeats`` times, as this machine's speed drifts by several percent over a minute) of the
+slowest rank's step (forward, backward, ``opt.step()``, ``zero_grad()``, after a barrier), each
+repeat's median, the ratio to ``plain``, and how far the losses are from ``plain``'s. Results:
+``<out>/monitoring_overhead.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_harness import prepare_main, result_header  # noqa: E402
+from common import RESULTS, load_example, spawn_ranks  # noqa: E402
+
+SYSTEMS = {
+    "plain": {},
+    "tensorboard + csv": {"tensorboard": {"enabled": True, "job_name": "tb"},
+                          "csv_monitor": {"enabled": True, "job_name": "csv"}},
+    "comms_logger": {"comms_logger": {"enabled": True}},
+    "comms_logger overlapped": {"comms_logger": {"enabled": True, "blocking": False}},
+    "flops_profiler": {"flops_profiler": {"enabled": True, "profile_step": 1, "output_file": "profile.txt"}},
+}
+
+
+def rank_main(rank: int, world: int, args, system: str, out: str) -> dict:
+    import zerocompile
+
+    example = load_example()
+    table = example.successor_table(args.vocab)
+    options = {"zero_optimization": {"stage": args.stage}, "inner_compiler": args.inner_compiler}
+    for key, value in SYSTEMS[system].items():       # the monitors' files go to a scratch folder
+        value = dict(value)
+        if "job_name" in value:
+            value["output_path"] = out
+        if "output_file" in value:
+            value["output_file"] = str(Path(out) / value["output_file"])
+        options[key] = value
+    torch.manual_seed(args.seed)
+    model = example.GPT(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
+    compiled = torch.compile(model, backend="zero", options=options)
+    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    for _ in range(5):    # the first collectives of a process are slow
+        dist.all_reduce(torch.zeros(1024))
+    times, losses = [], []
+    for step in range(1 + args.warmup + args.rounds):
+        x, y = example.global_batch(step, args.batch * world, args.seq_len, table)
+        x, y = x[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]
+        dist.barrier()
+        start = time.perf_counter()
+        loss = compiled(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append((time.perf_counter() - start) * 1e3)
+        losses.append(loss.item())
+    zerocompile.close_monitors()
+    return {"step_ms": times[1 + args.warmup:], "losses": losses}
+
+
+def main(argv: list | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stage", type=int, default=3)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3, help="times every system runs (in turn), for the drift")
+    p.add_argument("--inner-compiler", default="eager", choices=["eager", "inductor"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a tiny GPT, 2 timed rounds (a smoke test)")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.layers, args.d_model, args.heads, args.vocab, args.seq_len, args.batch = 2, 64, 2, 256, 16, 2
+        args.warmup, args.rounds, args.repeats = 0, 2, 1
+    prepare_main()
+    results = {system: {"rounds_ms": [], "repeat_ms": []} for system in SYSTEMS}
+    for _ in range(args.repeats):      # the systems one after the other, again: the machine drifts
+        for system in SYSTEMS:
+            with tempfile.TemporaryDirectory() as scratch:
+                ranks = spawn_ranks(2, rank_main, (args, system, scratch))
+            per_round = [max(r["step_ms"][i] for r in ranks) for i in range(args.rounds)]
+            results[system]["rounds_ms"] += per_round
+            results[system]["repeat_ms"].append(statistics.median(per_round))
+            results[system]["losses"] = ranks[0]["losses"]
+    base = statistics.median(results["plain"]["rounds_ms"])
+    lines = ["| system | step ms (median, slowest rank) | per repeat | ratio to plain | losses: max rel. diff to "
+             "plain's |", "|---|---|---|---|---|"]
+    for system, r in results.items():
+        r["step_ms"] = statistics.median(r["rounds_ms"])
+        r["ratio"] = r["step_ms"] / base
+        # equal with the eager inner compiler; inductor fuses differently around the profiler's marks
+        r["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], results["plain"]["losses"]))
+        repeats = ", ".join(f"{ms:.1f}" for ms in r["repeat_ms"])
+        lines.append(f"| {system} | {r['step_ms']:.2f} | {repeats} | x{r['ratio']:.3f} | {r['max_rel_loss_diff']:.1e} |")
+    print("\n".join(lines))
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {**result_header("monitoring_overhead", args, argv), "systems": results}
+    (args.out / "monitoring_overhead.json").write_text(json.dumps(result, indent=1))
+    header = (f"# What monitoring costs (2 gloo ranks, stage {args.stage}, GPT {args.layers} blocks of width "
+              f"{args.d_model}, {args.batch} x {args.seq_len} tokens per rank, {args.inner_compiler} inner "
+              f"compiler, {args.rounds} timed rounds)\n\n`{result['command']}`, {result['date']}\n")
+    (args.out / "monitoring_overhead.md").write_text(header + "\n" + "\n".join(lines) + "\n")
+    print(f"wrote {args.out / 'monitoring_overhead.json'} and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
