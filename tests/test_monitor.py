@@ -296,6 +296,25 @@ def _bad_path(rank: int, world: int, path: str) -> str:
     return "no error"
 
 
+def _different_names(rank: int, world: int, path: str) -> str:
+    from models import make_batch
+
+    compiled, opt = _mlp_with_csv_monitor(path, 2)
+    x, y = make_batch("mlp", rank, 4)
+    compiled(x, y).backward()
+    zerocompile.log_metrics({"loss": 1.0, "only_rank_1": 2.0} if rank == 1 else {"loss": 1.0})
+    try:
+        opt.step()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_that_log_different_names_get_one_clear_error_each(tmp_path):
+    for said in run_ranks(_different_names, 2, str(tmp_path)):
+        assert "the ranks logged different names" in said and "rank 1: loss, only_rank_1" in said, said
+
+
 def test_a_path_the_monitor_cannot_write_is_one_clear_error_on_every_rank(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")          # a file where the output directory should be

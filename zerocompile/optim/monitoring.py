@@ -41,6 +41,7 @@ from zerocompile.flops_profiler import FlopsProfilerSettings, report, step_modul
 from zerocompile.monitor import MetricWriter, MonitorSettings
 from zerocompile.runtime import accounting
 from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime.comm import agreement_digest
 
 log = logging.getLogger("zerocompile")
 TAG_PREFIX = "Train/Samples/"
@@ -230,16 +231,22 @@ class StepMonitor:
         pending = dict(ACCOUNTING.pending_metrics)
         ACCOUNTING.pending_metrics.clear()
         names = sorted(pending)
+        device = next((s.device for s in self.params.states()), torch.device("cpu"))   # the group's (NCCL: CUDA)
         if group.world > 1:
-            everyone = [None] * group.world
-            dist.all_gather_object(everyone, names, group=group.group)
-            if any(n != names for n in everyone):
+            # one all-reduce of a digest of the names (max of it and of its negation): every rank
+            # logged the same names when the largest digest is also the smallest
+            digest = agreement_digest(names)
+            check = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+            dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group.group)
+            if int(check[0]) != -int(check[1]):
+                everyone = [None] * group.world
+                dist.all_gather_object(everyone, names, group=group.group)
                 raise ValueError("zerocompile.log_metrics: the ranks logged different names in this step ("
                                  + "; ".join(f"rank {r}: {', '.join(n) or 'none'}" for r, n in enumerate(everyone))
                                  + "): log the same names on every rank")
         if not names:
             return {}
-        values = torch.tensor([float(pending[n]) for n in names], dtype=torch.float64)
+        values = torch.tensor([float(pending[n]) for n in names], dtype=torch.float64, device=device)
         if group.world > 1:
             dist.all_reduce(values, group=group.group)
             values /= group.world
