@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 import os
 import platform
@@ -229,6 +230,16 @@ def prepare_main() -> None:
     spawned ranks inherit it: a second run compiles from the cache)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "zerocompile" / "inductor"))
+
+
+def write_results(out: Path, benchmark: str, result: dict, title: str, lines: list) -> None:
+    """``out/<benchmark>.json`` (``result``) and ``out/<benchmark>.md``: ``title``, the command and
+    date of ``result_header``, then the table ``lines``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{benchmark}.json").write_text(json.dumps(result, indent=1))
+    header = f"# {title}\n\n`{result['command']}`, {result['date']}\n"
+    (out / f"{benchmark}.md").write_text(header + "\n" + "\n".join(lines) + "\n")
+    print(f"wrote {out / benchmark}.json and .md")
 
 
 def result_header(benchmark: str, args: argparse.Namespace, argv: list | None) -> dict:

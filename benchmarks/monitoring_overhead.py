@@ -27,7 +27,6 @@ repeat's median, the ratio to ``plain``, and how far the losses are from ``plain
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_harness import prepare_main, result_header  # noqa: E402
+from bench_harness import prepare_main, result_header, write_results  # noqa: E402
 from common import RESULTS, load_example, spawn_ranks  # noqa: E402
 
 SYSTEMS = {
@@ -128,14 +127,11 @@ def main(argv: list | None = None) -> int:
         repeats = ", ".join(f"{ms:.1f}" for ms in r["repeat_ms"])
         lines.append(f"| {system} | {r['step_ms']:.2f} | {repeats} | x{r['ratio']:.3f} | {r['max_rel_loss_diff']:.1e} |")
     print("\n".join(lines))
-    args.out.mkdir(parents=True, exist_ok=True)
     result = {**result_header("monitoring_overhead", args, argv), "systems": results}
-    (args.out / "monitoring_overhead.json").write_text(json.dumps(result, indent=1))
-    header = (f"# What monitoring costs (2 gloo ranks, stage {args.stage}, GPT {args.layers} blocks of width "
-              f"{args.d_model}, {args.batch} x {args.seq_len} tokens per rank, {args.inner_compiler} inner "
-              f"compiler, {args.rounds} timed rounds)\n\n`{result['command']}`, {result['date']}\n")
-    (args.out / "monitoring_overhead.md").write_text(header + "\n" + "\n".join(lines) + "\n")
-    print(f"wrote {args.out / 'monitoring_overhead.json'} and .md")
+    write_results(args.out, "monitoring_overhead", result,
+                  f"What monitoring costs (2 gloo ranks, stage {args.stage}, GPT {args.layers} blocks of width "
+                  f"{args.d_model}, {args.batch} x {args.seq_len} tokens per rank, {args.inner_compiler} inner "
+                  f"compiler, {args.rounds} timed rounds)", lines)
     return 0
 
 

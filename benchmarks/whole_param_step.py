@@ -42,7 +42,6 @@ reduction and parameter gathers every stage has. Results: ``<out>/whole_param_st
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -54,7 +53,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_harness import prepare_main, result_header  # noqa: E402
+from bench_harness import prepare_main, result_header, write_results  # noqa: E402
 from common import MiB, RESULTS, load_example, spawn_ranks  # noqa: E402
 
 SYSTEMS = ("AdamW", "Muon + AdamW", "Adafactor")
@@ -316,15 +315,11 @@ def main(argv=None) -> int:
     summary = summarise(ranks, args.world_size)
     lines = table(summary)
     print("\n".join(lines))
-    args.out.mkdir(parents=True, exist_ok=True)
     result = {**result_header("whole_param_step", args, argv), **summary}
-    (args.out / "whole_param_step.json").write_text(json.dumps(result, indent=1))
-    header = (f"# Whole-parameter optimizers on shards ({args.world_size} gloo ranks, GPT {args.layers} blocks of "
-              f"width {args.d_model}, vocab {args.vocab}, {args.batch} x {args.seq_len} tokens per rank, "
-              f"bucket_mb {args.bucket_mb}, {args.inner_compiler} inner compiler)\n\n`{result['command']}`, "
-              f"{result['date']}\n")
-    (args.out / "whole_param_step.md").write_text(header + "\n" + "\n".join(lines) + "\n")
-    print(f"wrote {args.out / 'whole_param_step.json'} and .md")
+    write_results(args.out, "whole_param_step", result,
+                  f"Whole-parameter optimizers on shards ({args.world_size} gloo ranks, GPT {args.layers} blocks of "
+                  f"width {args.d_model}, vocab {args.vocab}, {args.batch} x {args.seq_len} tokens per rank, "
+                  f"bucket_mb {args.bucket_mb}, {args.inner_compiler} inner compiler)", lines)
     return 0
 
 
