@@ -173,11 +173,12 @@ class CommsLog:
         """``(kind, label, bytes, group_size)`` -> ``[count, seconds, min, max]`` of the collectives timed."""
         self.pending: list = []
         """``(kind, label, bytes, group_size, start event, end event)`` of CUDA-timed ones not yet read."""
-        self.capturing: list | None = None
-        """The eager collectives counted since ``capture()``: ``[kind, bytes, group_size, start]``."""
-        self.capture_device = torch.device("cpu")
+        self._issued: list | None = None
+        """While ``capturing``: the eager collectives counted, ``[kind, bytes, group_size, start, device]``."""
+        self._device = torch.device("cpu")
+        """While ``capturing``: the device their timings are taken on."""
         self.held: dict = {}
-        """``id`` of an eager collective's result -> what ``capture`` timed of it, until its wait."""
+        """``id`` of an eager collective's result -> what ``capturing`` timed of it, until its wait."""
 
     def configure(self, settings: CommsLoggerSettings | None) -> None:
         if settings is not None and self.settings is not None and settings != self.settings:
@@ -208,19 +209,22 @@ class CommsLog:
 
     # eager collectives (counted with ``ACCOUNTING.record`` right before they are issued)
 
-    def capture(self, device: torch.device) -> None:
-        """Start timing the eager collectives counted from now on (``counted``)."""
+    @contextlib.contextmanager
+    def capturing(self, device: torch.device):
+        """Inside the block, time each eager collective counted (``counted``, right before it is
+        issued); yields the list they go to, for ``done`` once they were waited for. Empty
+        without the comms logger."""
+        issued: list = []
         if self.settings is not None:
-            self.capturing, self.capture_device = [], device
+            self._issued, self._device = issued, device
+        try:
+            yield issued
+        finally:
+            self._issued = None
 
     def counted(self, kind: str, nbytes: int, group_size: int) -> None:
-        if self.capturing is not None and self.profiles(kind):
-            self.capturing.append([kind, nbytes, group_size, _stamp(self.capture_device)])
-
-    def release(self) -> list:
-        """Stop capturing; return the collectives captured, for ``done`` once they are waited for."""
-        issued, self.capturing = self.capturing or [], None
-        return issued
+        if self._issued is not None and self.profiles(kind):
+            self._issued.append([kind, nbytes, group_size, _stamp(self._device), self._device])
 
     def hold(self, result: torch.Tensor, issued: list) -> None:
         """Keep ``issued`` until ``unhold(result)``: collectives waited for elsewhere."""
@@ -234,18 +238,16 @@ class CommsLog:
     def timed(self, device: torch.device, label: str):
         """Time the eager collectives counted inside the block, each until the block ends (for
         a block that waits for what it issues)."""
-        self.capture(device)
-        try:
+        with self.capturing(device) as issued:
             yield
-        finally:
-            issued = self.release()
         self.done(issued, label)
 
     def done(self, issued: list, label: str) -> None:
+        """The collectives of ``issued`` (from ``capturing``) were waited for: their timings end now."""
         if not issued:
             return
-        end = _stamp(self.capture_device)
-        for kind, nbytes, group_size, start in issued:
+        end = _stamp(issued[0][4])
+        for kind, nbytes, group_size, start, _ in issued:
             self._add(kind, label, nbytes, group_size, start, end)
 
     def _add(self, kind, label, nbytes, group_size, start, end) -> None:

@@ -47,12 +47,8 @@ def _two_in_flight(buckets: list[list[int]], start: Callable, finish: Callable, 
     for k, bucket in enumerate([*buckets, None]):
         started = None
         if bucket is not None:
-            comms.capture(device)         # nothing without the comms logger
-            try:
-                handle = start(k, bucket)
-            finally:
-                issued = comms.release()
-            started = (handle, issued)
+            with comms.capturing(device) as issued:      # nothing without the comms logger
+                started = (start(k, bucket), issued)
         if blocking and started is not None:
             pending, started = started, None
         if pending is not None:
@@ -272,12 +268,9 @@ def start_all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: li
         return send
     elem = send.element_size()
     comms = ACCOUNTING.comms
-    comms.capture(send.device)        # nothing without the comms logger
-    try:
+    with comms.capturing(send.device) as issued:         # nothing without the comms logger
         ACCOUNTING.record("all_to_all", (sum(send_counts) - send_counts[group.rank]) * elem)
         received = _c10d.all_to_all_single(send, list(recv_counts), list(send_counts), group.name)
-    finally:
-        issued = comms.release()
     if issued and comms.settings.blocking:     # waited for here: finish_all_to_all's wait returns at once
         _c10d.wait_tensor(received)
         comms.done(issued, "optimizer step")
