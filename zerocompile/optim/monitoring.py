@@ -41,7 +41,7 @@ from zerocompile.flops_profiler import FlopsProfilerSettings, report, step_modul
 from zerocompile.monitor import MetricWriter, MonitorSettings
 from zerocompile.runtime import accounting
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime.comm import agreement_digest
+from zerocompile.runtime.comm import agreement_digest, every_rank_holds
 
 log = logging.getLogger("zerocompile")
 TAG_PREFIX = "Train/Samples/"
@@ -166,13 +166,14 @@ class StepMonitor:
             metrics[f"{TAG_PREFIX}flops"] = float(stats.flops_per_step)
             metrics[f"{TAG_PREFIX}recompute_flops"] = float(stats.recompute_flops_per_step)
             metrics[f"{TAG_PREFIX}achieved_tflops"] = stats.flops_per_step / max(elapsed_ms, 1e-9) / 1e9
-        simulated = accounting.simulated_peak_bytes(list(self.params.states()))
+        states = list(self.params.states())
+        simulated = accounting.simulated_peak_bytes(states)
         if simulated:
             metrics[f"{TAG_PREFIX}simulated_peak_bytes"] = float(simulated)
-        device = next((s.device for s in self.params.states()), torch.device("cpu"))
+        device = states[0].device if states else torch.device("cpu")     # the group's (NCCL: CUDA)
         if device.type == "cuda":
             metrics[f"{TAG_PREFIX}cuda_peak_bytes"] = float(torch.cuda.max_memory_allocated(device))
-        metrics.update(self._user_metrics(group))
+        metrics.update(self._user_metrics(group, device))
         if self._writer is not None:
             samples = self.settings.samples_per_step
             try:
@@ -226,19 +227,15 @@ class StepMonitor:
                                   "package and login (or their offline modes)")
         log.info("monitoring to %s", self.settings.describe())
 
-    def _user_metrics(self, group) -> dict:
-        """``log_metrics``' values since the last step, each the mean over the ranks."""
+    def _user_metrics(self, group, device: torch.device) -> dict:
+        """``log_metrics``' values since the last step, each the mean over the ranks (collectives on
+        ``device``)."""
         pending = dict(ACCOUNTING.pending_metrics)
         ACCOUNTING.pending_metrics.clear()
         names = sorted(pending)
-        device = next((s.device for s in self.params.states()), torch.device("cpu"))   # the group's (NCCL: CUDA)
         if group.world > 1:
-            # one all-reduce of a digest of the names (max of it and of its negation): every rank
-            # logged the same names when the largest digest is also the smallest
-            digest = agreement_digest(names)
-            check = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-            dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group.group)
-            if int(check[0]) != -int(check[1]):
+            # one small all-gather of a digest of the names; their lists only to name a mismatch
+            if not every_rank_holds(agreement_digest(names), group.world, group.name, device):
                 everyone = [None] * group.world
                 dist.all_gather_object(everyone, names, group=group.group)
                 raise ValueError("zerocompile.log_metrics: the ranks logged different names in this step ("
