@@ -35,6 +35,7 @@ _WAIT = torch.ops._c10d_functional.wait_tensor.default
 def insert_comm_timers(graph: torch.fx.Graph, log: comms_log.CommsLog, world: int, frame: str) -> int:
     """Insert the timers into ``graph``; ``world``: the data-parallel group's size, ``frame``: the
     name the rows of ``debug`` start with. Returns how many collectives are timed."""
+    position = {n: i for i, n in enumerate(graph.nodes)}      # of the graph as given: timers are not ranked
     timed = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in COLLECTIVE_KINDS_BY_OP:
@@ -42,7 +43,7 @@ def insert_comm_timers(graph: torch.fx.Graph, log: comms_log.CommsLog, world: in
         kind, which = COLLECTIVE_KINDS_BY_OP[node.target]
         if not log.profiles(kind):
             continue
-        followers = _waits_in_order(node)
+        followers = _waits_in_order(node, position)
         waits = [n for n in followers if n.target is _WAIT]
         if not waits:
             continue
@@ -56,31 +57,22 @@ def insert_comm_timers(graph: torch.fx.Graph, log: comms_log.CommsLog, world: in
             for follower in followers:
                 anchor.append(follower)
                 anchor = follower
-        last = max(waits, key=_position(graph))
-        with graph.inserting_after(last):
+        with graph.inserting_after(waits[-1]):
             graph.call_function(torch.ops.zerocompile.comm_timer_end.default,
-                                (waits if log.settings.blocking else [last], site))
+                                (waits if log.settings.blocking else [waits[-1]], site))
         timed += 1
     return timed
 
 
-def _waits_in_order(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The collective's waits, each after the ``getitem`` it reads (a collective with a list of
-    outputs), in graph order."""
+def _waits_in_order(node: torch.fx.Node, position: dict) -> list[torch.fx.Node]:
+    """The collective's waits in graph order, each ``getitem`` they read (a collective with a list
+    of outputs) right before the first wait of it."""
+    users = [u for u in node.users if u.target is operator.getitem] + [node]
+    waits = sorted((w for u in users for w in u.users if w.target is _WAIT), key=position.__getitem__)
     out = []
-    for user in node.users:
-        if user.target is _WAIT:
-            out.append(user)
-        elif user.target is operator.getitem:
-            waits = [w for w in user.users if w.target is _WAIT]
-            if waits:
-                out.extend([user, *waits])
-    order = _position(node.graph)
-    # a getitem sorts right before its own waits
-    return sorted(out, key=lambda n: (order(n) if n.target is _WAIT else order(next(iter(
-        w for w in n.users if w.target is _WAIT))) - 0.5))
-
-
-def _position(graph: torch.fx.Graph):
-    index = {n: i for i, n in enumerate(graph.nodes)}
-    return index.__getitem__
+    for wait in waits:
+        source = wait.args[0]
+        if source is not node and source not in out:
+            out.append(source)
+        out.append(wait)
+    return out
