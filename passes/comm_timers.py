@@ -26,7 +26,7 @@ import torch.fx
 
 from zerocompile.passes.collective_summary import COLLECTIVE_KINDS_BY_OP, collective_group_size
 from zerocompile.passes.graph_utils import tag
-from zerocompile.runtime import comm_timer_ops  # noqa: F401  (registers the zerocompile::comm_timer ops)
+from zerocompile.runtime import timer_ops  # noqa: F401  (registers the zerocompile::comm_timer ops)
 from zerocompile.runtime import comms_log
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default

@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from zerocompile.passes.flop_count import module_path
-from zerocompile.runtime import module_timer_ops  # noqa: F401  (registers zerocompile::module_mark)
+from zerocompile.runtime import timer_ops  # noqa: F401  (registers zerocompile::module_mark)
 from zerocompile.runtime import module_times
 
 _MARK = torch.ops.zerocompile.module_mark.default

@@ -6,7 +6,7 @@ Where it measures:
 - **Collectives inside compiled graphs.** ``passes/comm_timers.py`` puts a
   ``zerocompile::comm_timer_start`` right before each collective it profiles and a
   ``zerocompile::comm_timer_end`` right after the collective's last ``wait_tensor`` (the ops:
-  ``runtime/comm_timer_ops.py``). Each declares that it writes the tensors it is given (it writes
+  ``runtime/timer_ops.py``). Each declares that it writes the tensors it is given (it writes
   nothing): the start the collective's input, the end the waited results. So no compiler moves the start after the collective or the end
   before the wait, and no dead-code elimination drops them.
 - **The optimizer step's bucketed collectives** (``runtime/step_collectives.py``): from the moment

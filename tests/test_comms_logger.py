@@ -229,3 +229,58 @@ def test_bus_bandwidth_factors():
     assert bus_factor("all_reduce", 4) == pytest.approx(2 * 3 / 4)
     assert bus_factor("all_gather", 1) == 0.0
     assert bus_factor("all_to_all", 4) == 1.0        # its size is already what it sends to the others
+
+
+def test_the_timer_ops_change_no_version_counter():
+    """The timers only say they write what they are given: a parameter (or a view of one) given to
+    one keeps its version, so a backward that saved it in eager code still runs."""
+    from zerocompile.runtime import timer_ops  # noqa: F401  (registers the ops)
+
+    weight = torch.nn.Parameter(torch.randn(3, 3))
+    before = weight._version
+    torch.ops.zerocompile.module_mark.default([weight, weight.t()], 0)
+    assert weight._version == before
+    loss = (weight.t() @ weight).sum()      # saves weight for its backward
+    torch.ops.zerocompile.module_mark.default([weight], 0)
+    loss.backward()                          # "modified by an inplace operation" if the mark bumped it
+    assert weight.grad is not None
+
+
+def _zoo_monitored(rank: int, world: int, name: str, stage: int, out: str):
+    import zoo
+    from harness import train_on_rank_slices
+
+    torch._dynamo.reset()
+    model = zoo.make(name)
+    options = {"stage": stage, "inner_compiler": "eager", "allow_unsharded": True,
+               "csv_monitor": {"enabled": True, "output_path": out, "job_name": "csv"},
+               "comms_logger": {"enabled": True},
+               "flops_profiler": {"enabled": True, "profile_step": 2, "output_file": str(Path(out) / "p.txt")}}
+    compiled = torch.compile(model, backend="zero", options=options)
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=torch.optim.AdamW, lr=0.05)
+    losses = train_on_rank_slices(compiled, opt, (zoo.batch(step, 4) for step in range(3)), rank, world)
+    return losses, zerocompile.full_state_dict(compiled, rank0_only=False)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_every_timer_on_a_model_sharing_a_parameter_across_blocks_is_exact(stage, tmp_path):
+    """The zoo's model whose blocks share one weight (used by eager code and by two frames), with
+    the CSV monitor, the comms logger and the flops profiler on: the losses and weights of one
+    process training on the whole batch. The timers' first version bumped that weight's version
+    counter, and the eager backward that had saved it refused to run."""
+    import zoo
+
+    model = zoo.make("shared_across_blocks")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    want = []
+    for step in range(3):
+        loss = model(*zoo.batch(step, 4))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    for losses, state in run_ranks(_zoo_monitored, 2, "shared_across_blocks", stage, str(tmp_path)):
+        assert losses == pytest.approx(want, rel=1e-5, abs=1e-5)
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(state[key], value, atol=1e-5, rtol=1e-5)
+    assert (tmp_path / "p.txt").exists()
