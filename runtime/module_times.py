@@ -7,8 +7,9 @@ its FLOPs), and puts a ``zerocompile::module_mark`` (``runtime/timer_ops.py``) a
 boundary. A mark stamps the time; the time from one mark to the next is the ending segment's,
 added to its module. The first mark of a graph only starts the clock.
 
-Marks stamp only in the profiled step (``profile_step``, counted in training steps as
-``Accounting.end_step_flops`` ends them); otherwise each returns at once. The host clock on the CPU; CUDA events on the
+Marks stamp only in the profiled step: the ``ZeroOptimizer``'s monitor (``optim/monitoring.py``)
+arms them after the step before it (a frame compiled with ``profile_step: 1`` arms them at once)
+and disarms them after it; otherwise each returns at once. The host clock on the CPU; CUDA events on the
 current stream for CUDA tensors, read when the report asks.
 """
 
@@ -35,8 +36,8 @@ class ModuleTimes:
 
     def __init__(self) -> None:
         self.sites: list[_Site] = []
-        self.profile_step: int | None = None
-        """The optimizer step measured (1-based); None: the flops profiler is off."""
+        self.active = False
+        """Whether the marks stamp: in the profiled step only (``arm``)."""
         self.steps_done = 0
         """Training steps ended so far (``Accounting.end_step_flops``: an optimizer step after compiled
         graphs ran, or a step of the same optimizer again; a second optimizer's step right after the
@@ -47,15 +48,16 @@ class ModuleTimes:
         """``(kind, module path, class name)`` -> seconds in the profiled step."""
         self.pending: list = []
         """``((kind, path, class name), start event, end event)`` of CUDA-timed segments not yet read."""
-        self.reported = False
-        """Whether the profile was printed (by the first optimizer whose step ended the profiled step)."""
+        self.reported_at: int | None = None
+        """``steps_done`` when a profile was last printed: the first of two optimizers ending that
+        training step prints it, the second does not."""
 
-    def configure(self, profile_step: int) -> None:
-        self.profile_step = profile_step
-
-    @property
-    def active(self) -> bool:
-        return self.profile_step is not None and self.steps_done + 1 == self.profile_step
+    def arm(self, on: bool) -> None:
+        """Make the marks stamp from now on (the next step is a profiled one) or stop; a profiled
+        step starts with no figures."""
+        if on and not self.active:
+            self.seconds, self.pending = {}, []
+        self.active = on
 
     def step_ended(self) -> None:
         self.steps_done += 1

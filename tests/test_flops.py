@@ -174,7 +174,22 @@ def _profiled(rank: int, world: int, out: str) -> dict:
             flops = zerocompile.stats().flops_per_step
             modules = step_modules(list(ACCOUNTING.frames), ACCOUNTING.step_calls)
             batch = (x, y)
-    return {"flops": flops, "modules": modules, "batch": batch, "measured": measured, "walls": walls}
+    # a second training in the same process (another model, its own optimizer) gets its own
+    # profile, of its own first step
+    torch._dynamo.reset()
+    second = make_model("mlp")
+    options["flops_profiler"] = {**options["flops_profiler"], "profile_step": 1, "output_file": out + ".second"}
+    compiled = torch.compile(second, backend="zero", options={**options, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(second.parameters(), torch.optim.AdamW, lr=1e-3)
+    for step in range(2):
+        x, y = make_batch("mlp", step * world + rank, 4)
+        compiled(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            second_latency = ACCOUNTING.module_times.by_module()
+    return {"flops": flops, "modules": modules, "batch": batch, "measured": measured, "walls": walls,
+            "second": second_latency, "after_second": ACCOUNTING.module_times.by_module()}
 
 
 def test_the_flops_profiler_reports_each_modules_flops_at_its_step(tmp_path):
@@ -226,3 +241,7 @@ def test_the_flops_profiler_reports_each_modules_flops_at_its_step(tmp_path):
     total_ms = sum(t["forward"] + t["backward"] for t in latency.values()) * 1e3
     assert f"latency: (frame) {total_ms:.2f} ms" in rolled
     assert "fwd ms" in text and "bwd ms" in text
+    # the second model's profile: its modules only, of its first step, nothing added after it
+    second = (tmp_path / "profile.txt.second").read_text()
+    assert "profile step:                           1" in second and "blocks.0" not in second
+    assert got["second"] and not set(got["second"]) & set(latency) and got["after_second"] == got["second"]

@@ -489,7 +489,8 @@ def _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx: PassConte
         ACCOUNTING.comms.configure(cfg.comms_logger)
         lowerings.append(functools.partial(insert_comm_timers, log=ACCOUNTING.comms, world=group.world, frame=frame))
     if cfg.flops_profiler is not None:
-        ACCOUNTING.module_times.configure(cfg.flops_profiler.profile_step)
+        if cfg.flops_profiler.profile_step == 1:     # the step compiling it is the one profiled
+            ACCOUNTING.module_times.arm(True)
         lowerings.append(functools.partial(insert_module_marks, times=ACCOUNTING.module_times))
     # the timers measure what ran between them: inductor keeps the graph's order
     keep_order = (cfg.comms_logger is not None and cfg.comms_logger.blocking) or cfg.flops_profiler is not None

@@ -129,11 +129,14 @@ class StepMonitor:
             monitor, profiler = self._frame_options("monitor", "flops_profiler")
             self.settings = self.settings or monitor
             self.profiler = self.profiler or profiler
-        times = ACCOUNTING.module_times
-        if self.profiler is not None and times.steps_done == self.profiler.profile_step and not times.reported:
-            # the profiled step just ended; with two optimizers (Muon and AdamW) the first one reports it
-            times.reported = True
-            self._profile(elapsed_ms)
+        if self.profiler is not None:
+            times = ACCOUNTING.module_times
+            if self._steps == self.profiler.profile_step and times.reported_at != times.steps_done:
+                # this optimizer's profiled step just ended; with two optimizers (Muon and AdamW)
+                # stepping in one training step, the first one reports it
+                times.reported_at = times.steps_done
+                self._profile(elapsed_ms)
+            times.arm(self._steps + 1 == self.profiler.profile_step)
         if self.settings is None:
             self._drop_pending()
             return
@@ -194,7 +197,7 @@ class StepMonitor:
         # the whole model's parameters: those of every frame, whichever optimizer holds them
         numels = {sp.name: sp.numel for runner in frames for sp in runner.plans if sp is not None}
         modules = with_latency(step_modules(frames, ACCOUNTING.step_calls), ACCOUNTING.module_times.by_module())
-        text = report(self.profiler, ACCOUNTING.module_times.steps_done, self._layout_group().world, stats.flops_per_step,
+        text = report(self.profiler, self._steps, self._layout_group().world, stats.flops_per_step,
                       stats.recompute_flops_per_step, step_ms, modules, numels)
         if self.profiler.output_file:
             try:
