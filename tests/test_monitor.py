@@ -211,6 +211,9 @@ def test_options_and_deepspeed_keys():
     assert ZeroConfig.from_options({"flops_profiler": {"enabled": False, "profile_step": 3}}).flops_profiler is None
     fp = ZeroConfig.from_options({"flops_profiler": {"enabled": True, "profile_step": 3}}).flops_profiler
     assert fp.profile_step == 3 and fp.module_depth == -1 and fp.detailed
+    # DeepSpeed's recompute_fwd_factor (newer configs carry it): accepted, the recompute is counted instead
+    assert ZeroConfig.from_options({"flops_profiler": {"enabled": True, "recompute_fwd_factor": 0.0}}).flops_profiler == \
+        ZeroConfig.from_options({"flops_profiler": {"enabled": True}}).flops_profiler
     for options, message in (
             ({"wandb": {"enabled": True, "entity": "p"}}, "unknown key(s) entity"),
             ({"wandb": {"enabled": True, "project": 3}}, "'wandb.project' = 3"),
@@ -226,6 +229,7 @@ def test_options_and_deepspeed_keys():
             ({"flops_profiler": {"enabled": True, "profile_steps": 1}}, "unknown key(s) profile_steps"),
             ({"flops_profiler": {"enabled": True, "profile_step": 0}}, "'profile_step' = 0"),
             ({"flops_profiler": {"enabled": True, "peak_tflops": -1}}, "'peak_tflops' = -1"),
+            ({"flops_profiler": {"enabled": True, "recompute_fwd_factor": -1}}, "'recompute_fwd_factor' = -1"),
             ({"flops_profiler": {"enabled": 1}}, "give true or false")):
         with pytest.raises(ZeroConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             ZeroConfig.from_options(options)

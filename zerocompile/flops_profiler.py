@@ -7,7 +7,8 @@ model FLOPs utilization. ``zerocompile/optim/monitoring.py`` calls ``report``.
 Keys: ``enabled`` (false), ``profile_step`` (1), ``module_depth`` (-1: every depth),
 ``top_modules`` (1: modules listed per depth in the aggregated profile), ``detailed`` (true: the
 table of every module), ``output_file`` (None: stdout), and zerocompile's ``peak_tflops`` (a
-rank's peak TFLOP/s, for the MFU line).
+rank's peak TFLOP/s, for the MFU line). DeepSpeed's ``recompute_fwd_factor`` is checked and not
+used: the recomputed forward ops are counted from the compiled backward graphs.
 
 Module paths are relative to the module of the compiled frame that ran the op (the model, for a
 model compiled whole). Per-module latency is measured in the compiled graphs themselves: marks at
@@ -19,13 +20,17 @@ so with the profiler on a compiled graph can run a little slower, at every step.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from zerocompile.errors import ZeroConfigError
 
+log = logging.getLogger("zerocompile")
+
 __all__ = ["FlopsProfilerSettings", "parse_flops_profiler", "step_modules", "with_latency", "report"]
 
-_KEYS = ("enabled", "profile_step", "module_depth", "top_modules", "detailed", "output_file", "peak_tflops")
+_KEYS = ("enabled", "profile_step", "module_depth", "top_modules", "detailed", "output_file", "peak_tflops",
+         "recompute_fwd_factor")
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,14 @@ def parse_flops_profiler(value) -> FlopsProfilerSettings | None:
     out = value.get("output_file")
     if out is not None and not isinstance(out, str):
         raise ZeroConfigError(f"flops_profiler 'output_file' = {out!r} is invalid; give a path or null")
+    factor = value.get("recompute_fwd_factor")
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 0):
+        raise ZeroConfigError(f"flops_profiler 'recompute_fwd_factor' = {factor!r} is invalid; give a number >= 0")
+    if factor and value.get("enabled", False):
+        # DeepSpeed estimates the recomputed forward FLOPs as this share of the forward's; zerocompile
+        # counts them in the compiled backward graphs, so the estimate has nothing to add
+        log.info("flops_profiler: recompute_fwd_factor %g is not used: the profile counts the forward ops the "
+                 "backward recomputes from the compiled graphs ('recomputed forward ops')", factor)
     peak = value.get("peak_tflops")
     if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or peak <= 0):
         raise ZeroConfigError(f"flops_profiler 'peak_tflops' = {peak!r} is invalid; give a number > 0")
