@@ -12,13 +12,13 @@ does not, and the ranks' collective sequences part. ``zerocompile.set_leaf_modul
 - on entry it gathers all of its parameters (and its submodules'), whatever the routing,
   in one fixed order: every rank issues the same all-gathers;
 - its parameters are sharded like any other (the first compiled frame whose model holds
-  the module shards them, ``capture._param_states``); gathered ones stay gathered until
-  ``ZeroOptimizer.step()``, which reduces their gradients (zeros where a rank's data did
-  not reach a parameter, ``runtime/grad_participation.py``) and frees them.
+  the module shards them, ``capture._param_states``); they are one eager unit
+  (``runtime/eager_regions.py``): gathered for the leaf's forward, freed after it, gathered
+  again right before its backward and freed after that, as DeepSpeed does. Their gradients
+  wait for ``ZeroOptimizer.step()``, which reduces them (zeros where a rank's data did not
+  reach a parameter, ``runtime/grad_participation.py``).
 
-The cost: the leaf's parameters are whole on every rank from its forward to the optimizer
-step (as DeepSpeed holds a leaf's parameters through its forward), and the leaf's own
-compute runs eagerly.
+The cost: at most the leaves running now are whole, and the leaf's own compute runs eagerly.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from zerocompile.runtime.sharded_param import get_state
 
 _LEAF = "_zerocompile_leaf"
 """Attribute on a leaf module and on each of its parameters: the module's name in the model."""
+EAGER_UNIT = "_zerocompile_eager_unit"
+"""Attribute on a module: its ``EagerUnit`` (``runtime/eager_regions.py``), once installed."""
 
 
 def set_leaf_modules(model: torch.nn.Module, classes) -> list[str]:
@@ -66,8 +68,11 @@ def _make_leaf(module: torch.nn.Module, name: str) -> None:
 
     @torch.compiler.disable
     def forward(*args, **kwargs):
-        gather_leaf_parameters(module)
-        return original(*args, **kwargs)
+        unit = getattr(module, EAGER_UNIT, None)
+        if unit is None:        # before the model's first compiled frame: no shard states, or gathered
+            gather_leaf_parameters(module)
+            return original(*args, **kwargs)
+        return unit.run(original, args, kwargs)
 
     module.forward = forward
     setattr(module, _LEAF, name)
@@ -78,7 +83,8 @@ def _make_leaf(module: torch.nn.Module, name: str) -> None:
 
 def gather_leaf_parameters(module: torch.nn.Module) -> None:
     """Gather every freed parameter of ``module`` and its submodules, in ``parameters()``
-    order (the same on every rank): an all-gather each, none for those gathered already."""
+    order (the same on every rank): an all-gather each, none for those gathered already.
+    They stay gathered until the optimizer step (before the leaf's unit exists)."""
     for param in module.parameters():
         state = get_state(param)
         if state is not None:

@@ -66,7 +66,7 @@ class ShardedParam:
                  offload_optimizer: OffloadSettings = OffloadSettings(),
                  offload_param: OffloadSettings = OffloadSettings(), chunk: torch.Tensor | None = None,
                  provisional: bool = False, gradient_clipping: float = 0.0,
-                 allow_unsharded: bool = False):
+                 allow_unsharded: bool = False, eager_grads_in_step: bool = False):
         if not param.is_contiguous():
             raise ValueError(
                 f"zerocompile: parameter '{name}' is not contiguous (stride {param.stride()}); "
@@ -110,6 +110,19 @@ class ShardedParam:
         (``runtime/reduction_choice.py``): which collective reduces its gradient's bucket."""
         self.storage_freed = False
         self.materialized = False
+        self.eager_holds = 0
+        """How many eager module runs (forward, or backward) need the full values now
+        (``hold`` / ``unhold``, ``runtime/eager_regions.py``)."""
+        self.gathered_by_hooks = False
+        """The full values were gathered by ``hold`` (so the last ``unhold`` frees them)."""
+        self.eager_regions = None
+        """The ``EagerRegions`` of the model whose eager units hold this parameter (None: none
+        installed): gathers on demand for a module forward that uses it without owning it."""
+        self.eager_grad_hook = False
+        """The post-accumulate-grad hook that reduce-scatters eager gradients is registered."""
+        self.eager_grads_in_step = eager_grads_in_step
+        """Gradients eager code leaves in ``p.grad`` wait for the optimizer step (the frame's
+        ``loss_scale`` option: the compiled backward leaves the shard gradient scaled)."""
         self.grad_synced = False
         """The parameter's own ``.grad`` holds the gradient averaged over ranks (set by
         ``ZeroOptimizer`` once it reduced it; cleared by the next forward and by zero_grad)."""
@@ -161,7 +174,7 @@ class ShardedParam:
             # eager code of this step used the parameter before this frame sharded it (a frame
             # Dynamo skipped, a graph break's eager region): its autograd graph may read the
             # values in backward. They stay, as if gathered on demand, until the next optimizer
-            # step releases them (runtime/eager_fallback.py)
+            # step releases them (runtime/eager_regions.py)
             self.materialized = True
             return
         self.param.untyped_storage().resize_(0)
@@ -222,21 +235,40 @@ class ShardedParam:
     # -- eager access to a parameter whose storage was freed ----------------------------
     @_on_plain_tensors
     def materialize(self) -> None:
-        """Gather the full parameter back into its own storage (collective)."""
+        """Gather the full parameter back into its own storage (collective). The parameter's
+        version counter stays as it was: an autograd graph that saved the parameter in an eager
+        forward reads the gathered values in its backward."""
         if not self.storage_freed or self.materialized:
             return
         full = self.full_from_shards()
         self.param.untyped_storage().resize_(self.numel * self.param.element_size())
-        with torch.no_grad():
+        with torch.no_grad(), _torch_compat.preserving_version(self.param):
             self.param.copy_(full)
         self.materialized = True
 
     @_on_plain_tensors
     def release(self) -> None:
-        """Free the storage ``materialize()`` filled (after the optimizer changed the shard)."""
-        if self.materialized:
+        """Free the storage ``materialize()`` filled (after the optimizer changed the shard),
+        unless an eager module run holds it (``hold``)."""
+        if self.materialized and self.eager_holds == 0:
             self.param.untyped_storage().resize_(0)
             self.materialized = False
+            self.gathered_by_hooks = False
+
+    def hold(self) -> None:
+        """An eager module run needs the full values: gather them if they are freed (a
+        collective) and count the use."""
+        if self.values_freed():
+            self.materialize()
+            self.gathered_by_hooks = True
+        self.eager_holds += 1
+
+    def unhold(self) -> None:
+        """An eager module run no longer needs the full values; the last one frees what ``hold``
+        gathered (values gathered otherwise stay until the step, as before)."""
+        self.eager_holds = max(self.eager_holds - 1, 0)
+        if self.eager_holds == 0 and self.gathered_by_hooks:
+            self.release()
 
     @_on_plain_tensors
     def write_full(self, full: torch.Tensor) -> None:

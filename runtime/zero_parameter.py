@@ -182,6 +182,8 @@ def _check_eager_use(param: ZeroParameter, func, args, kwargs):
         return lambda: _copy_into_shards(param, args[1])
     if kind == "call" and name == "detach" and _torch_compat.called_from_module_state_dict():
         return state.state_dict_value      # model.state_dict(): the sharded value
+    if state.eager_regions is not None and state.eager_regions.borrow(state):
+        return None     # used inside an eager module forward that does not own it: gathered for it
     what = f"`.{name}`" if kind == "get" else f"`{name}`"
     raise ParameterNotGatheredError(
         f"zerocompile: {what} on parameter '{state.name}' {tuple(param.shape)}, whose storage is freed "

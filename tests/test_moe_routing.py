@@ -10,7 +10,7 @@ expert 2, and no token reaches expert 3. Against one process on the whole batch:
   one rank died in gloo: "Received data size doesn't match expected size").
 
 Experts of their own class (Dynamo compiles each one's forward as a frame) are run too: in a
-leaf at stage 3 (exact), and without one at stages 0 (exact) and 1 (refused, clearly).
+leaf at stage 3 (exact), and without one at stages 0 and 1 (exact).
 """
 
 from __future__ import annotations
@@ -199,21 +199,19 @@ def test_stage3_without_leaf_modules_names_the_module_and_the_fix_on_every_rank(
 
 
 def test_experts_compiled_as_frames_of_their_own(runs):
-    """Stage 0: an expert frame that runs on some ranks only issues no collective (it has none,
-    so it is not checked either): exact. Stage 1: such a frame shards its expert's parameters
-    on those ranks only; the step finds the ranks holding them differently and refuses on every
-    rank, naming the module and the fix, instead of an abort in gloo."""
+    """Stages 0 and 1: an expert frame that runs on some ranks only issues no collective in its
+    forward (it has none, so it is not checked either). The model's first compiled frame gives
+    every parameter of the model its shard state on every rank (runtime/eager_regions.py), so
+    the experts are sharded alike everywhere and the step reduces a missing gradient as zeros:
+    exact. (Before, the expert frames sharded their parameters on the ranks they ran on only,
+    and stage 1 had to refuse.)"""
     per_rank, ref = runs
     for rank, results in enumerate(per_rank):
-        result = results[(0, False, True)]
-        assert "error" not in result, result.get("error")
-        _assert_routing(result, rank)
-        _assert_exact(result, ref[True])
-        error = results[(1, False, True)].get("error")
-        assert error is not None and "are sharded on some ranks only" in error, error
-        assert "module 'moe' (MoEBlock)" in error
-        assert "zerocompile.set_leaf_modules(model, [MoEBlock])" in error
-    assert per_rank[0][(1, False, True)]["error"] == per_rank[1][(1, False, True)]["error"]
+        for stage in (0, 1):
+            result = results[(stage, False, True)]
+            assert "error" not in result, result.get("error")
+            _assert_routing(result, rank)
+            _assert_exact(result, ref[True])
 
 
 def test_set_leaf_modules_refuses_what_it_cannot_mark():

@@ -491,6 +491,31 @@ def storageless_tensor(cls, shape, dtype, device):
     return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
 
 
+def preserving_version(tensor: torch.Tensor):
+    """A context in which writes into ``tensor`` leave its version counter as it was.
+
+    For gathering a parameter back into its freed storage between an eager forward and its
+    backward (``ShardedParam.materialize``): autograd saved the parameter in the forward and
+    checks in the backward that nothing wrote into it since; the values written are the ones
+    it saved. FSDP2 restores its unsharded parameters the same way.
+
+    Why private: ``torch.autograd._unsafe_preserve_version_counter`` is the one API that does
+    it; ``tests/test_torch_compat.py`` checks that it still does.
+    """
+    return torch.autograd._unsafe_preserve_version_counter(tensor)
+
+
+def queue_end_of_backward(callback) -> None:
+    """Run ``callback()`` once the running backward pass has finished (call it from a hook
+    that runs inside a backward).
+
+    Why private: the autograd engine's ``queue_callback`` is reached through
+    ``torch.autograd.Variable._execution_engine`` only (FSDP2 uses it for the same job);
+    ``tests/test_torch_compat.py`` checks that it still runs the callback after the backward.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def never_a_frame(fn):
     """Mark ``fn`` so that Dynamo never compiles it as a frame of its own: called from eager
     code (a frame Dynamo skipped, e.g. for a graph break inside a loop), it and everything it

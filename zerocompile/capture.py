@@ -39,9 +39,8 @@ from zerocompile.passes.module_timers import insert_module_marks
 from zerocompile.runtime.accounting import ACCOUNTING, CollectiveSummary
 from zerocompile.runtime.comm import CommGroup, resolve_group
 from zerocompile.runtime.reduction_choice import gradient_reduction
-from zerocompile.runtime.eager_fallback import eager_only_parameters, install_eager_fallback
+from zerocompile.runtime.eager_regions import eager_only_parameters, install_eager_regions, regions_of
 from zerocompile.runtime.fingerprint import check_same_on_all_ranks, fingerprint
-from zerocompile.runtime.leaf_modules import leaf_modules
 from zerocompile.runtime.sharded_param import ShardedParam, attach_state, detach_state, get_state, offloads_param
 from zerocompile.runtime.zero_parameter import adopt
 
@@ -69,6 +68,8 @@ class FrameRunner:
         self._hook_roots = roots
         self._new_states = False      # a run sharded parameters: their modules need the hook
         self._checked = False
+        self._position = None
+        """``(EagerRegions, position)`` where this frame checks its place across ranks first."""
         self._loss_scale = partitioner.ctx.config.loss_scale
         self.order = time.monotonic_ns()  # compile order, for frame_reports()
         self.dump_root = partitioner.ctx.config.dump or env.dump_dir()
@@ -138,12 +139,20 @@ class FrameRunner:
         return self._flops_cache[key]
 
     def _first_run(self) -> None:
-        for root in self._roots_without_hooks:
-            install_eager_fallback(root)
+        install_eager_regions(self._roots_without_hooks)
         self._roots_without_hooks = []
         summaries = [self._forward_summary(),
                      self.partitioner.backward_summary]
         sequences = [s.sequence for s in summaries]
+        self._position = None
+        regions = regions_of(self._hook_roots)
+        if regions is not None and self.partitioner.ctx.group.world > 1 and any(len(seq) for seq in sequences) \
+                and regions.gathers:
+            # a model with eager units at stage 3: the ranks check they run the same frame before
+            # it issues collectives (runtime/eager_regions.py: check_position); also before the
+            # check of its collectives below, which is one
+            self._position = (regions, regions.frame_position(fingerprint(sequences), self.frame))
+            self._check_position()
         # a frame without collectives cannot put the ranks out of step, and it may run on some
         # ranks only (an expert only some ranks' tokens reach, a recompile for a shape one rank
         # met): checking it would be the collective that does
@@ -180,9 +189,15 @@ class FrameRunner:
                 "parameters with the same options")
         return state
 
+    def _check_position(self) -> None:
+        regions, position = self._position
+        regions.check_position(position, self.partitioner.ctx.group, _frame_device(self.plans))
+
     def __call__(self, *args):
         if not self._checked:
             self._first_run()
+        elif self._position is not None:
+            self._check_position()
         new_args, states = [], []
         grad_mode = torch.is_grad_enabled()
         for arg, plan in zip(args, self.plans):
@@ -197,9 +212,8 @@ class FrameRunner:
             new_args.extend(sp.graph_inputs())
         if self._new_states:
             # parameters first met now (another block run through this frame's code) were
-            # freed just now: their modules get the gather-on-demand hook as the first run's did
-            for root in self._hook_roots:
-                install_eager_fallback(root)
+            # freed just now: their modules get the eager unit hooks as the first run's did
+            install_eager_regions(self._hook_roots)
             self._new_states = False
         out = self.compiled(*new_args)
         if grad_mode and self._loss_scale is not None:
@@ -236,7 +250,7 @@ def _frame_name(gm: torch.fx.GraphModule) -> str:
 def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group: CommGroup):
     """The shard state of each placeholder (None for non-parameters), the root modules the
     frame's parameters were reached from, and the ids of the parameters under those roots
-    that eager-only modules own (kept full: see runtime/eager_fallback.py)."""
+    that eager-only modules own (kept full: see runtime/eager_regions.py)."""
     roots = {}
     for source in sources:
         root = _torch_compat.root_module(source) if source is not None else None
@@ -262,21 +276,24 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
             _check_compatible(state, cfg, group, name)
         loss_scale.register(ex, cfg.loss_scale, name)
         plans.append(state)
-    _shard_leaf_parameters(roots.values(), cfg, group, eager_owned)
+    _shard_model_parameters(roots.values(), cfg, group, eager_owned)
     return plans, list(roots.values()), eager_owned
 
 
-def _shard_leaf_parameters(roots, cfg: ZeroConfig, group: CommGroup, eager_owned: set) -> None:
-    """Shard the parameters of the leaf modules under ``roots`` (``set_leaf_modules``): no
-    frame takes them as inputs (a leaf runs eagerly and gathers them on entry), so the first
-    frame of the model that holds them gives them their state, with its options."""
-    for root in roots:
-        for prefix, leaf in leaf_modules(root):
-            for name, param in leaf.named_parameters():
-                if get_state(param) is None:
-                    full = f"{prefix}.{name}" if prefix else name
-                    _shard_parameter(param, full, cfg, group, keep_full=id(param) in eager_owned)
-                    loss_scale.register(param, cfg.loss_scale, full)
+def _shard_model_parameters(roots, cfg: ZeroConfig, group: CommGroup, eager_owned: set) -> None:
+    """Shard every other parameter of the modules under ``roots`` (the frame's model and the
+    modules whose ``forward`` called it), frozen ones included: those that eager code uses (the
+    model's own forward when a graph break in its layer loop leaves it to eager, an eager root
+    around compiled blocks, leaf modules, modules Dynamo skipped) are gathered and reduced by
+    per-module hooks (``runtime/eager_regions.py``), and those a later frame uses find their
+    state. The first frame of the model gives them their state, with its options; names are
+    relative to the largest root (the model), in its ``named_parameters`` order, the same on
+    every rank."""
+    for root in sorted(roots, key=lambda m: -sum(1 for _ in m.parameters())):
+        for name, param in root.named_parameters():
+            if get_state(param) is None:
+                _shard_parameter(param, name, cfg, group, keep_full=id(param) in eager_owned)
+                loss_scale.register(param, cfg.loss_scale, name)
 
 
 def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_full: bool) -> ShardedParam:
@@ -285,7 +302,7 @@ def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_f
     state = ShardedParam(param, name, cfg.stage, group, compute, cfg.reduce_dtype, cfg.bucket_mb,
                          keep_full=keep_full, offload_optimizer=cfg.offload_optimizer,
                          offload_param=cfg.offload_param, gradient_clipping=cfg.gradient_clipping,
-                         allow_unsharded=cfg.allow_unsharded)
+                         allow_unsharded=cfg.allow_unsharded, eager_grads_in_step=cfg.loss_scale is not None)
     attach_state(param, state)
     ACCOUNTING.states.add(state)
     ACCOUNTING.world_size = group.world
@@ -351,6 +368,12 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     if cfg.offload_param.device == "cpu" and any(sp is not None and sp.device.type == "cpu" for sp in plans):
         log.info("[%s] offload_param device 'cpu': the parameters are on the CPU, so their shards already "
                  "live in host memory; nothing to offload", frame)
+    regions = regions_of(roots)
+    if regions is not None and group.world > 1 and regions.gathers:
+        # a compile may take collectives (the cost model's agreement): in a model with eager
+        # units, the ranks check first that they all compile this frame (runtime/eager_regions.py)
+        regions.check_position(regions.frame_position(fingerprint([[frame]]), f"{frame} (compiling)"), group,
+                               _frame_device(plans))
     source = _TracedFrame(traced, sources, eager_owned, frame, torch.is_grad_enabled(), _torch_compat.dynamo_fake_mode())
     compiled, partitioner = source.compile(cfg, plans, _gradient_reduction(cfg, group, plans, frame), example_inputs)
     _adopt_parameters(plans, roots, eager_owned)

@@ -1,0 +1,424 @@
+"""Sharded parameters in code Dynamo leaves to eager: per-module hooks, as FSDP2 does it.
+
+A parameter's sharding never depends on what Dynamo compiled. Compiled frames gather and
+reduce inside their graphs; eager code (the model's own ``forward`` when a graph break inside
+its layer loop makes Dynamo give up on it, an eager root with compiled blocks, leaf modules,
+modules Dynamo skipped) runs each module's parameters through one lifetime:
+
+- **forward**: a forward pre-hook gathers the module's own parameters (``recurse=False``; a
+  leaf module's: all of them) whose storage is freed, and the forward post-hook frees them
+  again. A parameter that a module's forward uses without owning it (``F.linear(x,
+  self.wte.weight)`` in the model's forward, after the embedding freed it) is gathered on
+  demand by ``ZeroParameter`` and belongs to the innermost module whose forward is running.
+- **backward**: the post-hook registers a hook on the forward's outputs
+  (``register_multi_grad_hook``, mode ``"any"``) that gathers the same parameters again right
+  before the module's backward, and a hook on its inputs (mode ``"all"``) frees them once the
+  gradients of the inputs exist, i.e. after the module's backward; whatever a backward did not
+  free that way (inputs that need no gradient: token ids) is freed when the backward ends
+  (a callback queued on the autograd engine).
+- **gradients**: at stages 2 and 3 the gradients eager code accumulates into parameters
+  (``register_post_accumulate_grad_hook``) are reduce-scattered into their shards when the
+  backward ends, bucketed, in one order on every rank; so ``p.grad`` of every sharded
+  parameter is the same ``DTensor`` of the shard, wherever it ran, and no full gradient
+  outlives the backward (the flush is queued by the first such gradient, or by a gathering
+  unit's backward, in each backward). The ranks first agree on which parameters got one (a small
+  all-reduce of a mask): where only some ranks' data reached a parameter (an expert), the
+  others reduce zeros, and a parameter no rank's data reached keeps no gradient, as in one
+  process. Two kinds wait for the optimizer step instead, which reduces them as before:
+  gradients of parameters compiled with ``loss_scale`` (the compiled backward leaves their
+  shard gradients scaled, the eager ones are not), and stage 0/1 gradients (reduced once per
+  step by definition).
+
+Every rank must run the same eager code (each gather is a collective); so it must for FSDP2
+and DeepSpeed. Gathers are counted per parameter (``ShardedParam.hold`` / ``unhold``), so a
+parameter shared by several modules (a tied embedding and head) is freed when the last use
+ends. All of this is eager only: under Dynamo tracing the hooks return at once
+(``torch.compiler.is_compiling()``), and they are never Dynamo frames of their own
+(``_torch_compat.never_a_frame``; eager code inside a compiled model's call runs under
+Dynamo's frame callback).
+
+A module whose ``forward`` is ``torch.compiler.disable``d and that a compiled frame calls runs
+inside the frame's graph break, where Dynamo inlined ``Module.__call__`` and its hooks at trace
+time: no hook runs there, so such parameters are kept whole (``ShardedParam.keep_full``, as
+DeepSpeed's persistent parameters; ``eager_only_parameters``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import register_multi_grad_hook
+
+from zerocompile import _torch_compat
+from zerocompile.runtime.grad_participation import participation_error
+from zerocompile.runtime.leaf_modules import EAGER_UNIT as _UNIT, is_leaf, leaf_modules
+from zerocompile.runtime.raw_grad import raw_grad, set_raw_grad
+from zerocompile.runtime.sharded_param import ShardedParam, get_state
+from zerocompile.runtime.step_collectives import reduce_scatter_mean
+
+log = logging.getLogger("zerocompile")
+
+_REGIONS = "_zerocompile_eager_regions"
+
+
+class _Call:
+    """One eager run of a unit's module: what it holds gathered, in forward and in backward."""
+
+    __slots__ = ("unit", "states", "borrowed", "in_backward", "handles")
+
+    def __init__(self, unit: "EagerUnit"):
+        self.unit = unit
+        self.states: list[ShardedParam] = []
+        """What this run's forward gathered (held until the forward ends)."""
+        self.borrowed: list[ShardedParam] = []
+        """Parameters of other modules its forward used (gathered on demand)."""
+        self.in_backward = False
+        self.handles: list = []
+
+    def needed(self) -> list[ShardedParam]:
+        return self.unit.states() + self.borrowed
+
+
+class EagerUnit:
+    """The parameters one module's eager forward gathers: its own (a leaf module's: all of
+    its own and its submodules')."""
+
+    def __init__(self, module: torch.nn.Module, regions: "EagerRegions", name: str):
+        self.module = module
+        self.regions = regions
+        self.name = name
+        self.index = -1
+        """Its place in ``EagerRegions.units`` once installed."""
+        params = module.parameters(recurse=is_leaf(module))
+        unique = {id(p): p for p in params}
+        self.params = list(unique.values())
+
+    def states(self) -> list[ShardedParam]:
+        return [sp for p in self.params if (sp := get_state(p)) is not None]
+
+    def run(self, forward, args, kwargs):
+        """``forward(*args, **kwargs)`` as this unit's module run: a leaf module's forward
+        wrapper (``runtime/leaf_modules.py``), which runs eagerly even inside a compiled frame,
+        where no module hook runs."""
+        self.regions.enter(self, args, kwargs)
+        try:
+            output = forward(*args, **kwargs)
+        except BaseException:
+            self.regions.abandon(self)
+            raise
+        self.regions.leave(self, output)
+        return output
+
+
+class EagerRegions:
+    """The eager units of one model (hung off its root module): the forward stack of units
+    running now, and the runs whose backward is still to free what it gathered."""
+
+    def __init__(self):
+        self.active: list[_Call] = []
+        self.units: list[EagerUnit] = []
+        """In the order they were installed, the same on every rank (``EagerUnit.index``)."""
+        self.roots: list[torch.nn.Module] = []
+        self.frame_names: dict[int, str] = {}
+        self.open_backward: list[_Call] = []
+        self.callback_queued = False
+        self.grad_states: list[ShardedParam] = []
+        """The stage-2/3 parameters whose eager gradients are reduced at the end of a backward,
+        in the order the units were installed (the same on every rank)."""
+        self.accumulated: set[int] = set()
+        """ids of those that got a gradient in the running backward."""
+        self.needs_flush = False
+        """An eager unit ran a forward with autograd on since the last flush: the next backward
+        ends with the agreement and reduction, on every rank."""
+
+    # -- forward --------------------------------------------------------------------------
+    def enter(self, unit: EagerUnit, args, kwargs) -> None:
+        call = _Call(unit)
+        call.states = unit.states()
+        freed = [sp for sp in call.states if sp.values_freed()]
+        if freed and freed[0].group.world > 1:
+            self._check_same_unit(unit, freed[0])
+        for sp in call.states:
+            sp.hold()
+        self.active.append(call)
+        if torch.is_grad_enabled():
+            self.needs_flush = True
+            inputs = _tensors_needing_grad((args, kwargs))
+            if inputs:
+                call.handles.append(register_multi_grad_hook(
+                    inputs, lambda grads, call=call: self._after_backward(call), mode="all"))
+
+    def leave(self, unit: EagerUnit, output) -> None:
+        call = self._pop(unit)
+        if call is None:
+            return
+        if torch.is_grad_enabled():
+            outputs = _tensors_needing_grad(output)
+            if outputs:
+                call.handles.append(register_multi_grad_hook(
+                    outputs, lambda grad, call=call: self._before_backward(call), mode="any"))
+            else:
+                self._remove_handles(call)
+        for sp in call.states + call.borrowed:
+            sp.unhold()
+
+    def _check_same_unit(self, unit: EagerUnit, sp: ShardedParam) -> None:
+        self.check_position(unit.index, sp.group, sp.device)
+
+    def check_position(self, position: int, group, device) -> None:
+        """Before an eager forward gathers (``position``: its unit's index), and before each
+        compiled frame of a model with eager units runs (``frame_position``), the ranks check
+        that they are at the same place (one all-gather of an int64). A module that runs on
+        some ranks only (an expert only some ranks' tokens reach) would otherwise make them
+        issue different collectives, which hang or abort the transport. Raises on every rank,
+        naming the module to make a leaf."""
+        mine = torch.tensor([position], dtype=torch.int64, device=device)
+        every = torch.empty(group.world, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(every, mine, group=group.group)
+        ids = every.tolist()
+        if len(set(ids)) == 1:
+            return
+        # the ranks that moved on run a unit installed later, or a frame: the earliest unit is
+        # what they skipped
+        units = [i for i in ids if i < len(self.units)]
+        if not units:
+            raise RuntimeError(
+                "zerocompile: the ranks run different compiled frames at stage 3 ("
+                + ", ".join(f"rank {r}: {self.frame_names.get(i, 'a frame this rank never ran')}" for r, i in enumerate(ids))
+                + "): a module whose forward runs on some ranks only (an expert reached by some ranks' tokens "
+                "only) makes them gather different parameters. Mark the module that routes a leaf module: "
+                "zerocompile.set_leaf_modules(model, [TheModuleClass])")
+        skipped = self.units[min(units)]
+        ranks = [r for r, i in enumerate(ids) if i == skipped.index]
+        names = [f"{skipped.name}.{n}" if skipped.name else n
+                 for n, _ in skipped.module.named_parameters(recurse=is_leaf(skipped.module))]
+        raise participation_error(names, [f"ranks {ranks}"] * len(names), self.roots,
+                                  "are gathered by eager code on some ranks only, at stage 3")
+
+    @property
+    def gathers(self) -> bool:
+        """Some unit's forward gathers (stage 3, or a ``param_dtype`` that frees the parameter):
+        then the ranks must run the same eager modules and frames (``check_position``)."""
+        return any(sp.storage_freed for unit in self.units for sp in unit.states())
+
+    def frame_position(self, fingerprint: int, name: str) -> int:
+        """The position ``check_position`` compares for a compiled frame (apart from the units')."""
+        position = (1 << 62) | fingerprint
+        self.frame_names[position] = name
+        return position
+
+    def abandon(self, unit: EagerUnit) -> None:
+        """The unit's forward raised: free what it gathered."""
+        call = self._pop(unit)
+        if call is not None:
+            self._remove_handles(call)
+            for sp in call.states + call.borrowed:
+                sp.unhold()
+
+    def _pop(self, unit: EagerUnit) -> _Call | None:
+        for i in range(len(self.active) - 1, -1, -1):
+            if self.active[i].unit is unit:
+                return self.active.pop(i)
+        return None     # its forward began before the unit existed (the step that compiled the frames)
+
+    def borrow(self, sp: ShardedParam) -> bool:
+        """Gather ``sp`` for the innermost module whose eager forward is running (a parameter it
+        uses without owning it); False if no eager forward runs."""
+        if not self.active:
+            return False
+        call = self.active[-1]
+        sp.hold()
+        call.borrowed.append(sp)
+        return True
+
+    # -- backward -------------------------------------------------------------------------
+    @_torch_compat.never_a_frame
+    def _before_backward(self, call: _Call) -> None:
+        if call.in_backward:
+            return
+        call.in_backward = True
+        for sp in call.needed():
+            sp.hold()
+        self.open_backward.append(call)
+        self.queue_end_of_backward()
+
+    @_torch_compat.never_a_frame
+    def _after_backward(self, call: _Call) -> None:
+        if not call.in_backward:
+            return
+        self._close(call)
+        if call in self.open_backward:
+            self.open_backward.remove(call)
+
+    def _close(self, call: _Call) -> None:
+        call.in_backward = False
+        for sp in call.needed():
+            sp.unhold()
+        self._remove_handles(call)
+
+    @staticmethod
+    def _remove_handles(call: _Call) -> None:
+        for handle in call.handles:
+            handle.remove()
+        call.handles = []
+
+    def queue_end_of_backward(self) -> None:
+        if self.callback_queued:
+            return
+        self.callback_queued = True
+        _torch_compat.queue_end_of_backward(self._end_of_backward)
+
+    @_torch_compat.never_a_frame
+    def _end_of_backward(self) -> None:
+        self.callback_queued = False
+        calls, self.open_backward = self.open_backward, []
+        for call in calls:
+            self._close(call)
+        if self.needs_flush or self.accumulated:
+            self.needs_flush = False
+            accumulated, self.accumulated = self.accumulated, set()
+            self._reduce_gradients(accumulated)
+
+    def gradient_accumulated(self, sp: ShardedParam) -> None:
+        """Eager code accumulated a gradient into ``sp``'s parameter (post-accumulate-grad hook)."""
+        self.accumulated.add(id(sp))
+        self.queue_end_of_backward()
+
+    def _reduce_gradients(self, accumulated: set) -> None:
+        """Reduce-scatter the gradients eager code accumulated in this backward into the shard
+        gradients, after the ranks agree on which parameters have one (see the module docstring)."""
+        by_group = defaultdict(list)
+        for sp in self.grad_states:
+            by_group[(sp.group, sp.reduce_dtype)].append(sp)
+        for (group, reduce_dtype), states in by_group.items():
+            grads = [raw_grad(sp.param) if id(sp) in accumulated else None for sp in states]
+            if group.world > 1:
+                mask = torch.tensor([g is not None for g in grads], dtype=torch.uint8, device=states[0].device)
+                dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group.group)
+                have = mask.tolist()
+            else:
+                have = [g is not None for g in grads]
+            items = []
+            for sp, grad, any_rank in zip(states, grads, have):
+                if not any_rank:
+                    continue
+                if grad is None:        # another rank's data reached it, this rank's did not
+                    grad = torch.zeros(sp.shape, dtype=sp.compute_dtype, device=sp.device)
+                set_raw_grad(sp.param, None)
+                items.append((sp, grad))
+            if not items:
+                continue
+            choice = next((sp.gradient_reduction for sp, _ in items if sp.gradient_reduction is not None), None)
+            bucket = int(min(sp.bucket_mb for sp, _ in items) * 2**20)     # 0: one tensor per collective
+            shards = reduce_scatter_mean([(g, sp.padded_numel) for sp, g in items], group, bucket, reduce_dtype,
+                                         choice.kind_for if choice is not None else None)
+            with torch.no_grad():
+                for (sp, grad), shard_grad in zip(items, shards):
+                    shard_grad = shard_grad.to(sp.dtype)
+                    if sp.shard.grad is None:
+                        sp.shard.grad = shard_grad if shard_grad.data_ptr() != grad.data_ptr() else shard_grad.clone()
+                    else:
+                        sp.shard.grad.add_(shard_grad)
+
+
+def _tensors_needing_grad(tree) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree)
+            if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+# -- hooks (module-level functions: Dynamo inlines them, as never-a-frame code) -----------------
+@_torch_compat.never_a_frame
+def _pre_forward(module, args, kwargs):
+    if torch.compiler.is_compiling():
+        return None
+    unit = getattr(module, _UNIT, None)
+    if unit is not None:
+        unit.regions.enter(unit, args, kwargs)
+    return None
+
+
+@_torch_compat.never_a_frame
+def _post_forward(module, args, kwargs, output):
+    if torch.compiler.is_compiling():
+        return None
+    unit = getattr(module, _UNIT, None)
+    if unit is not None:
+        unit.regions.leave(unit, output)
+    return None
+
+
+@_torch_compat.never_a_frame
+def _gradient_accumulated(param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of a stage-2/3 parameter (see the module docstring)."""
+    sp = get_state(param)
+    if sp is not None and sp.eager_regions is not None and raw_grad(param) is not None:
+        sp.eager_regions.gradient_accumulated(sp)
+
+
+def install_eager_regions(roots) -> None:
+    """Give every module under ``roots`` that owns a sharded parameter the eager unit hooks
+    (once per module), and every stage-2/3 parameter the gradient hook (once per parameter).
+    The units of all ``roots`` share one ``EagerRegions`` (the first root's, or a new one)."""
+    roots = list(roots)
+    if not roots:
+        return
+    regions = regions_of(roots) or EagerRegions()
+    for root in sorted(roots, key=lambda m: -sum(1 for _ in m.parameters())):    # the model first
+        if getattr(root, _REGIONS, None) is None:
+            object.__setattr__(root, _REGIONS, regions)
+        if all(r is not root for r in regions.roots):
+            regions.roots.append(root)
+        inside_leaf = set()
+        for _, leaf in leaf_modules(root):
+            inside_leaf.update(id(m) for m in leaf.modules() if m is not leaf)
+        for name, module in root.named_modules():
+            if id(module) in inside_leaf or getattr(module, _UNIT, None) is not None:
+                continue
+            unit = EagerUnit(module, regions, name)
+            states = unit.states()
+            if not states:
+                continue
+            for sp in states:
+                sp.eager_regions = regions
+                _hook_gradient(sp, regions)
+            if not any(sp.storage_freed for sp in states):
+                continue        # nothing to gather (stages 0-2): no module hook, which would change what Dynamo compiles
+            unit.index = len(regions.units)
+            regions.units.append(unit)
+            object.__setattr__(module, _UNIT, unit)
+            if not is_leaf(module):      # a leaf's forward wrapper runs the unit (EagerUnit.run)
+                module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+                module.register_forward_hook(_post_forward, with_kwargs=True)
+
+
+def regions_of(roots) -> EagerRegions | None:
+    """The ``EagerRegions`` installed for ``roots`` (None if none)."""
+    return next((r for root in roots if (r := getattr(root, _REGIONS, None)) is not None), None)
+
+
+def _hook_gradient(sp: ShardedParam, regions: EagerRegions) -> None:
+    if sp.eager_grad_hook or not sp.rules.reduces_in_backward or not sp.requires_grad or sp.eager_grads_in_step:
+        return
+    with _torch_compat.plain_tensor_ops():
+        sp.param.register_post_accumulate_grad_hook(_gradient_accumulated)
+    sp.eager_grad_hook = True
+    regions.grad_states.append(sp)
+
+
+def _runs_eagerly(module: torch.nn.Module) -> bool:
+    # a leaf module's forward is disabled too, but it gathers its parameters itself on entry
+    # (EagerUnit.run): they are sharded like any other
+    return bool(getattr(module.forward, "_torchdynamo_disable", False)) and not is_leaf(module)
+
+
+def eager_only_parameters(root: torch.nn.Module) -> set:
+    """ids of the parameters owned by modules under ``root`` (or their children) whose
+    ``forward`` Dynamo never compiles (``torch.compiler.disable``)."""
+    out = set()
+    for module in root.modules():
+        if _runs_eagerly(module):
+            out.update(id(p) for p in module.parameters())
+    return out
