@@ -604,3 +604,33 @@ def test_boxed_python_code_empties_the_input_list_and_drops_each_value_after_its
     assert args == [], "the boxed code no longer empties its inputs list"
     assert seen["alive_at_probe"] is False, "the generated code no longer drops an input after its last use"
     assert torch.equal(out, torch.full((3,), 6.0))
+
+
+def test_preserving_version_keeps_the_version_counter():
+    """ShardedParam.materialize writes gathered values into a parameter an autograd graph saved."""
+    from zerocompile import _torch_compat
+
+    w = torch.randn(3, requires_grad=True)
+    out = (w * w).sum()          # saves w
+    before = w._version
+    with torch.no_grad(), _torch_compat.preserving_version(w):
+        w.copy_(w.detach().clone())
+    assert w._version == before
+    out.backward()               # would raise "modified by an inplace operation" otherwise
+    assert w.grad is not None
+
+
+def test_queue_end_of_backward_runs_after_the_backward():
+    from zerocompile import _torch_compat
+
+    order = []
+    w = torch.randn(3, requires_grad=True)
+    y = w * 2
+    def hook(grad):
+        _torch_compat.queue_end_of_backward(lambda: order.append("end"))
+        order.append("hook")
+
+    y.register_hook(hook)
+    w.register_post_accumulate_grad_hook(lambda p: order.append("accumulated"))
+    y.sum().backward()
+    assert order == ["hook", "accumulated", "end"]

@@ -492,27 +492,17 @@ def storageless_tensor(cls, shape, dtype, device):
 
 
 def preserving_version(tensor: torch.Tensor):
-    """A context in which writes into ``tensor`` leave its version counter as it was.
-
-    For gathering a parameter back into its freed storage between an eager forward and its
-    backward (``ShardedParam.materialize``): autograd saved the parameter in the forward and
-    checks in the backward that nothing wrote into it since; the values written are the ones
-    it saved. FSDP2 restores its unsharded parameters the same way.
-
-    Why private: ``torch.autograd._unsafe_preserve_version_counter`` is the one API that does
-    it; ``tests/test_torch_compat.py`` checks that it still does.
-    """
+    """A context in which writes into ``tensor`` keep its version counter: a parameter gathered
+    back between an eager forward that saved it and its backward (``ShardedParam.materialize``)
+    holds the values autograd saved, as FSDP2 restores its unsharded parameters. Why private:
+    ``torch.autograd._unsafe_preserve_version_counter`` is the one API (tested)."""
     return torch.autograd._unsafe_preserve_version_counter(tensor)
 
 
 def queue_end_of_backward(callback) -> None:
-    """Run ``callback()`` once the running backward pass has finished (call it from a hook
-    that runs inside a backward).
-
-    Why private: the autograd engine's ``queue_callback`` is reached through
-    ``torch.autograd.Variable._execution_engine`` only (FSDP2 uses it for the same job);
-    ``tests/test_torch_compat.py`` checks that it still runs the callback after the backward.
-    """
+    """Run ``callback()`` once the running backward has finished (call it from a hook inside
+    it). Why private: the engine's ``queue_callback`` is reached through
+    ``torch.autograd.Variable._execution_engine`` only, as FSDP2 does (tested)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
