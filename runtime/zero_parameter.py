@@ -52,6 +52,7 @@ _METADATA_METHODS = frozenset({
     "size", "stride", "dim", "numel", "nelement", "element_size", "is_contiguous", "storage_offset",
     "untyped_storage", "data_ptr", "is_floating_point", "is_complex", "get_device", "__hash__",
     "__reduce_ex__", "__deepcopy__", "_is_view", "is_shared", "is_pinned", "type",
+    "register_hook", "register_post_accumulate_grad_hook",      # hooks read no values
 })
 _METADATA_ATTRIBUTES = frozenset({
     "shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim", "layout", "is_cuda",

@@ -376,7 +376,7 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
                                _frame_device(plans))
     source = _TracedFrame(traced, sources, eager_owned, frame, torch.is_grad_enabled(), _torch_compat.dynamo_fake_mode())
     compiled, partitioner = source.compile(cfg, plans, _gradient_reduction(cfg, group, plans, frame), example_inputs)
-    _adopt_parameters(plans, roots, eager_owned)
+    _adopt_parameters(plans, roots)
     runner = FrameRunner(compiled, plans, partitioner, frame, roots, source)
     ACCOUNTING.compile_seconds += time.perf_counter() - started
     return runner
@@ -568,7 +568,7 @@ def _reused_entry_and_cost_model(key: str | None, ctx: PassContext, bypass: str 
     return entry
 
 
-def _adopt_parameters(plans, roots, eager_owned: set) -> None:
+def _adopt_parameters(plans, roots) -> None:
     """Make the frame's parameters ``ZeroParameter``s now, once the frame has compiled and
     before Dynamo builds its guards: the guards record each parameter's class, so a class
     changed at the first run would fail them at the next call and compile every frame twice.
@@ -586,7 +586,7 @@ def _adopt_parameters(plans, roots, eager_owned: set) -> None:
             adopt(sp.param)
     for module in roots:
         for param in module.parameters():
-            if type(param) is torch.nn.Parameter and id(param) not in eager_owned:
+            if type(param) is torch.nn.Parameter:
                 adopt(param)
 
 

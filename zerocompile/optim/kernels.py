@@ -76,7 +76,12 @@ class InnerOptimizerBuilder:
         # (Adagrad's initial_accumulator_value)
         own_class = getattr(torch.optim, name, None) is self.optimizer_class   # not a subclass of yours
         if self.choice == "auto" and own_class and not ({"fused", "foreach"} & self.defaults.keys()):
-            for flag, ok in (("fused", devices <= {"cpu", "cuda"}), ("foreach", True)):
+            # torch's fused SGD with momentum fails on a parameter whose first gradient comes after
+            # the first step (no momentum buffer yet: an expert no token reached at first); foreach
+            # creates the buffer then, as the class itself does
+            late_buffers = self.optimizer_class is torch.optim.SGD and any(
+                g.get("momentum", self.defaults.get("momentum", 0)) != 0 for g in groups)
+            for flag, ok in (("fused", devices <= {"cpu", "cuda"} and not late_buffers), ("foreach", True)):
                 if not ok or flag not in inspect.signature(self.optimizer_class).parameters:
                     continue
                 try:
