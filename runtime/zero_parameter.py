@@ -182,6 +182,16 @@ def _check_eager_use(param: ZeroParameter, func, args, kwargs):
     if kind == "call" and name == "copy_" and args and args[0] is param and len(args) >= 2:
         return lambda: _copy_into_shards(param, args[1])
     if kind == "call" and name == "detach" and _torch_compat.called_from_module_state_dict():
+        saver = _save_pretrained_caller()
+        if saver is not None:
+            raise ParameterNotGatheredError(
+                f"zerocompile: {saver}.save_pretrained(...) reads model.state_dict(), where parameter "
+                f"'{state.name}' is this rank's shard (stage {state.stage}, {state.group.world} ranks), so it would "
+                "save shards or fail. On every rank, either call zerocompile.save_pretrained(model, directory) "
+                "(the full model in Hugging Face's layout, written by rank 0, gathered one tensor at a time), or "
+                "pass the full values: model.save_pretrained(directory, state_dict=zerocompile.full_state_dict("
+                "model), is_main_process=rank == 0) (a PEFT model saves its adapter from them); with Accelerate, "
+                "ZeroAccelerator.save_model(model, directory) / get_state_dict(model).")
         return state.state_dict_value      # model.state_dict(): the sharded value
     if state.eager_regions is not None and state.eager_regions.borrow(state):
         return None     # used inside an eager module forward that does not own it: gathered for it
@@ -190,6 +200,21 @@ def _check_eager_use(param: ZeroParameter, func, args, kwargs):
         f"zerocompile: {what} on parameter '{state.name}' {tuple(param.shape)}, whose storage is freed "
         f"(stage {state.stage}: its values live in shards across {state.group.world} rank(s)). "
         + _HOW_TO_READ)
+
+
+def _save_pretrained_caller(depth: int = 12) -> str | None:
+    """The class of the module whose ``save_pretrained`` method (Hugging Face transformers',
+    PEFT's) called ``model.state_dict()``, within ``depth`` frames; None if none did. Those save
+    what ``state_dict()`` returns as whole tensors, which a sharded value is not."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "save_pretrained" else None
+        if isinstance(owner, torch.nn.Module):
+            return type(owner).__name__
+        frame = frame.f_back
+    return None
 
 
 def _copy_into_shards(param: ZeroParameter, source) -> ZeroParameter:

@@ -267,3 +267,82 @@ def test_leaf_modules_are_whole_only_while_they_run():
         assert max(result["whole_in_backward"]) <= result["layer_bytes"], (rank, result["whole_in_backward"])
         assert max(result["whole_in_backward"]) > 0, "a leaf's backward must run on its gathered parameters"
         assert result["whole_after"] == 0
+
+
+# -- PEFT LoRA on an HF Llama: the frozen base sharded, the adapters exact -----------------------
+LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+LORA_IDS = torch.randint(0, 128, (STEPS, 4, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _lora_llama(checkpointing: bool):
+    """transformers #47254's setup: with checkpointing, enable_input_require_grads() registers a
+    forward hook on the embedding that Dynamo cannot trace, so the embedding runs eagerly."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA, use_cache=not checkpointing))
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return peft.get_peft_model(model, config).train()
+
+
+def _lora_reference(checkpointing: bool) -> dict:
+    model = _lora_llama(checkpointing)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], **SGD)
+    for ids in LORA_IDS:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _lora_runs(rank: int, world: int, cases) -> dict:
+    out = {}
+    for checkpointing, stage in cases:
+        torch._dynamo.reset()
+        model = _lora_llama(checkpointing)
+        compiled = torch.compile(model, backend="zero", options={"stage": stage, "inner_compiler": "eager"})
+        opt = zerocompile.ZeroOptimizer([p for p in model.parameters() if p.requires_grad],
+                                        optimizer_class=torch.optim.SGD, **SGD)
+        for ids in LORA_IDS:
+            mine = rank_slice(ids, rank, world)
+            compiled(input_ids=mine, labels=mine).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        full = zerocompile.full_state_dict(model, rank0_only=False)
+        states = {n: get_state(p) for n, p in model.named_parameters()}
+        frozen = [sp for n, sp in states.items() if sp is not None and not sp.requires_grad]
+        out[(checkpointing, stage)] = {
+            "adapters": {n: full[n] for n, p in model.named_parameters() if p.requires_grad},
+            "unsharded": sorted(n for n, sp in states.items() if sp is None),
+            "whole": sorted(n for n, sp in states.items() if sp is not None and not sp.values_freed()),
+            "frozen_one_nth": sum(-(-p.numel() // world) for p in model.parameters() if not p.requires_grad),
+            "frozen_shard_elements": sum(sp.shard.numel() for sp in frozen if sp.shard is not None)}
+    return out
+
+
+LORA_CASES = [(True, 3), (False, 3), (True, 1)]
+
+
+def test_peft_lora_adapters_are_exact_and_the_frozen_base_is_sharded():
+    """PEFT LoRA on an HF Llama, with and without gradient checkpointing +
+    enable_input_require_grads (the eager embedding): the adapters equal one process's on
+    every rank, and every base parameter, the frozen embedding included, has a shard state; at
+    stage 3 none is whole after a step and the frozen parameters hold 1/N of their elements."""
+    per_rank = run_ranks(_lora_runs, 2, LORA_CASES)
+    refs = {ckpt: _lora_reference(ckpt) for ckpt in (True, False)}
+    for rank, results in enumerate(per_rank):
+        for (checkpointing, stage), result in results.items():
+            what = f"checkpointing={checkpointing}, stage {stage}, rank {rank}"
+            assert result["unsharded"] == [], what
+            for name, value in refs[checkpointing].items():
+                torch.testing.assert_close(result["adapters"][name], value, atol=2e-5, rtol=1e-5,
+                                           msg=lambda m: f"{what}, {name}: {m}")
+            if stage == 3:
+                assert result["whole"] == [], f"{what}: whole after the step: {result['whole']}"
+                # each frozen parameter's shard holds ceil(numel / N) elements, nothing more
+                assert result["frozen_shard_elements"] == result["frozen_one_nth"], what

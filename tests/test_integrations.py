@@ -183,6 +183,19 @@ def _accelerate_loop(stage: int, saved: str) -> dict:
     losses, norms = _accelerate_steps(accelerator, model, opt, loader, schedule, saved)
     run = {"losses": losses, "norms": norms, "wrapped": type(model).__name__,
            "state": zerocompile.full_state_dict(model), "files": sorted(os.listdir(saved))}
+    # the last lines of a fine-tuning script: the full model on the main process
+    exported = saved + "-model"
+    accelerator.save_model(model, exported)
+    got = accelerator.get_state_dict(model)
+    run["state_dict_keys"] = None if got is None else sorted(got)
+    if accelerator.is_main_process:
+        model.config.save_pretrained(exported)
+    try:
+        model.save_pretrained(exported + "-plain", is_main_process=accelerator.is_main_process)
+        run["plain_save"] = "saved"
+    except Exception as err:     # noqa: BLE001  (the test reads what it says)
+        run["plain_save"] = f"{type(err).__name__}: {err}"
+    run["exported"] = exported
     accelerator, model, opt, loader, schedule = _accelerate_setup(stage)
     accelerator.load_state(saved)
     run["resumed_losses"], run["resumed_norms"] = _accelerate_steps(
@@ -247,6 +260,32 @@ def test_accelerate_save_state_and_load_state_resume_exactly(accelerate_runs):
             assert r["resumed_norms"] == r["norms"][2:], (rank, stage, r["resumed_norms"], r["norms"])
             for key, value in r["state"].items():
                 assert torch.equal(r["resumed_state"][key], value), (rank, stage, key)
+
+
+def test_accelerate_save_model_writes_the_full_model_from_pretrained_reads(accelerate_runs):
+    """``accelerator.save_model`` / ``get_state_dict`` gather the full state on the main process
+    (None on the others, as Accelerate's DeepSpeed ZeRO-3 path), at every stage:
+    ``from_pretrained`` loads the trained weights back. HF's own ``save_pretrained`` without a
+    ``state_dict`` at stage 3 would read the shards: it refuses, naming the calls to use."""
+    import transformers
+
+    for rank, runs in enumerate(accelerate_runs):
+        for stage in (0, 2, 3):
+            r = runs[stage]
+            if rank == 0:
+                assert r["state_dict_keys"] == sorted(r["state"]), stage
+                loaded = transformers.LlamaForCausalLM.from_pretrained(r["exported"]).state_dict()
+                for key, value in r["state"].items():
+                    if key in loaded:       # a tied head is saved once
+                        assert torch.equal(loaded[key], value), (stage, key)
+                assert set(r["state"]) - set(loaded) <= {"lm_head.weight"}, (stage, set(r["state"]) - set(loaded))
+            else:
+                assert r["state_dict_keys"] is None, (rank, stage)
+            if stage == 3:
+                assert "zerocompile.save_pretrained(model, directory)" in r["plain_save"], r["plain_save"]
+                assert "LlamaForCausalLM.save_pretrained" in r["plain_save"], r["plain_save"]
+            else:
+                assert r["plain_save"] == "saved", (stage, r["plain_save"])
 
 
 def test_without_the_cpu_flag_every_rank_refuses_and_names_the_fix(accelerate_runs):

@@ -24,15 +24,13 @@ def full_state_dict(model: torch.nn.Module, rank0_only: bool = True) -> dict:
     module = _unwrap(model)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     keep = rank == 0 or not rank0_only
-    gathered: dict[int, torch.Tensor] = {}
+    gathered: dict[int, torch.Tensor | None] = {}    # a tensor shared by several names gathers once
     out = {}
     for name, value in module.state_dict(keep_vars=True).items():
         state = get_state(value) if isinstance(value, torch.nn.Parameter) else None
         if id(value) not in gathered:
-            if state is not None:
-                gathered[id(value)] = state.full_from_shards()
-            else:
-                gathered[id(value)] = value.detach().clone() if keep else value
+            full = state.full_from_shards() if state is not None else value.detach().clone() if keep else None
+            gathered[id(value)] = full if keep else None    # the other ranks drop each gathered value at once
         if keep:
             out[name] = gathered[id(value)]
     return out

@@ -13,7 +13,11 @@ training, ``ZeroAccelerator`` changes exactly these two methods:
   ``ZeroOptimizer`` that holds those parameters: the global norm, as one process would compute
   it on the whole batch.
 
-It also makes two more things right:
+It also makes three more things right:
+
+- ``get_state_dict`` (and so ``save_model``) gathers a zerocompile model's full state on the
+  main process, one tensor at a time, as Accelerate's DeepSpeed ZeRO-3 path does; Accelerate's
+  own would read the model's sharded ``state_dict()``;
 
 - construction refuses an Accelerate state that does not span the ranks torch.distributed
   runs: on a machine without GPUs, Accelerate started without ``cpu=True`` sets itself up
@@ -44,6 +48,7 @@ from accelerate.utils import DistributedType
 from zerocompile.checkpoint import load_checkpoint, save_checkpoint
 from zerocompile.optimizer import ZeroOptimizer
 from zerocompile.runtime.sharded_param import get_state
+from zerocompile.state_dict import full_state_dict
 
 ACCELERATE_VERSIONS = (">=1.10", "<2")
 """The accelerate versions this module is written and tested for (pyproject's extra)."""
@@ -113,6 +118,18 @@ class ZeroAccelerator(accelerate.Accelerator):
             raise ValueError("ZeroAccelerator.clip_grad_norm_: no prepared ZeroOptimizer holds these parameters; "
                              "prepare your zerocompile.ZeroOptimizer with accelerator.prepare(...) first")
         return opt.clip_grad_norm_(max_norm, norm_type)
+
+    # -- the full model: get_state_dict / save_model --------------------------------------
+    def get_state_dict(self, model, unwrap=True):
+        """The full state dict of a zerocompile model on the main process, None on the others
+        (as Accelerate's DeepSpeed ZeRO-3 path returns it): gathered one tensor at a time, in
+        the parameters' own dtype; a collective. Accelerate's own for other models.
+        ``save_model`` writes it (Hugging Face's layout; ``from_pretrained`` reads it with the
+        model's config)."""
+        if not any(get_state(p) is not None for p in model.parameters()):
+            return super().get_state_dict(model, unwrap)
+        full = full_state_dict(model)       # rank 0 (the main process) gets the tensors
+        return full if self.is_main_process else None
 
     # -- save_state / load_state -------------------------------------------------------
     def _zero_models(self) -> list[tuple[torch.nn.Module, ZeroOptimizer | None]]:
