@@ -297,7 +297,8 @@ def _lora_reference(checkpointing: bool) -> dict:
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {"adapters": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
+            "adapter_file": _reference_adapter(model)}
 
 
 def _lora_runs(rank: int, world: int, cases) -> dict:
@@ -315,14 +316,47 @@ def _lora_runs(rank: int, world: int, cases) -> dict:
             opt.zero_grad()
         full = zerocompile.full_state_dict(model, rank0_only=False)
         states = {n: get_state(p) for n, p in model.named_parameters()}
+        saved = _save_adapter(model, rank, stage)
         frozen = [sp for n, sp in states.items() if sp is not None and not sp.requires_grad]
         out[(checkpointing, stage)] = {
             "adapters": {n: full[n] for n, p in model.named_parameters() if p.requires_grad},
             "unsharded": sorted(n for n, sp in states.items() if sp is None),
             "whole": sorted(n for n, sp in states.items() if sp is not None and not sp.values_freed()),
             "frozen_one_nth": sum(-(-p.numel() // world) for p in model.parameters() if not p.requires_grad),
-            "frozen_shard_elements": sum(sp.shard.numel() for sp in frozen if sp.shard is not None)}
+            "frozen_shard_elements": sum(sp.shard.numel() for sp in frozen if sp.shard is not None),
+            **saved}
     return out
+
+
+def _save_adapter(model, rank: int, stage: int) -> dict:
+    """PEFT's save_pretrained: as such at stage 3 it refuses (it would read the shards), naming the
+    call to use; with the full values (zerocompile.full_state_dict) rank 0 writes the adapter."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    out = {}
+    directory = tempfile.mkdtemp()
+    if stage == 3:
+        try:
+            model.save_pretrained(directory)
+            out["plain_save"] = "saved"
+        except Exception as err:     # noqa: BLE001  (the test reads what it says)
+            out["plain_save"] = str(err)
+    model.save_pretrained(directory, state_dict=zerocompile.full_state_dict(model), is_main_process=rank == 0)
+    if rank == 0:
+        out["adapter_file"] = load_file(f"{directory}/adapter_model.safetensors")
+    return out
+
+
+def _reference_adapter(model) -> dict:
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    directory = tempfile.mkdtemp()
+    model.save_pretrained(directory)
+    return load_file(f"{directory}/adapter_model.safetensors")
 
 
 LORA_CASES = [(True, 3), (False, 3), (True, 1)]
@@ -332,17 +366,26 @@ def test_peft_lora_adapters_are_exact_and_the_frozen_base_is_sharded():
     """PEFT LoRA on an HF Llama, with and without gradient checkpointing +
     enable_input_require_grads (the eager embedding): the adapters equal one process's on
     every rank, and every base parameter, the frozen embedding included, has a shard state; at
-    stage 3 none is whole after a step and the frozen parameters hold 1/N of their elements."""
+    stage 3 none is whole after a step and the frozen parameters hold 1/N of their elements.
+    The saved adapter (save_pretrained with zerocompile.full_state_dict) is the file one process
+    writes; save_pretrained alone at stage 3 refuses, naming the calls to use."""
     per_rank = run_ranks(_lora_runs, 2, LORA_CASES)
     refs = {ckpt: _lora_reference(ckpt) for ckpt in (True, False)}
     for rank, results in enumerate(per_rank):
         for (checkpointing, stage), result in results.items():
             what = f"checkpointing={checkpointing}, stage {stage}, rank {rank}"
             assert result["unsharded"] == [], what
-            for name, value in refs[checkpointing].items():
+            for name, value in refs[checkpointing]["adapters"].items():
                 torch.testing.assert_close(result["adapters"][name], value, atol=2e-5, rtol=1e-5,
                                            msg=lambda m: f"{what}, {name}: {m}")
             if stage == 3:
                 assert result["whole"] == [], f"{what}: whole after the step: {result['whole']}"
                 # each frozen parameter's shard holds ceil(numel / N) elements, nothing more
                 assert result["frozen_shard_elements"] == result["frozen_one_nth"], what
+                assert "zerocompile.save_pretrained(model, directory)" in result["plain_save"], result["plain_save"]
+                assert "PeftModel.save_pretrained" in result["plain_save"], result["plain_save"]
+            if rank == 0:       # the adapter file one process would write
+                want = refs[checkpointing]["adapter_file"]
+                assert sorted(result["adapter_file"]) == sorted(want), what
+                for key, value in want.items():
+                    torch.testing.assert_close(result["adapter_file"][key], value, atol=2e-5, rtol=1e-5)
