@@ -68,6 +68,29 @@ def gpt_forward_with_break(model, idx, targets, after: int):
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def gpt_forward_breaking_in_loop(model, idx, targets):
+    """The demo GPT's forward with a Dynamo graph break inside the block loop (after every
+    block): torch 2.13 cannot resume inside a loop, so Dynamo runs this forward eagerly (the
+    embeddings, final norm and head with it) and compiles each block's forward as a frame."""
+    import torch.nn.functional as F
+
+    pos = torch.arange(idx.shape[1], device=idx.device)
+    x = model.tok_emb(idx) + model.pos_emb(pos)
+    for block in model.blocks:
+        x = block(x)
+        torch._dynamo.graph_break()
+    logits = model.lm_head(model.ln_f(x))
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def break_graph_in_loop(model):
+    """Give the demo GPT ``model`` the forward of ``gpt_forward_breaking_in_loop``."""
+    import types
+
+    model.forward = types.MethodType(gpt_forward_breaking_in_loop, model)
+    return model
+
+
 def break_graph_after(model, after: int):
     """Give the demo GPT ``model`` a forward with a graph break after block ``after``."""
     import types

@@ -13,6 +13,9 @@ every rank:
   default pass pipeline, optimizer wrapped in ``zerocompile.ZeroOptimizer``;
 - ``zero3-profile``: the same with ``profile=True`` (the passes decide from times measured
   on the frame's graph at compile time instead of the estimates);
+- ``zero3-per-block``: each block compiled on its own (``block.compile(backend="zero", ...)``,
+  torchtitan's regional compilation), the root module eager: its embeddings, final norm and
+  head are sharded by zerocompile's per-module hooks (``runtime/eager_regions.py``);
 - ``zero3-nopass``: the same with every optional pass disabled (the list is read from the
   pass registry, minus ``cast_forward_inputs``, which fp32 does not run anyway);
 - ``fsdp2``: ``fully_shard`` on each block and then on the root module, eager, no compile,
@@ -60,11 +63,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_harness as harness  # noqa: E402
-from common import MiB, RESULTS, break_graph_after, error_line, load_example, spawn_ranks  # noqa: E402
+from common import MiB, RESULTS, break_graph_after, break_graph_in_loop, error_line, load_example, spawn_ranks  # noqa: E402
 
-SYSTEMS = ("zero3", "zero3-profile", "zero3-nopass", "fsdp2")
+SYSTEMS = ("zero3", "zero3-profile", "zero3-nopass", "zero3-per-block", "fsdp2")
 LABELS = {"zero3": "zerocompile stage 3", "zero3-profile": "zerocompile stage 3, profile=True",
           "zero3-nopass": "zerocompile stage 3, no optional passes",
+          "zero3-per-block": "zerocompile stage 3, per-block compile",
           "fsdp2": "FSDP2 eager"}
 REFERENCE = "fsdp2"
 log = logging.getLogger("stage3_vs_fsdp2")
@@ -114,6 +118,8 @@ def build_system(name: str, args, example, disabled: list[str]) -> System:
         model = example.GPT(args.vocab, args.seq_len, args.d_model, args.n_layers, args.n_heads)
         if args.graph_break_after is not None:
             break_graph_after(model, args.graph_break_after)
+        if args.graph_break_in_loop:
+            break_graph_in_loop(model)
         if name == "fsdp2":
             for block in model.blocks:
                 fully_shard(block)
@@ -127,7 +133,12 @@ def build_system(name: str, args, example, disabled: list[str]) -> System:
                 options["passes"] = {"disable": list(disabled)}
             if name == "zero3-profile":
                 options["profile"] = True
-            system.model = torch.compile(model, backend="zero", options=options)
+            if name == "zero3-per-block":      # torchtitan's regional compilation: the root stays eager
+                for block in model.blocks:
+                    block.compile(backend="zero", options=options)
+                system.model = model
+            else:
+                system.model = torch.compile(model, backend="zero", options=options)
             system.opt = zerocompile.ZeroOptimizer(system.model.parameters(), optimizer_class=torch.optim.AdamW,
                                                    lr=args.lr, weight_decay=args.weight_decay)
     return system
@@ -273,6 +284,9 @@ def parse_args(argv=None):
     p.add_argument("--graph-break-after", type=int, default=None, metavar="K",
                    help="a Dynamo graph break after block K (0-based) in the GPT's forward: "
                         "zerocompile compiles two frames (FSDP2 runs eager either way)")
+    p.add_argument("--graph-break-in-loop", action="store_true",
+                   help="a Dynamo graph break inside the GPT's block loop: Dynamo runs its forward eagerly "
+                        "(embeddings, final norm, head) and compiles each block as a frame")
     harness.add_training_options(p, reference="FSDP2", timeout_s=300.0,
                                  timeout_note=" (covers one rank compiling while another waits)")
     p.add_argument("--peak-anatomy", action="store_true",
@@ -310,6 +324,7 @@ def main(argv=None) -> int:
     print(f"\nGPT: Psi = {psi} parameters ({psi / 1e6:.2f}M), vocab {args.vocab}, d_model {args.d_model}, "
           f"{args.n_layers} layers"
           + (f" (graph break after block {args.graph_break_after})" if args.graph_break_after is not None else "")
+          + (" (graph break inside the block loop)" if args.graph_break_in_loop else "")
           + f", {args.n_heads} heads, seq {args.seq_len}; {args.world_size} gloo ranks x "
           f"{args.threads} thread(s), {args.batch} sequences/rank/step, fp32 AdamW; inner compiler "
           f"{args.inner_compiler}; {args.steps} timed steps after 1 + {args.warmup} warm-up; "

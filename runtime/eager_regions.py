@@ -45,7 +45,6 @@ DeepSpeed's persistent parameters; ``eager_only_parameters``).
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 
 import torch
@@ -53,13 +52,13 @@ import torch.distributed as dist
 from torch.autograd.graph import register_multi_grad_hook
 
 from zerocompile import _torch_compat
+from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime.comm import all_gather_flat
 from zerocompile.runtime.grad_participation import participation_error
 from zerocompile.runtime.leaf_modules import EAGER_UNIT as _UNIT, is_leaf, leaf_modules
 from zerocompile.runtime.raw_grad import raw_grad, set_raw_grad
 from zerocompile.runtime.sharded_param import ShardedParam, get_state
 from zerocompile.runtime.step_collectives import reduce_scatter_mean
-
-log = logging.getLogger("zerocompile")
 
 _REGIONS = "_zerocompile_eager_regions"
 
@@ -140,9 +139,8 @@ class EagerRegions:
         call.states = unit.states()
         freed = [sp for sp in call.states if sp.values_freed()]
         if freed and freed[0].group.world > 1:
-            self._check_same_unit(unit, freed[0])
-        for sp in call.states:
-            sp.hold()
+            self.check_position(unit.index, freed[0].group, freed[0].device)
+        _hold(call.states)
         self.active.append(call)
         if torch.is_grad_enabled():
             self.needs_flush = True
@@ -165,9 +163,6 @@ class EagerRegions:
         for sp in call.states + call.borrowed:
             sp.unhold()
 
-    def _check_same_unit(self, unit: EagerUnit, sp: ShardedParam) -> None:
-        self.check_position(unit.index, sp.group, sp.device)
-
     def check_position(self, position: int, group, device) -> None:
         """Before an eager forward gathers (``position``: its unit's index), and before each
         compiled frame of a model with eager units runs (``frame_position``), the ranks check
@@ -175,9 +170,8 @@ class EagerRegions:
         some ranks only (an expert only some ranks' tokens reach) would otherwise make them
         issue different collectives, which hang or abort the transport. Raises on every rank,
         naming the module to make a leaf."""
-        mine = torch.tensor([position], dtype=torch.int64, device=device)
-        every = torch.empty(group.world, dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(every, mine, group=group.group)
+        every = all_gather_flat(torch.tensor([position], dtype=torch.int64, device=device), group.world, group.name)
+        ACCOUNTING.record("all_gather", every.numel() * every.element_size())
         ids = every.tolist()
         if len(set(ids)) == 1:
             return
@@ -199,10 +193,12 @@ class EagerRegions:
                                   "are gathered by eager code on some ranks only, at stage 3")
 
     @property
-    def gathers(self) -> bool:
-        """Some unit's forward gathers (stage 3, or a ``param_dtype`` that frees the parameter):
-        then the ranks must run the same eager modules and frames (``check_position``)."""
-        return any(sp.storage_freed for unit in self.units for sp in unit.states())
+    def in_eager_forward(self) -> bool:
+        """An eager unit's forward is running (units exist only where something is gathered):
+        a compiled frame run or compiled now is inside eager code, which may run on some ranks
+        only, so the ranks check their position first (``check_position``). A model compiled
+        whole never is."""
+        return bool(self.active)
 
     def frame_position(self, fingerprint: int, name: str) -> int:
         """The position ``check_position`` compares for a compiled frame (apart from the units')."""
@@ -230,7 +226,7 @@ class EagerRegions:
         if not self.active:
             return False
         call = self.active[-1]
-        sp.hold()
+        _hold([sp])
         call.borrowed.append(sp)
         return True
 
@@ -240,8 +236,7 @@ class EagerRegions:
         if call.in_backward:
             return
         call.in_backward = True
-        for sp in call.needed():
-            sp.hold()
+        _hold(call.needed())
         self.open_backward.append(call)
         self.queue_end_of_backward()
 
@@ -298,6 +293,7 @@ class EagerRegions:
             if group.world > 1:
                 mask = torch.tensor([g is not None for g in grads], dtype=torch.uint8, device=states[0].device)
                 dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group.group)
+                ACCOUNTING.record("all_reduce", mask.numel())
                 have = mask.tolist()
             else:
                 have = [g is not None for g in grads]
@@ -322,6 +318,14 @@ class EagerRegions:
                         sp.shard.grad = shard_grad if shard_grad.data_ptr() != grad.data_ptr() else shard_grad.clone()
                     else:
                         sp.shard.grad.add_(shard_grad)
+
+
+def _hold(states) -> None:
+    """``hold`` each state, counting the all-gathers that gathers for ``zerocompile.stats()``."""
+    for sp in states:
+        if sp.values_freed() and sp.group.world > 1:
+            ACCOUNTING.record("all_gather", sp.padded_numel * sp.param.element_size())
+        sp.hold()
 
 
 def _tensors_needing_grad(tree) -> list[torch.Tensor]:
@@ -374,21 +378,27 @@ def install_eager_regions(roots) -> None:
         inside_leaf = set()
         for _, leaf in leaf_modules(root):
             inside_leaf.update(id(m) for m in leaf.modules() if m is not leaf)
+        # a root whose forward called another root's frame runs eagerly around it: it is a unit even
+        # without parameters of its own, so what its forward uses of other modules is gathered for it
+        caller = any(other is not root and any(m is other for m in root.modules()) for other in roots) and any(
+            (sp := get_state(p)) is not None and sp.storage_freed for p in root.parameters())
         for name, module in root.named_modules():
             if id(module) in inside_leaf or getattr(module, _UNIT, None) is not None:
                 continue
             unit = EagerUnit(module, regions, name)
             states = unit.states()
-            if not states:
-                continue
             for sp in states:
                 sp.eager_regions = regions
                 _hook_gradient(sp, regions)
-            if not any(sp.storage_freed for sp in states):
+            if not any(sp.storage_freed for sp in states) and not (caller and module is root):
                 continue        # nothing to gather (stages 0-2): no module hook, which would change what Dynamo compiles
             unit.index = len(regions.units)
             regions.units.append(unit)
             object.__setattr__(module, _UNIT, unit)
+            if caller and module is root:
+                # its forward is running now (it called the frame being installed): it counts as
+                # entered, and its post-hook, read when the forward returns, leaves it
+                regions.active.append(_Call(unit))
             if not is_leaf(module):      # a leaf's forward wrapper runs the unit (EagerUnit.run)
                 module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
                 module.register_forward_hook(_post_forward, with_kwargs=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "stage3_vs_fsdp2.py"
-SYSTEMS = ("zero3", "zero3-profile", "zero3-nopass", "fsdp2")
+SYSTEMS = ("zero3", "zero3-profile", "zero3-nopass", "zero3-per-block", "fsdp2")
 
 
 def test_stage3_vs_fsdp2_quick(tmp_path):

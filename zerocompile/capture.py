@@ -146,11 +146,10 @@ class FrameRunner:
         sequences = [s.sequence for s in summaries]
         self._position = None
         regions = regions_of(self._hook_roots)
-        if regions is not None and self.partitioner.ctx.group.world > 1 and any(len(seq) for seq in sequences) \
-                and regions.gathers:
-            # a model with eager units at stage 3: the ranks check they run the same frame before
-            # it issues collectives (runtime/eager_regions.py: check_position); also before the
-            # check of its collectives below, which is one
+        if regions is not None and self.partitioner.ctx.group.world > 1 and any(len(seq) for seq in sequences):
+            # a frame of a model with eager units: run inside an eager forward, the ranks check they
+            # run the same frame before it issues collectives (runtime/eager_regions.py:
+            # check_position); also before the check of its collectives below, which is one
             self._position = (regions, regions.frame_position(fingerprint(sequences), self.frame))
             self._check_position()
         # a frame without collectives cannot put the ranks out of step, and it may run on some
@@ -191,7 +190,8 @@ class FrameRunner:
 
     def _check_position(self) -> None:
         regions, position = self._position
-        regions.check_position(position, self.partitioner.ctx.group, _frame_device(self.plans))
+        if regions.in_eager_forward:
+            regions.check_position(position, self.partitioner.ctx.group, _frame_device(self.plans))
 
     def __call__(self, *args):
         if not self._checked:
@@ -369,7 +369,7 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
         log.info("[%s] offload_param device 'cpu': the parameters are on the CPU, so their shards already "
                  "live in host memory; nothing to offload", frame)
     regions = regions_of(roots)
-    if regions is not None and group.world > 1 and regions.gathers:
+    if regions is not None and group.world > 1 and regions.in_eager_forward:
         # a compile may take collectives (the cost model's agreement): in a model with eager
         # units, the ranks check first that they all compile this frame (runtime/eager_regions.py)
         regions.check_position(regions.frame_position(fingerprint([[frame]]), f"{frame} (compiling)"), group,
