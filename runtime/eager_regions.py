@@ -53,7 +53,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from zerocompile import _torch_compat
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime.comm import all_gather_flat
+from zerocompile.runtime.comm import all_gather_flat, is_fake_group
 from zerocompile.runtime.grad_participation import participation_error
 from zerocompile.runtime.leaf_modules import EAGER_UNIT as _UNIT, is_leaf, leaf_modules
 from zerocompile.runtime.raw_grad import raw_grad, set_raw_grad
@@ -170,6 +170,8 @@ class EagerRegions:
         some ranks only (an expert only some ranks' tokens reach) would otherwise make them
         issue different collectives, which hang or abort the transport. Raises on every rank,
         naming the module to make a leaf."""
+        if is_fake_group(group) or device.type == "meta":
+            return      # zerocompile plan: no rank to disagree with
         every = all_gather_flat(torch.tensor([position], dtype=torch.int64, device=device), group.world, group.name)
         ACCOUNTING.record("all_gather", every.numel() * every.element_size())
         ids = every.tolist()
@@ -290,7 +292,7 @@ class EagerRegions:
             by_group[(sp.group, sp.reduce_dtype)].append(sp)
         for (group, reduce_dtype), states in by_group.items():
             grads = [raw_grad(sp.param) if id(sp) in accumulated else None for sp in states]
-            if group.world > 1:
+            if group.world > 1 and not is_fake_group(group) and states[0].device.type != "meta":
                 mask = torch.tensor([g is not None for g in grads], dtype=torch.uint8, device=states[0].device)
                 dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group.group)
                 ACCOUNTING.record("all_reduce", mask.numel())

@@ -150,7 +150,9 @@ class FrameRunner:
             # a frame of a model with eager units: run inside an eager forward, the ranks check they
             # run the same frame before it issues collectives (runtime/eager_regions.py:
             # check_position); also before the check of its collectives below, which is one
-            self._position = (regions, regions.frame_position(fingerprint(sequences), self.frame))
+            # the frame's name, not its collectives: ranks that compiled it differently get the
+            # check below, which names the first differing collective
+            self._position = (regions, regions.frame_position(fingerprint([[self.frame]]), self.frame))
             self._check_position()
         # a frame without collectives cannot put the ranks out of step, and it may run on some
         # ranks only (an expert only some ranks' tokens reach, a recompile for a shape one rank
@@ -372,7 +374,7 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     if regions is not None and group.world > 1 and regions.in_eager_forward:
         # a compile may take collectives (the cost model's agreement): in a model with eager
         # units, the ranks check first that they all compile this frame (runtime/eager_regions.py)
-        regions.check_position(regions.frame_position(fingerprint([[frame]]), f"{frame} (compiling)"), group,
+        regions.check_position(regions.frame_position(fingerprint([[frame, "compile"]]), f"{frame} (compiling)"), group,
                                _frame_device(plans))
     source = _TracedFrame(traced, sources, eager_owned, frame, torch.is_grad_enabled(), _torch_compat.dynamo_fake_mode())
     compiled, partitioner = source.compile(cfg, plans, _gradient_reduction(cfg, group, plans, frame), example_inputs)
