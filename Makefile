@@ -48,6 +48,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/collectives.py
 	$(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 6 --systems fsdp2 zero3 --out benchmarks/results/stage3_vs_fsdp2_6block.json
 	$(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 6 --graph-break-after 2 --systems fsdp2 zero3 --out benchmarks/results/stage3_vs_fsdp2_6block_break.json
+	$(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 6 --graph-break-in-loop --systems fsdp2 zero3 zero3-per-block --out benchmarks/results/stage3_vs_fsdp2_6block_loop_break.json
+	TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) $(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 12 --steps 3 --systems fsdp2 zero3 --out benchmarks/results/stage3_vs_fsdp2_12block_whole_cold.json
+	TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) $(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 12 --steps 3 --systems fsdp2 zero3-per-block --out benchmarks/results/stage3_vs_fsdp2_12block_per_block_cold.json
 	$(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 6 --inner-compiler eager --systems fsdp2 zero3 --out benchmarks/results/stage3_vs_fsdp2_6block-eager.json
 	$(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 6 --inner-compiler eager --peak-anatomy --systems fsdp2 zero3 --steps 2 --out benchmarks/results/stage3_vs_fsdp2_6block-anatomy.json
 	$(PY) benchmarks/quantize.py

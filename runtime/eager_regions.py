@@ -382,7 +382,9 @@ def install_eager_regions(roots) -> None:
             inside_leaf.update(id(m) for m in leaf.modules() if m is not leaf)
         # a root whose forward called another root's frame runs eagerly around it: it is a unit even
         # without parameters of its own, so what its forward uses of other modules is gathered for it
-        caller = any(other is not root and any(m is other for m in root.modules()) for other in roots) and any(
+        # (torch.compile's wrapper, whose forward is Dynamo's own, is not)
+        caller = getattr(root, "_orig_mod", None) is None and any(
+            other is not root and any(m is other for m in root.modules()) for other in roots) and any(
             (sp := get_state(p)) is not None and sp.storage_freed for p in root.parameters())
         for name, module in root.named_modules():
             if id(module) in inside_leaf or getattr(module, _UNIT, None) is not None:
