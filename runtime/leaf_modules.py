@@ -14,9 +14,9 @@ does not, and the ranks' collective sequences part. ``zerocompile.set_leaf_modul
 - its parameters are sharded like any other (the first compiled frame whose model holds
   the module shards them, ``capture._param_states``); they are one eager unit
   (``runtime/eager_regions.py``): gathered for the leaf's forward, freed after it, gathered
-  again right before its backward and freed after that, as DeepSpeed does. Their gradients
-  wait for ``ZeroOptimizer.step()``, which reduces them (zeros where a rank's data did not
-  reach a parameter, ``runtime/grad_participation.py``).
+  again right before its backward and freed after that, as DeepSpeed does. At stages 2 and 3
+  their gradients are reduce-scattered when the backward ends (at stages 0 and 1 by
+  ``ZeroOptimizer.step()``), zeros where a rank's data did not reach a parameter.
 
 The cost: at most the leaves running now are whole, and the leaf's own compute runs eagerly.
 """

@@ -144,14 +144,13 @@ class FrameRunner:
         summaries = [self._forward_summary(),
                      self.partitioner.backward_summary]
         sequences = [s.sequence for s in summaries]
-        self._position = None
         regions = regions_of(self._hook_roots)
         if regions is not None and self.partitioner.ctx.group.world > 1 and any(len(seq) for seq in sequences):
             # a frame of a model with eager units: run inside an eager forward, the ranks check they
             # run the same frame before it issues collectives (runtime/eager_regions.py:
-            # check_position); also before the check of its collectives below, which is one
-            # the frame's name, not its collectives: ranks that compiled it differently get the
-            # check below, which names the first differing collective
+            # check_position), also before the check of its collectives below, which is one. The
+            # position is the frame's name, not its collectives: ranks that compiled it differently
+            # get that check, which names the first differing collective
             self._position = (regions, regions.frame_position(fingerprint([[self.frame]]), self.frame))
             self._check_position()
         # a frame without collectives cannot put the ranks out of step, and it may run on some
