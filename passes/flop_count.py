@@ -29,7 +29,8 @@ def graph_flops(graph: torch.fx.Graph, backward: bool = False) -> dict:
     """``{"flops": total, "recompute": the recomputed forward ops' share, "modules": {module path:
     [FLOPs, class name]}}`` of ``graph``: ints, or expressions of the size symbols (strings) where
     shapes are symbolic (those ops are left out of ``modules``). A module path is the innermost
-    module the op ran in, as Dynamo recorded it (``nn_module_stack``), relative to the frame's."""
+    module the op ran in, as Dynamo recorded it (``nn_module_stack``), relative to the frame's
+    (``""``: the frame's own module, also where Dynamo recorded none)."""
     total = recompute = sympy.Integer(0)
     modules: dict = {}
     for node in graph.nodes:
@@ -64,9 +65,11 @@ def graph_flops(graph: torch.fx.Graph, backward: bool = False) -> dict:
         if backward and node.meta.get("partitioner_tag") != "is_backward":
             recompute += flops
         # a backward op carries its forward op's modules (AOTAutograd copies them by seq_nr)
+        # (an op Dynamo recorded no module for, such as the code of a resume function after a
+        # graph break, counts for the frame's own module, "")
         stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
-        if stack and flops.is_number:
-            path, cls = list(stack.values())[-1]
+        if flops.is_number:
+            path, cls = list(stack.values())[-1] if stack else ("", "")
             entry = modules.setdefault(module_path(path), [0, getattr(cls, "__name__", str(cls))])
             entry[0] += int(flops)
     return {"flops": _plain(total), "recompute": _plain(recompute), "modules": modules}

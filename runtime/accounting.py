@@ -177,6 +177,11 @@ class Accounting:
         """The same, of the last step (``end_step_flops``)."""
         self.calls: dict = {}
         """Forward and backward runs per compiled frame (by ``FrameRunner.order``) since the last step."""
+        self.eager_modules: dict = {}
+        """FLOPs of eager code since the last step, ``{(module path, type): [forward, backward]}``
+        (``runtime/eager_flops.py``); included in ``flops``."""
+        self.step_eager_modules: dict = {}
+        """The same, of the last step."""
         self.step_calls: dict = {}
         """The same, of the last step."""
         self.comms = CommsLog()
@@ -208,6 +213,12 @@ class Accounting:
         if frame is not None:
             self.calls.setdefault(frame, [0, 0])[int(backward)] += 1
 
+    def record_eager_flops(self, module: tuple, flops: int, backward: bool) -> None:
+        """FLOPs of an eager op (``runtime/eager_flops.py``) run for ``module`` (``(path, type)``),
+        in its forward or its backward."""
+        self.flops["flops"] += flops
+        self.eager_modules.setdefault(module, [0, 0])[int(backward)] += flops
+
     def end_step_flops(self, optimizer: int = 0) -> None:
         """An optimizer step ended (``optimizer``: its ``id``): what ran since the last one is the
         step's. Another optimizer stepping right after (no compiled graph ran in between: Muon for
@@ -218,6 +229,7 @@ class Accounting:
         self.last_stepped = optimizer
         self.step_flops, self.flops = self.flops, {"flops": 0, "recompute": 0}
         self.step_calls, self.calls = self.calls, {}
+        self.step_eager_modules, self.eager_modules = self.eager_modules, {}
         self.module_times.step_ended()
 
     def reset(self) -> None:
@@ -225,6 +237,7 @@ class Accounting:
         self.flops = {"flops": 0, "recompute": 0}
         self.step_flops = {"flops": 0, "recompute": 0}
         self.calls, self.step_calls = {}, {}
+        self.eager_modules, self.step_eager_modules = {}, {}
         self.comms.reset()
         self.compile_seconds = 0.0
 

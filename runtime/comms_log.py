@@ -13,6 +13,12 @@ Where it measures:
   each is counted in the accounting (right before it is issued) to the end of its wait.
 - **A whole-parameter optimizer's all-to-alls** (``start_all_to_all`` to ``finish_all_to_all``, or
   to a wait right after the issue with ``blocking``).
+- **Eager regions** (``runtime/eager_regions.py``: code Dynamo left to eager at stage 3): each
+  module's forward gather with the ranks' position check before it (``eager forward gather``),
+  its backward's gather (``eager backward gather``), the position check before a compiled frame
+  run from eager code (``eager position check``), and the end-of-backward mask all-reduce and
+  bucketed reduce-scatter of eager gradients (``eager gradients``), each from its count to its
+  completion.
 - **The step's scalar all-reduces** (the clipping norm and overflow check, ``optim/clipping.py``;
   the gradient-participation check, ``runtime/grad_participation.py``) the same way. The
   collectives of set-up checks (the fingerprint of each compiled frame, the rare second round of

@@ -17,17 +17,12 @@ modules Dynamo skipped) runs each module's parameters through one lifetime:
   free that way (inputs that need no gradient: token ids) is freed when the backward ends
   (a callback queued on the autograd engine).
 - **gradients**: at stages 2 and 3 the gradients eager code accumulates into parameters
-  (``register_post_accumulate_grad_hook``) are reduce-scattered into their shards when the
-  backward ends, bucketed, in one order on every rank; so ``p.grad`` of every sharded
-  parameter is the same ``DTensor`` of the shard, wherever it ran, and no full gradient
-  outlives the backward (the flush is queued by the first such gradient, or by a gathering
-  unit's backward, in each backward). The ranks first agree on which parameters got one (a small
-  all-reduce of a mask): where only some ranks' data reached a parameter (an expert), the
-  others reduce zeros, and a parameter no rank's data reached keeps no gradient, as in one
-  process. Two kinds wait for the optimizer step instead, which reduces them as before:
-  gradients of parameters compiled with ``loss_scale`` (the compiled backward leaves their
-  shard gradients scaled, the eager ones are not), and stage 0/1 gradients (reduced once per
-  step by definition).
+  are reduce-scattered into their shards during the backward: a module's own parameters when its
+  backward ends, the rest when the whole backward ends, every rank in the same order
+  (``runtime/eager_grads.py``). So ``p.grad`` of every sharded parameter is the same ``DTensor``
+  of the shard, wherever it ran.
+- **FLOPs**: while an eager unit's forward runs, its ops are counted for its module
+  (``runtime/eager_flops.py``), so ``stats().flops_per_step`` covers eager code.
 
 Every rank must run the same eager code (each gather is a collective); so it must for FSDP2
 and DeepSpeed. Gathers are counted per parameter (``ShardedParam.hold`` / ``unhold``), so a
@@ -45,20 +40,18 @@ DeepSpeed's persistent parameters; ``eager_only_parameters``).
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
-import torch.distributed as dist
 from torch.autograd.graph import register_multi_grad_hook
 
 from zerocompile import _torch_compat
 from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import all_gather_flat, is_fake_group
+from zerocompile.runtime.eager_flops import EagerFlops
+from zerocompile.runtime.eager_grads import EagerGradients
 from zerocompile.runtime.grad_participation import participation_error
 from zerocompile.runtime.leaf_modules import EAGER_UNIT as _UNIT, is_leaf, leaf_modules
-from zerocompile.runtime.raw_grad import raw_grad, set_raw_grad
+from zerocompile.runtime.raw_grad import raw_grad
 from zerocompile.runtime.sharded_param import ShardedParam, get_state
-from zerocompile.runtime.step_collectives import reduce_scatter_mean
 
 _REGIONS = "_zerocompile_eager_regions"
 
@@ -66,10 +59,14 @@ _REGIONS = "_zerocompile_eager_regions"
 class _Call:
     """One eager run of a unit's module: what it holds gathered, in forward and in backward."""
 
-    __slots__ = ("unit", "states", "borrowed", "in_backward", "handles")
+    __slots__ = ("unit", "states", "borrowed", "in_backward", "handles", "provisional")
 
-    def __init__(self, unit: "EagerUnit"):
+    def __init__(self, unit: "EagerUnit", provisional: bool = False):
         self.unit = unit
+        self.provisional = provisional
+        """A caller root's run that began before its unit existed (the step that compiled the
+        frames): its forward-end hook does not run (``Module.__call__`` read the hooks when it
+        began), so the run ends at the end of the next backward or the unit's next run."""
         self.states: list[ShardedParam] = []
         """What this run's forward gathered (held until the forward ends)."""
         self.borrowed: list[ShardedParam] = []
@@ -91,6 +88,9 @@ class EagerUnit:
         self.name = name
         self.index = -1
         """Its place in ``EagerRegions.units`` once installed."""
+        self.gathers = True
+        """Its forward gathers (stage 3), so the ranks check their place first; False for a unit
+        that only counts its FLOPs (a caller root or a leaf module at stages 0-2)."""
         params = module.parameters(recurse=is_leaf(module))
         unique = {id(p): p for p in params}
         self.params = list(unique.values())
@@ -124,24 +124,32 @@ class EagerRegions:
         self.frame_names: dict[int, str] = {}
         self.open_backward: list[_Call] = []
         self.callback_queued = False
-        self.grad_states: list[ShardedParam] = []
-        """The stage-2/3 parameters whose eager gradients are reduced at the end of a backward,
-        in the order the units were installed (the same on every rank)."""
-        self.accumulated: set[int] = set()
-        """ids of those that got a gradient in the running backward."""
+        self.grads = EagerGradients()
+        """The stage-2/3 gradients eager code accumulates (``runtime/eager_grads.py``)."""
+        self.counted_modules: set[int] = set()
+        """Modules whose parameters ``grads.owners`` counted."""
         self.needs_flush = False
         """An eager unit ran a forward with autograd on since the last flush: the next backward
         ends with the agreement and reduction, on every rank."""
+        self.flops = EagerFlops(_record_flops)
+        """Counts the FLOPs of the eager forwards (``runtime/eager_flops.py``), entered while
+        one runs (``counting``)."""
+        self.counting = False
 
     # -- forward --------------------------------------------------------------------------
     def enter(self, unit: EagerUnit, args, kwargs) -> None:
+        self._end_provisional(unit)
         call = _Call(unit)
         call.states = unit.states()
         freed = [sp for sp in call.states if sp.values_freed()]
         if freed and freed[0].group.world > 1:
-            self.check_position(unit.index, freed[0].group, freed[0].device)
-        _hold(call.states)
+            with ACCOUNTING.comms.timed(freed[0].device, "eager forward gather"):
+                self.check_position(unit.index, freed[0].group, freed[0].device)
+                _hold(call.states)
+        else:
+            _hold(call.states)
         self.active.append(call)
+        self._count_for(unit)
         if torch.is_grad_enabled():
             self.needs_flush = True
             inputs = _tensors_needing_grad((args, kwargs))
@@ -153,6 +161,7 @@ class EagerRegions:
         call = self._pop(unit)
         if call is None:
             return
+        self._count_for(self.active[-1].unit if self.active else None)
         if torch.is_grad_enabled():
             outputs = _tensors_needing_grad(output)
             if outputs:
@@ -200,7 +209,39 @@ class EagerRegions:
         a compiled frame run or compiled now is inside eager code, which may run on some ranks
         only, so the ranks check their position first (``check_position``). A model compiled
         whole never is."""
-        return bool(self.active)
+        return any(call.unit.gathers for call in self.active)
+
+    def _count_for(self, unit: "EagerUnit | None") -> None:
+        """Count the eager ops that run from now for ``unit``'s module (None: no eager forward
+        runs; the counting stops)."""
+        counter = self.flops
+        if counter.pending:
+            counter.settle()
+        if any(call.provisional for call in self.active):
+            # the step that compiled the frames: its forward end is not seen, and the counting
+            # must start and stop in the forward (a mode left in a backward's callback stays on)
+            unit = None
+        if unit is None:
+            if self.counting:
+                self.counting = False
+                counter.__exit__(None, None, None)
+            return
+        counter.module = (unit.name, type(unit.module).__name__)
+        if not self.counting:
+            self.counting = True
+            counter.__enter__()
+
+    def frame_runs(self, running: bool) -> None:
+        """A compiled frame starts (``True``) or ends running: its ops are its own FLOPs, and
+        they run without the counting mode (a mode would route each of them through Python)."""
+        if not self.counting:
+            return
+        if running:
+            if self.flops.pending:
+                self.flops.settle()
+            self.flops.__exit__(None, None, None)
+        else:
+            self.flops.__enter__()
 
     def frame_position(self, fingerprint: int, name: str) -> int:
         """The position ``check_position`` compares for a compiled frame (apart from the units')."""
@@ -211,10 +252,22 @@ class EagerRegions:
     def abandon(self, unit: EagerUnit) -> None:
         """The unit's forward raised: free what it gathered."""
         call = self._pop(unit)
+        self._count_for(self.active[-1].unit if self.active else None)
         if call is not None:
             self._remove_handles(call)
             for sp in call.states + call.borrowed:
                 sp.unhold()
+
+    def _end_provisional(self, unit: "EagerUnit | None" = None) -> None:
+        """End the provisional runs (``_Call.provisional``) of ``unit`` (None: of every unit)."""
+        ended = [c for c in self.active if c.provisional and (unit is None or c.unit is unit)]
+        if not ended:
+            return
+        self.active = [c for c in self.active if c not in ended]
+        for call in ended:
+            for sp in call.states + call.borrowed:
+                sp.unhold()
+        self._count_for(self.active[-1].unit if self.active else None)
 
     def _pop(self, unit: EagerUnit) -> _Call | None:
         for i in range(len(self.active) - 1, -1, -1):
@@ -228,7 +281,8 @@ class EagerRegions:
         if not self.active:
             return False
         call = self.active[-1]
-        _hold([sp])
+        with ACCOUNTING.comms.timed(sp.device, "eager forward gather"):
+            _hold([sp])
         call.borrowed.append(sp)
         return True
 
@@ -238,7 +292,9 @@ class EagerRegions:
         if call.in_backward:
             return
         call.in_backward = True
-        _hold(call.needed())
+        needed = call.needed()
+        with ACCOUNTING.comms.timed(needed[0].device if needed else torch.device("cpu"), "eager backward gather"):
+            _hold(needed)
         self.open_backward.append(call)
         self.queue_end_of_backward()
 
@@ -249,6 +305,7 @@ class EagerRegions:
         self._close(call)
         if call in self.open_backward:
             self.open_backward.remove(call)
+        self.grads.module_backward_ended(call.unit.states())
 
     def _close(self, call: _Call) -> None:
         call.in_backward = False
@@ -274,52 +331,15 @@ class EagerRegions:
         calls, self.open_backward = self.open_backward, []
         for call in calls:
             self._close(call)
-        if self.needs_flush or self.accumulated:
+        self._end_provisional()
+        if self.needs_flush or self.grads.pending():
             self.needs_flush = False
-            accumulated, self.accumulated = self.accumulated, set()
-            self._reduce_gradients(accumulated)
+            self.grads.backward_ended()
 
     def gradient_accumulated(self, sp: ShardedParam) -> None:
         """Eager code accumulated a gradient into ``sp``'s parameter (post-accumulate-grad hook)."""
-        self.accumulated.add(id(sp))
+        self.grads.accumulated_into(sp)
         self.queue_end_of_backward()
-
-    def _reduce_gradients(self, accumulated: set) -> None:
-        """Reduce-scatter the gradients eager code accumulated in this backward into the shard
-        gradients, after the ranks agree on which parameters have one (see the module docstring)."""
-        by_group = defaultdict(list)
-        for sp in self.grad_states:
-            by_group[(sp.group, sp.reduce_dtype)].append(sp)
-        for (group, reduce_dtype), states in by_group.items():
-            grads = [raw_grad(sp.param) if id(sp) in accumulated else None for sp in states]
-            if group.world > 1 and not is_fake_group(group) and states[0].device.type != "meta":
-                mask = torch.tensor([g is not None for g in grads], dtype=torch.uint8, device=states[0].device)
-                dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group.group)
-                ACCOUNTING.record("all_reduce", mask.numel())
-                have = mask.tolist()
-            else:
-                have = [g is not None for g in grads]
-            items = []
-            for sp, grad, any_rank in zip(states, grads, have):
-                if not any_rank:
-                    continue
-                if grad is None:        # another rank's data reached it, this rank's did not
-                    grad = torch.zeros(sp.shape, dtype=sp.compute_dtype, device=sp.device)
-                set_raw_grad(sp.param, None)
-                items.append((sp, grad))
-            if not items:
-                continue
-            choice = next((sp.gradient_reduction for sp, _ in items if sp.gradient_reduction is not None), None)
-            bucket = int(min(sp.bucket_mb for sp, _ in items) * 2**20)     # 0: one tensor per collective
-            shards = reduce_scatter_mean([(g, sp.padded_numel) for sp, g in items], group, bucket, reduce_dtype,
-                                         choice.kind_for if choice is not None else None)
-            with torch.no_grad():
-                for (sp, grad), shard_grad in zip(items, shards):
-                    shard_grad = shard_grad.to(sp.dtype)
-                    if sp.shard.grad is None:
-                        sp.shard.grad = shard_grad if shard_grad.data_ptr() != grad.data_ptr() else shard_grad.clone()
-                    else:
-                        sp.shard.grad.add_(shard_grad)
 
 
 def _hold(states) -> None:
@@ -328,6 +348,11 @@ def _hold(states) -> None:
         if sp.values_freed() and sp.group.world > 1:
             ACCOUNTING.record("all_gather", sp.padded_numel * sp.param.element_size())
         sp.hold()
+
+
+def _record_flops(module: tuple, flops: int, backward: bool) -> None:
+    """``EagerFlops``' counts go where the compiled graphs' do (``zerocompile.stats()``)."""
+    ACCOUNTING.record_eager_flops(module, flops, backward)
 
 
 def _tensors_needing_grad(tree) -> list[torch.Tensor]:
@@ -384,17 +409,24 @@ def install_eager_regions(roots) -> None:
         # without parameters of its own, so what its forward uses of other modules is gathered for it
         # (torch.compile's wrapper, whose forward is Dynamo's own, is not)
         caller = getattr(root, "_orig_mod", None) is None and any(
-            other is not root and any(m is other for m in root.modules()) for other in roots) and any(
-            (sp := get_state(p)) is not None and sp.storage_freed for p in root.parameters())
+            other is not root and any(m is other for m in root.modules()) for other in roots)
+        # at stage 3 such a unit gathers; at stages 0-2 it counts its forward's FLOPs only
+        # (runtime/eager_flops.py), as a leaf module's unit does
+        sharded = any((sp := get_state(p)) is not None and sp.storage_freed for p in root.parameters())
         for name, module in root.named_modules():
             if id(module) in inside_leaf or getattr(module, _UNIT, None) is not None:
                 continue
             unit = EagerUnit(module, regions, name)
             states = unit.states()
+            if id(module) not in regions.counted_modules:
+                regions.counted_modules.add(id(module))
+                for sp in states:
+                    regions.grads.owners[id(sp)] += 1
             for sp in states:
                 sp.eager_regions = regions
                 _hook_gradient(sp, regions)
-            if not any(sp.storage_freed for sp in states) and not (caller and module is root):
+            unit.gathers = any(sp.storage_freed for sp in states) or (caller and module is root and sharded)
+            if not unit.gathers and not (caller and module is root) and not is_leaf(module):
                 continue        # nothing to gather (stages 0-2): no module hook, which would change what Dynamo compiles
             unit.index = len(regions.units)
             regions.units.append(unit)
@@ -402,7 +434,7 @@ def install_eager_regions(roots) -> None:
             if caller and module is root:
                 # its forward is running now (it called the frame being installed): it counts as
                 # entered, and its post-hook, read when the forward returns, leaves it
-                regions.active.append(_Call(unit))
+                regions.active.append(_Call(unit, provisional=True))
             if not is_leaf(module):      # a leaf's forward wrapper runs the unit (EagerUnit.run)
                 module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
                 module.register_forward_hook(_post_forward, with_kwargs=True)
@@ -419,7 +451,7 @@ def _hook_gradient(sp: ShardedParam, regions: EagerRegions) -> None:
     with _torch_compat.plain_tensor_ops():
         sp.param.register_post_accumulate_grad_hook(_gradient_accumulated)
     sp.eager_grad_hook = True
-    regions.grad_states.append(sp)
+    regions.grads.add(sp)
 
 
 def _runs_eagerly(module: torch.nn.Module) -> bool:

@@ -33,7 +33,8 @@ def bucket_indices(sizes: list[int], cap: int, breaks: list[bool] | None = None)
     return out
 
 
-def _two_in_flight(buckets: list[list[int]], start: Callable, finish: Callable, device: torch.device) -> None:
+def _two_in_flight(buckets: list[list[int]], start: Callable, finish: Callable, device: torch.device,
+                   label: str = "optimizer step") -> None:
     """For each bucket ``k``, ``start(k, bucket)`` (fill buffer ``k % 2``, issue the collective,
     return a handle), then ``finish(handle)`` of the bucket before it: the next bucket travels
     while the previous one is read out, and a buffer is refilled only after its bucket finished.
@@ -55,7 +56,7 @@ def _two_in_flight(buckets: list[list[int]], start: Callable, finish: Callable, 
             handle, issued = pending
             if issued:
                 _c10d.wait_tensor(handle[-1])    # finish's own wait then returns at once
-                comms.done(issued, "optimizer step")
+                comms.done(issued, label)
             finish(*handle)
         pending = started
 
@@ -66,8 +67,10 @@ def _slots(count: int, numel: int, like: torch.Tensor, dtype: torch.dtype | None
 
 
 def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup, bucket_bytes: int,
-                        reduce_dtype: torch.dtype, choose: Callable[[int], str] | None = None) -> list[torch.Tensor]:
-    """Average over ranks each ``(gradient, padded_numel)``; return this rank's chunks.
+                        reduce_dtype: torch.dtype, choose: Callable[[int], str] | None = None,
+                        label: str = "optimizer step") -> list[torch.Tensor]:
+    """Average over ranks each ``(gradient, padded_numel)``; return this rank's chunks
+    (``label``: the comms logger's call site).
 
     Each gradient is cast to ``reduce_dtype`` and zero-padded to ``padded_numel`` (a multiple
     of the world size) into a bucket buffer: two buffers, allocated once per call, take turns,
@@ -139,7 +142,7 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
             results[i] = mine[offset : offset + chunk]
             offset += chunk
 
-    _two_in_flight(buckets, start, finish, grads[0][0].device)
+    _two_in_flight(buckets, start, finish, grads[0][0].device, label)
     return results
 
 

@@ -26,13 +26,17 @@ STEPS = 3
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
-def _run(rank: int, world: int, options: dict, optimizer=torch.optim.AdamW) -> dict:
+def _run(rank: int, world: int, options: dict, optimizer=torch.optim.AdamW, eager_parts: bool = False) -> dict:
     """Train a GPT for one step (compiles it, checks fingerprints), reset the counters, then
-    ``STEPS`` more; return the losses, ``stats()``'s counts and the logger's rows."""
+    ``STEPS`` more; return the losses, ``stats()``'s counts and the logger's rows. ``eager_parts``:
+    the GPT with a graph break inside its block loop (``test_eager_regions.BreakGPT``), whose
+    forward runs eagerly around compiled blocks (its gathers, position checks and gradient
+    reductions are eager collectives)."""
     from models import make_batch, make_model
+    from test_eager_regions import BreakGPT
 
     torch.manual_seed(0)
-    model = make_model("gpt")
+    model = BreakGPT() if eager_parts else make_model("gpt")
     compiled = torch.compile(model, backend="zero", options=options)
     opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer, lr=1e-3)
     printed = io.StringIO()
@@ -124,24 +128,27 @@ def plain():
     return run_ranks(_run, 2, {"stage": 3, "inner_compiler": "eager"})
 
 
-@pytest.mark.parametrize("stage,inner,logger", [
-    (3, "eager", {"enabled": True, "debug": True, "verbose": True}),
-    (3, "eager", {"enabled": True, "blocking": False}),
-    (3, "inductor", {"enabled": True, "debug": True}),
-    (1, "eager", {"enabled": True, "debug": True}),
-], ids=["stage3-blocking-verbose", "stage3-overlapped", "stage3-inductor", "stage1-optimizer-step"])
-def test_every_collective_is_timed_once_and_the_values_do_not_change(plain, stage, inner, logger, monkeypatch,
-                                                                    tmp_path):
+@pytest.mark.parametrize("stage,inner,logger,eager_parts", [
+    (3, "eager", {"enabled": True, "debug": True, "verbose": True}, False),
+    (3, "eager", {"enabled": True, "blocking": False}, False),
+    (3, "inductor", {"enabled": True, "debug": True}, False),
+    (1, "eager", {"enabled": True, "debug": True}, False),
+    (3, "eager", {"enabled": True, "debug": True}, True),
+], ids=["stage3-blocking-verbose", "stage3-overlapped", "stage3-inductor", "stage1-optimizer-step",
+        "stage3-eager-parts"])
+def test_every_collective_is_timed_once_and_the_values_do_not_change(plain, stage, inner, logger, eager_parts,
+                                                                    monkeypatch, tmp_path):
     if inner == "inductor":     # a cache folder of its own: the code inductor generated is read below
         cache = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", tmp_path)) / "comms_logger"
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
-    ranks = run_ranks(_run, 2, {"stage": stage, "inner_compiler": inner, "comms_logger": logger})
+    ranks = run_ranks(_run, 2, {"stage": stage, "inner_compiler": inner, "comms_logger": logger},
+                      torch.optim.AdamW, eager_parts)
     if inner == "inductor":
         checked = [_check_blocking_order(path.read_text()) for path in cache.rglob("*.py")
                    if "comm_timer_start" in path.read_text()]
         # the forward's gather, the backward's gather and reduce-scatter (one bucket each here)
         assert len(checked) >= 2 and sum(checked) >= 3
-    if stage == 3 and inner == "eager":
+    if stage == 3 and inner == "eager" and not eager_parts:
         assert [r["losses"] for r in ranks] == [r["losses"] for r in plain]
     for r in ranks:
         assert _timed(r["rows"]) == {k: v for k, v in r["counted"].items() if v[0]}
@@ -151,6 +158,9 @@ def test_every_collective_is_timed_once_and_the_values_do_not_change(plain, stag
         sites = {row["site"] for row in r["rows"]}
         if logger.get("debug"):
             assert "optimizer step scalars" in sites       # the clipping norm's all-reduce
+            if eager_parts:     # the eager forward's gathers, its backward's, the gradients' reduction
+                assert {"eager forward gather", "eager backward gather", "eager gradients",
+                        "eager position check"} <= sites, sites
             if stage == 3:
                 assert any(s.startswith("frame ") and "gather" in s for s in sites)
                 assert any(s.startswith("frame ") and "reduce_scatter" in s for s in sites)

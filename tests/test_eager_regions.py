@@ -10,8 +10,14 @@ every parameter on every rank compared) and checks what is sharded:
 - the same GPT compiled per block (torchtitan's ``blk.compile(...)``) with an eager root, and
   with one block ``torch.compiler.disable``d (its parameters kept whole: ``keep_full``); both
   GPTs at stage 3 on 3 ranks too;
+- the per-block GPT with an untied head: its gradient is reduced when the head's backward ends
+  (from the second backward on), not at the end of the backward; on 3 ranks too;
 - a mixture of experts over 4 layers, each a leaf module (``set_leaf_modules``): exact, and
-  while the backward runs the whole parameters alive are never more than one layer's.
+  while the backward runs the whole parameters alive are never more than one layer's;
+- a parameter of an eager module that both ranks, then no rank, then one rank give a gradient:
+  exact, and no gradient where no rank has one;
+- PEFT LoRA on an HF Llama with and without gradient checkpointing: adapters exact, the frozen
+  base sharded, the saved adapter the one-process adapter.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import zerocompile
 from dist_utils import run_ranks
 from harness import rank_slice
 from models import GPT, make_batch
+from zerocompile.runtime.raw_grad import raw_grad
 from zerocompile.runtime.sharded_param import get_state
 
 STEPS, ACCUM, BATCH = 3, 2, 12     # 12: the batch splits over 2 and 3 ranks
@@ -59,9 +66,18 @@ class DisabledBlockGPT(GPT):
         block.forward = torch.compiler.disable(block.forward)
 
 
+class UntiedGPT(GPT):
+    """``models.GPT`` with a head of its own (not tied to the embedding): a module whose
+    gradient is reduced when its backward ends, before the backward of the rest."""
+
+    def __init__(self):
+        super().__init__()
+        self.head.weight = nn.Parameter(self.head.weight.detach().clone())
+
+
 def _gpt(kind: str) -> GPT:
     torch.manual_seed(0)
-    return {"break": BreakGPT, "per_block": GPT, "disabled": DisabledBlockGPT}[kind]()
+    return {"break": BreakGPT, "per_block": GPT, "disabled": DisabledBlockGPT, "untied": UntiedGPT}[kind]()
 
 
 def _nanogpt_loop(model, opt, rank: int, world: int) -> list:
@@ -96,13 +112,19 @@ def _train_gpt(rank: int, world: int, kind: str, stage: int) -> dict:
         run = model
     opt = zerocompile.ZeroOptimizer([p for p in model.parameters() if p.requires_grad],
                                     optimizer_class=torch.optim.SGD, **SGD)
+    head_grad_at_embedding = []
+    if kind == "untied":
+        # the embedding's gradient comes last in the backward: is the head's full gradient still alive?
+        model.wte.weight.register_post_accumulate_grad_hook(
+            lambda p: head_grad_at_embedding.append(raw_grad(model.head.weight) is not None))
     norms = _nanogpt_loop(run, opt, rank, world)
     states = {n: get_state(p) for n, p in model.named_parameters(remove_duplicate=False)}
     return {"norms": norms, "state": zerocompile.full_state_dict(model, rank0_only=False),
             "unsharded": sorted(n for n, sp in states.items() if sp is None),
             "whole": sorted(n for n, sp in states.items() if sp is not None and not sp.values_freed()),
             "stages": sorted({sp.stage for sp in states.values() if sp is not None}),
-            "keep_full": sorted(n for n, sp in states.items() if sp is not None and sp.keep_full)}
+            "keep_full": sorted(n for n, sp in states.items() if sp is not None and sp.keep_full),
+            "head_grad_at_embedding": head_grad_at_embedding}
 
 
 def _gpt_runs(rank: int, world: int, cases) -> dict:
@@ -126,14 +148,14 @@ def _assert_sharded(result: dict, stage: int, what: str, keep_full=()) -> None:
 
 
 GPT_CASES = [("break", 0), ("break", 1), ("break", 2), ("break", 3), ("per_block", 0), ("per_block", 1),
-             ("per_block", 2), ("per_block", 3), ("disabled", 3)]
+             ("per_block", 2), ("per_block", 3), ("disabled", 3), ("untied", 3)]
 
 
 @pytest.fixture(scope="module")
 def gpt_runs(once_per_run):
     def compute():
         per_rank = run_ranks(_gpt_runs, 2, GPT_CASES)
-        refs = {kind: _reference(kind) for kind in ("break", "per_block", "disabled")}
+        refs = {kind: _reference(kind) for kind in ("break", "per_block", "disabled", "untied")}
         return per_rank, refs
     return once_per_run("test_eager_regions.gpt_runs", compute)
 
@@ -151,12 +173,17 @@ def test_gpt_with_eager_parts_is_exact_and_sharded(gpt_runs, case):
         what = f"{kind} at stage {stage}, rank {rank}"
         _assert_exact(results[case], refs[kind], what)
         _assert_sharded(results[case], stage, what, keep_full)
+        if kind == "untied":
+            # the first backward learns which modules have their gradients when their backward
+            # ends; from the second on, the head's is reduced then, not at the end of the backward
+            assert results[case]["head_grad_at_embedding"][:1] == [True], what
+            assert results[case]["head_grad_at_embedding"][1:] == [False] * (STEPS * ACCUM - 1), what
 
 
 def test_gpt_with_eager_parts_on_three_ranks_is_exact_and_sharded():
-    """The graph-break GPT and the per-block compiled one at stage 3 on 3 ranks (parameters
-    whose sizes do not divide by 3 are padded)."""
-    cases = [("break", 3), ("per_block", 3)]
+    """The graph-break GPT and the per-block compiled one with an untied head at stage 3 on 3
+    ranks (parameters whose sizes do not divide by 3 are padded)."""
+    cases = [("break", 3), ("untied", 3)]
     per_rank = run_ranks(_gpt_runs, 3, cases)
     for kind, stage in cases:
         ref = _reference(kind)
@@ -278,6 +305,104 @@ def test_leaf_modules_are_whole_only_while_they_run():
 LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
 LORA_IDS = torch.randint(0, 128, (STEPS, 4, 8), generator=torch.Generator().manual_seed(1))
+
+
+# -- a parameter some ranks' code uses, then none --------------------------------------------
+class Gate(nn.Module):
+    """An eager module whose own parameter ``extra`` gets a gradient when ``use_extra`` says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Linear(D, D)
+        self.extra = nn.Parameter(torch.linspace(0.5, 1.5, D))
+
+    def forward(self, x, use_extra: bool):
+        # the same ops either way (every rank gathers in the same order); detached, no gradient
+        return self.scale(x) * (self.extra if use_extra else self.extra.detach())
+
+
+class Body(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, H), nn.Linear(H, D)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+class GateNet(nn.Module):
+    """``inp`` and ``gate`` eager, ``body`` compiled on its own (``body.compile``; a module of the
+    user's class: Dynamo does not trace ``nn.Sequential.forward`` as a frame of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.gate = Gate()
+        self.body = Body()
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x, y, use_extra: bool):
+        return F.mse_loss(self.head(self.body(self.gate(self.inp(x), use_extra))), y)
+
+
+GATE_USE = [[True, True], [True, True], [False, False], [True, True], [True, False]]
+"""Per step, whether each of 2 ranks' forward uses ``gate.extra``. The first step installs the
+hooks in its forward; in the second every rank has the gradient when the gate's backward ends,
+so the third reduces it then: no rank has one there, so every rank sends zeros, and the
+parameter must end with no gradient, as in one process. The fourth learns again; in the fifth,
+rank 0 only has one (rank 1 sends zeros when the gate's backward ends)."""
+
+
+def _gate_reference() -> dict:
+    """One process: each step's loss is the mean of the ranks' losses, each with its rank's
+    ``use_extra`` (what averaging the ranks' gradients computes)."""
+    torch.manual_seed(0)
+    model = GateNet()
+    opt = torch.optim.SGD(model.parameters(), **SGD)
+    grads = []
+    for step, use in enumerate(GATE_USE):
+        x, y = _moe_batch(step)
+        loss = sum(model(rank_slice(x, r, 2), rank_slice(y, r, 2), use[r]) for r in range(2)) / 2
+        loss.backward()
+        grads.append(model.gate.extra.grad is not None)
+        opt.step()
+        opt.zero_grad()
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "extra_has_grad": grads}
+
+
+def _train_gate(rank: int, world: int) -> dict:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GateNet()
+    model.body.compile(backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, **SGD)
+    grads, eligible = [], []
+    for step, use in enumerate(GATE_USE):
+        x, y = _moe_batch(step)
+        model(rank_slice(x, rank, world), rank_slice(y, rank, world), use[rank]).backward()
+        grads.append(model.gate.extra.grad is not None)
+        # whether the next backward reduces it when the gate's backward ends
+        regions = model._zerocompile_eager_regions
+        eligible.append(id(get_state(model.gate.extra)) in regions.grads.eligible)
+        opt.step()
+        opt.zero_grad()
+    return {"state": zerocompile.full_state_dict(model, rank0_only=False), "extra_has_grad": grads,
+            "eligible": eligible}
+
+
+def test_a_parameter_used_by_some_ranks_then_by_none_matches_one_process():
+    """A module's own parameter reduced when the module's backward ends: exact where only some
+    ranks used it (the others send zeros), and no gradient at all where no rank did (SGD with
+    momentum would otherwise move it)."""
+    ref = _gate_reference()
+    assert ref["extra_has_grad"] == [True, True, False, True, True]
+    for rank, result in enumerate(run_ranks(_train_gate, 2)):
+        assert result["extra_has_grad"] == ref["extra_has_grad"], f"rank {rank}"
+        # reduced when the gate's backward ends in the third and fifth steps
+        assert result["eligible"] == [False, True, False, True, False], f"rank {rank}"
+        for key, value in ref["state"].items():
+            torch.testing.assert_close(result["state"][key], value, atol=2e-6, rtol=1e-5,
+                                       msg=lambda m: f"rank {rank}, {key}: {m}")
 
 
 def _lora_llama(checkpointing: bool):

@@ -245,3 +245,61 @@ def test_the_flops_profiler_reports_each_modules_flops_at_its_step(tmp_path):
     second = (tmp_path / "profile.txt.second").read_text()
     assert "profile step:                           1" in second and "blocks.0" not in second
     assert got["second"] and not set(got["second"]) & set(latency) and got["after_second"] == got["second"]
+
+
+def _eager_parts_model(kind: str):
+    """The models of ``test_eager_regions.py`` whose code Dynamo leaves to eager in part."""
+    from test_eager_regions import MoE, MoENet, _gpt, _moe_batch
+
+    torch.manual_seed(0)
+    if kind == "moe":
+        model = MoENet()
+        x, y = _moe_batch(0)
+        return model, (x, y)
+    return _gpt(kind), make_batch("gpt", 0, 4)
+
+
+@pytest.mark.parametrize("kind,stage", [("break", 2), ("break", 3), ("per_block", 0), ("per_block", 3),
+                                        ("disabled", 1), ("moe", 2), ("moe", 3)])
+def test_eager_parts_count_what_flop_counter_mode_counts(kind, stage):
+    """Issue 45: a graph break inside the block loop (the model's forward eager), an eager root
+    with blocks compiled one by one (torchtitan), a ``torch.compiler.disable``d block and MoE leaf
+    modules: ``flops_per_step`` equals ``FlopCounterMode`` on the uncompiled model (eager ops are
+    counted by ``runtime/eager_flops.py``, their backward by their autograd nodes), and the flops
+    profiler's rows (compiled modules and eager ones) add up to it. The MoE's leaf rows are
+    ``FlopCounterMode``'s own figures for those modules."""
+    from test_eager_regions import MoE
+
+    from zerocompile.flops_profiler import step_modules
+    from zerocompile.runtime.accounting import ACCOUNTING
+
+    model, batch = _eager_parts_model(kind)
+    reference = copy.deepcopy(model)
+    with FlopCounterMode(display=False) as counter:
+        reference(*batch).backward()
+    torch._dynamo.reset()
+    options = {"stage": stage, "inner_compiler": "eager"}
+    if kind == "per_block":
+        for block in model.blocks:
+            block.compile(backend="zero", options=options)
+        compiled = model
+    else:
+        if kind == "moe":
+            zerocompile.set_leaf_modules(model, [MoE])
+        compiled = torch.compile(model, backend="zero", options=options)
+    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    for _ in range(3):      # the first step compiles; the others are counted as every later one
+        compiled(*batch).backward()
+        opt.step()
+        opt.zero_grad()
+        flops = zerocompile.stats().flops_per_step
+        rows = step_modules(list(ACCOUNTING.frames), ACCOUNTING.step_calls, ACCOUNTING.step_eager_modules)
+    assert flops == counter.get_total_flops() > 0
+    assert sum(m["forward"] + m["backward"] for m in rows.values()) == flops
+    if (kind, stage) != ("break", 3):       # there Dynamo compiles the code after the loop as a frame
+        assert ACCOUNTING.step_eager_modules, "the eager parts counted nothing"
+    if kind == "moe":
+        by_module = counter.get_flop_counts()
+        for i in range(len(model.layers)):
+            want = sum(by_module[f"MoENet.layers.{i}.moe"].values())
+            assert rows[f"layers.{i}.moe"]["forward"] + rows[f"layers.{i}.moe"]["backward"] == want > 0

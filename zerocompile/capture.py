@@ -192,7 +192,9 @@ class FrameRunner:
     def _check_position(self) -> None:
         regions, position = self._position
         if regions.in_eager_forward:
-            regions.check_position(position, self.partitioner.ctx.group, _frame_device(self.plans))
+            device = _frame_device(self.plans)
+            with ACCOUNTING.comms.timed(device, "eager position check"):
+                regions.check_position(position, self.partitioner.ctx.group, device)
 
     def __call__(self, *args):
         if not self._checked:
@@ -216,7 +218,14 @@ class FrameRunner:
             # freed just now: their modules get the eager unit hooks as the first run's did
             install_eager_regions(self._hook_roots)
             self._new_states = False
-        out = self.compiled(*new_args)
+        regions = regions_of(self._hook_roots) if self._hook_roots else None
+        if regions is not None:
+            regions.frame_runs(True)        # its ops are the frame's FLOPs, not the eager code's
+        try:
+            out = self.compiled(*new_args)
+        finally:
+            if regions is not None:
+                regions.frame_runs(False)
         if grad_mode and self._loss_scale is not None:
             loss_scale.install_frame_scaling(out, args, states, self._loss_scale, self.frame)
         ACCOUNTING.record_summary(self._forward_summary())

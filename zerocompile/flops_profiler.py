@@ -85,10 +85,16 @@ def parse_flops_profiler(value) -> FlopsProfilerSettings | None:
                                  peak_tflops=None if peak is None else float(peak))
 
 
-def step_modules(frames: list, step_calls: dict) -> dict:
+def step_modules(frames: list, step_calls: dict, eager: dict | None = None) -> dict:
     """``{module path: {"forward", "backward", "type"}}``: each frame's per-module FLOPs times
-    its forward and backward runs in the step (``step_calls``, by frame order)."""
+    its forward and backward runs in the step (``step_calls``, by frame order), plus the FLOPs
+    eager code ran for each module (``eager``: ``{(path, type): [forward, backward]}``,
+    ``runtime/eager_flops.py``)."""
     modules: dict = {}
+    for (path, cls), (forward, backward) in (eager or {}).items():
+        entry = modules.setdefault(path, {"forward": 0, "backward": 0, "type": cls})
+        entry["forward"] += forward
+        entry["backward"] += backward
     for runner in frames:
         forward_runs, backward_runs = step_calls.get(runner.order, (0, 0))
         by_module = runner.partitioner.ctx.results.get("flops_by_module") or {}

@@ -196,7 +196,7 @@ class StepMonitor:
         frames = self._frames()
         # the whole model's parameters: those of every frame, whichever optimizer holds them
         numels = {sp.name: sp.numel for runner in frames for sp in runner.plans if sp is not None}
-        modules = with_latency(step_modules(frames, ACCOUNTING.step_calls), ACCOUNTING.module_times.by_module())
+        modules = with_latency(step_modules(frames, ACCOUNTING.step_calls, ACCOUNTING.step_eager_modules), ACCOUNTING.module_times.by_module())
         text = report(self.profiler, self._steps, self._layout_group().world, stats.flops_per_step,
                       stats.recompute_flops_per_step, step_ms, modules, numels)
         if self.profiler.output_file:

@@ -1,0 +1,125 @@
+"""What counting the FLOPs of eager code costs (``runtime/eager_flops.py``): step time with the
+counting on (as shipped) against the same training with it off, on 2 gloo ranks.
+
+    python benchmarks/eager_flops_overhead.py [--stage 3] [--layers 4] [--d-model 256]
+                                              [--rounds 10] [--repeats 3] [--inner-compiler eager] [--quick]
+
+The demo GPT (``examples/train_gpt.py``'s) with a graph break inside its block loop (the model's
+forward runs eagerly around the compiled blocks: the embedding, final norm, head and loss are
+eager), compiled with ``backend="zero"`` at ``--stage``, and the same GPT compiled per block
+(torchtitan's ``block.compile(...)``, the root eager). Systems, each in ranks of its own:
+
+- ``<model>``: as shipped, the eager ops counted by a dispatch mode;
+- ``<model>, counting off``: the same with ``EagerRegions._count_for`` replaced by a no-op in
+  that system's processes (the only way to turn the counting off: it has no option).
+
+Reported per system: the median over timed rounds (of every repeat: the systems run in turn)
+of the slowest rank's step, and the ratio of counting on to counting off. Results:
+``<out>/eager_flops_overhead.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_harness import prepare_main, result_header, write_results  # noqa: E402
+from common import RESULTS, break_graph_in_loop, load_example, spawn_ranks  # noqa: E402
+
+SYSTEMS = ("loop break", "loop break, counting off", "per block", "per block, counting off")
+
+
+def rank_main(rank: int, world: int, args, system: str) -> dict:
+    import zerocompile
+    from zerocompile.runtime.eager_regions import EagerRegions
+
+    if system.endswith("counting off"):
+        EagerRegions._count_for = lambda self, unit: None       # this process only
+    example = load_example()
+    table = example.successor_table(args.vocab)
+    options = {"stage": args.stage, "inner_compiler": args.inner_compiler}
+    torch.manual_seed(args.seed)
+    model = example.GPT(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
+    if system.startswith("loop break"):
+        compiled = torch.compile(break_graph_in_loop(model), backend="zero", options=options)
+    else:
+        for block in model.blocks:
+            block.compile(backend="zero", options=options)
+        compiled = model
+    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    for _ in range(5):    # the first collectives of a process are slow
+        dist.all_reduce(torch.zeros(1024))
+    times, losses = [], []
+    for step in range(1 + args.warmup + args.rounds):
+        x, y = example.global_batch(step, args.batch * world, args.seq_len, table)
+        x, y = x[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]
+        dist.barrier()
+        start = time.perf_counter()
+        loss = compiled(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append((time.perf_counter() - start) * 1e3)
+        losses.append(loss.item())
+    return {"step_ms": times[1 + args.warmup:], "losses": losses,
+            "flops_per_step": zerocompile.stats().flops_per_step}
+
+
+def main(argv: list | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stage", type=int, default=3)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3, help="times every system runs (in turn), for the drift")
+    p.add_argument("--inner-compiler", default="eager", choices=["eager", "inductor"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a tiny GPT, 2 timed rounds (a smoke test)")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.layers, args.d_model, args.heads, args.vocab, args.seq_len, args.batch = 2, 64, 2, 256, 16, 2
+        args.warmup, args.rounds, args.repeats = 0, 2, 1
+    prepare_main()
+    results = {system: {"rounds_ms": [], "repeat_ms": []} for system in SYSTEMS}
+    for _ in range(args.repeats):      # the systems one after the other, again: the machine drifts
+        for system in SYSTEMS:
+            ranks = spawn_ranks(2, rank_main, (args, system))
+            per_round = [max(r["step_ms"][i] for r in ranks) for i in range(args.rounds)]
+            results[system]["rounds_ms"] += per_round
+            results[system]["repeat_ms"].append(statistics.median(per_round))
+            results[system]["losses"] = ranks[0]["losses"]
+            results[system]["flops_per_step"] = ranks[0]["flops_per_step"]
+    lines = ["| system | step ms (median, slowest rank) | per repeat | ratio to counting off | flops_per_step |",
+             "|---|---|---|---|---|"]
+    for system, r in results.items():
+        r["step_ms"] = statistics.median(r["rounds_ms"])
+    for system, r in results.items():
+        base = results[system.replace(", counting off", "") + ", counting off"]["step_ms"]
+        r["ratio"] = r["step_ms"] / base
+        repeats = ", ".join(f"{ms:.1f}" for ms in r["repeat_ms"])
+        lines.append(f"| {system} | {r['step_ms']:.2f} | {repeats} | x{r['ratio']:.3f} | {r['flops_per_step']:,} |")
+    print("\n".join(lines))
+    result = {**result_header("eager_flops_overhead", args, argv), "systems": results}
+    write_results(args.out, "eager_flops_overhead", result,
+                  f"What counting eager FLOPs costs (2 gloo ranks, stage {args.stage}, GPT {args.layers} blocks of "
+                  f"width {args.d_model}, {args.batch} x {args.seq_len} tokens per rank, {args.inner_compiler} inner "
+                  f"compiler, {args.rounds} timed rounds)", lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
