@@ -181,15 +181,16 @@ def test_gpt_with_eager_parts_is_exact_and_sharded(gpt_runs, case):
 
 
 def test_gpt_with_eager_parts_on_three_ranks_is_exact_and_sharded():
-    """The graph-break GPT and the per-block compiled one with an untied head at stage 3 on 3
-    ranks (parameters whose sizes do not divide by 3 are padded)."""
-    cases = [("break", 3), ("untied", 3)]
+    """The graph-break GPT, the per-block compiled one with an untied head and the one with a
+    disabled block at stage 3 on 3 ranks (parameters whose sizes do not divide by 3 are padded)."""
+    cases = [("break", 3), ("untied", 3), ("disabled", 3)]
     per_rank = run_ranks(_gpt_runs, 3, cases)
     for kind, stage in cases:
         ref = _reference(kind)
+        keep_full = [f"blocks.0.{n}" for n, _ in _gpt(kind).blocks[0].named_parameters()] if kind == "disabled" else []
         for rank, results in enumerate(per_rank):
             _assert_exact(results[(kind, stage)], ref, f"{kind}, 3 ranks, rank {rank}")
-            _assert_sharded(results[(kind, stage)], stage, f"{kind}, 3 ranks, rank {rank}")
+            _assert_sharded(results[(kind, stage)], stage, f"{kind}, 3 ranks, rank {rank}", keep_full)
 
 
 # -- leaf modules: at most the leaves in use are whole -----------------------------------------
@@ -245,7 +246,7 @@ class MoENet(nn.Module):
 
 def _moe_batch(step: int):
     g = torch.Generator().manual_seed(step)
-    return torch.randn(8, D, generator=g), torch.randn(8, 3, generator=g)
+    return torch.randn(12, D, generator=g), torch.randn(12, 3, generator=g)     # 12: splits over 2 and 3 ranks
 
 
 def _moe_reference() -> dict:
@@ -288,10 +289,10 @@ def _train_moe(rank: int, world: int) -> dict:
 def test_leaf_modules_are_whole_only_while_they_run():
     """Four MoE layers as leaf modules at stage 3: exact, and during the backward the whole
     parameters alive never exceed one layer's (DeepSpeed frees a leaf after its forward and
-    gathers it again for its backward; before, every leaf stayed whole until the step)."""
-    per_rank = run_ranks(_train_moe, 2)
+    gathers it again for its backward; before, every leaf stayed whole until the step). On 2
+    ranks and on 3."""
     ref = _moe_reference()
-    for rank, result in enumerate(per_rank):
+    for rank, result in enumerate(run_ranks(_train_moe, 2) + run_ranks(_train_moe, 3)):
         for key, value in ref.items():
             torch.testing.assert_close(result["state"][key], value, atol=2e-5, rtol=1e-5,
                                        msg=lambda m: f"rank {rank}, {key}: {m}")
@@ -304,7 +305,7 @@ def test_leaf_modules_are_whole_only_while_they_run():
 # -- PEFT LoRA on an HF Llama: the frozen base sharded, the adapters exact -----------------------
 LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
-LORA_IDS = torch.randint(0, 128, (STEPS, 4, 8), generator=torch.Generator().manual_seed(1))
+LORA_IDS = torch.randint(0, 128, (STEPS, 6, 8), generator=torch.Generator().manual_seed(1))   # 6: 2 or 3 ranks
 
 
 # -- a parameter some ranks' code uses, then none --------------------------------------------
@@ -499,11 +500,12 @@ def test_peft_lora_adapters_are_exact_and_the_frozen_base_is_sharded():
     stage 3 none is whole after a step and the frozen parameters hold 1/N of their elements.
     The saved adapter (save_pretrained with zerocompile.full_state_dict) is the file one process
     writes; save_pretrained alone at stage 3 refuses, naming the calls to use."""
-    per_rank = run_ranks(_lora_runs, 2, LORA_CASES)
+    runs = [(world, rank, results) for world, cases in ((2, LORA_CASES), (3, [(True, 3)]))
+            for rank, results in enumerate(run_ranks(_lora_runs, world, cases))]
     refs = {ckpt: _lora_reference(ckpt) for ckpt in (True, False)}
-    for rank, results in enumerate(per_rank):
+    for world, rank, results in runs:
         for (checkpointing, stage), result in results.items():
-            what = f"checkpointing={checkpointing}, stage {stage}, rank {rank}"
+            what = f"checkpointing={checkpointing}, stage {stage}, rank {rank} of {world}"
             assert result["unsharded"] == [], what
             for name, value in refs[checkpointing]["adapters"].items():
                 torch.testing.assert_close(result["adapters"][name], value, atol=2e-5, rtol=1e-5,

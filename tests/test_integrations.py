@@ -2,8 +2,8 @@
 against the same training in one process: ``ZeroTrainer`` at stages 2 and 3 (gradient
 accumulation, clipping, a linear schedule with warmup, evaluation, checkpoint and resume) and
 a hand-written Accelerate loop with ``ZeroAccelerator`` at stages 0, 2 and 3 (and its
-``save_state`` / ``load_state`` resume against the run that went on); both refuse an Accelerate
-state without the CPU flag."""
+``save_state`` / ``load_state`` resume against the run that went on, and ``save_model`` read back
+by ``from_pretrained``, also on 3 ranks); both refuse an Accelerate state without the CPU flag."""
 
 from __future__ import annotations
 
@@ -317,3 +317,33 @@ def test_declared_versions_match_pyproject_and_the_installed_ones():
         lo = tuple(int(x) for x in re.findall(r"\d+", low)[:2])
         hi = tuple(int(x) for x in re.findall(r"\d+", high)[:1])
         assert lo <= major_minor and major_minor[:1] < hi, (dist, major_minor, low, high)
+
+
+def _save_model_on_ranks(rank, world, out):
+    """One Accelerate step at stage 3 (a batch of 6 rows: 2 per rank), then ``save_model``."""
+    _distributed_env(rank, world)
+    accelerator, model, opt, loader, schedule = _accelerate_setup(3)
+    batch = next(iter(torch.utils.data.DataLoader(Tokens(6 * world), batch_size=6)))
+    mine = {k: v[rank * 6 // world:(rank + 1) * 6 // world] for k, v in batch.items()}
+    accelerator.backward(model(**mine).loss)
+    opt.step()
+    opt.zero_grad()
+    accelerator.save_model(model, out)
+    if accelerator.is_main_process:
+        model.config.save_pretrained(out)       # save_model writes the weights only
+    return {"state": zerocompile.full_state_dict(model, rank0_only=False),
+            "main": accelerator.is_main_process}
+
+
+def test_accelerate_save_model_at_stage_3_on_three_ranks(tmp_path):
+    """``accelerator.save_model`` at stage 3 on 3 ranks (shards padded to a multiple of 3): the
+    main process writes the full model, which ``from_pretrained`` reads back equal to the
+    trained weights every rank gathers."""
+    out = str(tmp_path / "model")
+    ranks = run_ranks(_save_model_on_ranks, 3, out)
+    assert [r["main"] for r in ranks] == [True, False, False]
+    loaded = transformers.LlamaForCausalLM.from_pretrained(out).state_dict()
+    for rank, r in enumerate(ranks):
+        assert set(r["state"]) - set(loaded) <= {"lm_head.weight"}, rank      # a tied head is saved once
+        for key, value in loaded.items():
+            assert torch.equal(r["state"][key], value), (rank, key)
