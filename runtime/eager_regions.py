@@ -397,7 +397,7 @@ def install_eager_regions(roots) -> None:
     if not roots:
         return
     regions = regions_of(roots) or EagerRegions()
-    for root in sorted(roots, key=lambda m: -sum(1 for _ in m.parameters())):    # the model first
+    for root in outermost_first(roots):
         if getattr(root, _REGIONS, None) is None:
             object.__setattr__(root, _REGIONS, regions)
         if all(r is not root for r in regions.roots):
@@ -438,6 +438,14 @@ def install_eager_regions(roots) -> None:
             if not is_leaf(module):      # a leaf's forward wrapper runs the unit (EagerUnit.run)
                 module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
                 module.register_forward_hook(_post_forward, with_kwargs=True)
+
+
+def outermost_first(roots) -> list:
+    """``roots`` with the model first: by parameters held, then by modules held (a wrapper such as
+    PEFT's ``PeftModel`` holds the same parameters as the model it wraps, and one module more);
+    torch.compile's ``OptimizedModule`` after the module it compiles (its names say ``_orig_mod``)."""
+    return sorted(roots, key=lambda m: (getattr(m, "_orig_mod", None) is not None, -sum(1 for _ in m.parameters()),
+                                        -sum(1 for _ in m.modules())))
 
 
 def regions_of(roots) -> EagerRegions | None:

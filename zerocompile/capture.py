@@ -39,7 +39,8 @@ from zerocompile.passes.module_timers import insert_module_marks
 from zerocompile.runtime.accounting import ACCOUNTING, CollectiveSummary
 from zerocompile.runtime.comm import CommGroup, resolve_group
 from zerocompile.runtime.reduction_choice import gradient_reduction
-from zerocompile.runtime.eager_regions import eager_only_parameters, install_eager_regions, regions_of
+from zerocompile.runtime.eager_regions import (eager_only_parameters, install_eager_regions, outermost_first,
+                                               regions_of)
 from zerocompile.runtime.fingerprint import check_same_on_all_ranks, fingerprint
 from zerocompile.runtime.sharded_param import ShardedParam, attach_state, detach_state, get_state, offloads_param
 from zerocompile.runtime.zero_parameter import adopt
@@ -299,7 +300,7 @@ def _shard_model_parameters(roots, cfg: ZeroConfig, group: CommGroup, eager_owne
     state. The first frame of the model gives them their state, with its options; names are
     relative to the largest root (the model), in its ``named_parameters`` order, the same on
     every rank."""
-    for root in sorted(roots, key=lambda m: -sum(1 for _ in m.parameters())):
+    for root in outermost_first(roots):
         for name, param in root.named_parameters():
             if get_state(param) is None:
                 _shard_parameter(param, name, cfg, group, keep_full=id(param) in eager_owned)
