@@ -3,6 +3,7 @@
 # make bench: same install plus the bench extra (DeepSpeed, matplotlib, pytest-benchmark), then benchmarks/run.py,
 #             benchmarks/optimizer_step.py, benchmarks/first_step.py, benchmarks/collectives.py, benchmarks/quantize.py,
 #             benchmarks/onebit_bytes.py, benchmarks/whole_param_step.py, benchmarks/monitoring_overhead.py,
+#             benchmarks/eager_flops_overhead.py,
 #             benchmarks/step_breakdown.py, benchmarks/plan_llama70b.py, benchmarks/tune_llama70b.py,
 #             benchmarks/lr_schedules_vs_deepspeed.py
 #             and the micro benchmarks
@@ -55,6 +56,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 6 --inner-compiler eager --peak-anatomy --systems fsdp2 zero3 --steps 2 --out benchmarks/results/stage3_vs_fsdp2_6block-anatomy.json
 	$(PY) benchmarks/quantize.py
 	$(PY) benchmarks/onebit_bytes.py
+	$(PY) benchmarks/eager_flops_overhead.py
 	$(PY) benchmarks/step_breakdown.py
 	$(PY) benchmarks/plan_llama70b.py
 	$(PY) benchmarks/tune_llama70b.py --compare-reuse
