@@ -193,6 +193,53 @@ def test_gpt_with_eager_parts_on_three_ranks_is_exact_and_sharded():
             _assert_sharded(results[(kind, stage)], stage, f"{kind}, 3 ranks, rank {rank}", keep_full)
 
 
+def _census_after_step(rank: int, world: int, kind: str) -> dict:
+    """Live bytes after ``step()`` (AdamW, 2 steps) of the GPT with eager parts at stage 3, by an
+    independent census of storages, with the frozen positional table's element count."""
+    import gc
+
+    from census import StorageCensus
+
+    census = StorageCensus()
+    with census:
+        torch._dynamo.reset()
+        model = _gpt(kind)
+        options = {"stage": 3, "inner_compiler": "eager"}
+        if kind == "break":
+            run = torch.compile(model, backend="zero", options=options)
+        else:
+            for block in model.blocks:
+                block.compile(backend="zero", options=options)
+            run = model
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        opt = zerocompile.ZeroOptimizer(trainable, optimizer_class=torch.optim.AdamW, lr=1e-3)
+        for step in range(2):
+            x, y = make_batch("gpt", step, BATCH)
+            loss = run(rank_slice(x, rank, world), rank_slice(y, rank, world))
+            loss.backward()
+            opt.step()
+            del x, y, loss
+            gc.collect()
+            live = census.settled_live_bytes()
+            opt.zero_grad()
+    return {"live": live, "trainable": [p.numel() for p in trainable], "frozen": [p.numel() for p in frozen]}
+
+
+@pytest.mark.parametrize("kind", ["break", "untied"])
+def test_stage3_memory_after_a_step_is_the_formula_with_eager_parts(kind):
+    """After ``step()`` every rank holds 16 bytes per trainable element / N (the fp32 shard, its
+    gradient and AdamW's two moments) and 4 per frozen element / N (its shard), within padding:
+    the eager embedding, positional table (frozen), final norm and head too."""
+    world = 2
+    for rank, res in enumerate(run_ranks(_census_after_step, world, kind)):
+        sizes = res["trainable"] + res["frozen"]
+        low = (16 * sum(res["trainable"]) + 4 * sum(res["frozen"])) / world
+        high = (16 * sum(-(-n // world) * world for n in res["trainable"])
+                + 4 * sum(-(-n // world) * world for n in res["frozen"])) / world + 8 * len(sizes) + 4096
+        assert low <= res["live"] <= high, (kind, rank, res["live"], low, high)
+
+
 # -- leaf modules: at most the leaves in use are whole -----------------------------------------
 D, E, H, LAYERS = 8, 4, 32, 4
 
