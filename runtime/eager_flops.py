@@ -66,7 +66,11 @@ class EagerFlops(TorchDispatchMode):
         formula = self.formulas.get(func._overloadpacket)
         if formula is None:
             return out
-        self.record(self.module, formula(*args, **kwargs, out_val=out), False)
+        try:
+            flops = formula(*args, **kwargs, out_val=out)
+        except (TypeError, ValueError, RuntimeError, AttributeError):
+            return out          # a formula that cannot read these arguments: not counted (as in a graph)
+        self.record(self.module, flops, False)
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                            for t in tree_leaves((args, kwargs))):
             self.pending.append((out, self.module, (func, _signature(args, kwargs))))
