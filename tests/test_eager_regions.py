@@ -240,6 +240,28 @@ def test_stage3_memory_after_a_step_is_the_formula_with_eager_parts(kind):
         assert low <= res["live"] <= high, (kind, rank, res["live"], low, high)
 
 
+def test_no_eager_run_outlives_its_step():
+    """The root's run that began before its hooks existed (the step that compiled the blocks)
+    ends with that step's backward: after the steps no eager run is open, so a read of a freed
+    parameter outside any forward is refused, not gathered on behalf of a finished run and kept
+    whole (which it was, before)."""
+    from zerocompile.errors import ParameterNotGatheredError
+
+    torch._dynamo.reset()
+    model = _gpt("per_block")
+    for block in model.blocks:
+        block.compile(backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, **SGD)
+    for step in range(2):
+        model(*make_batch("gpt", step, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+        assert model._zerocompile_eager_regions.active == [], step
+    with pytest.raises(ParameterNotGatheredError, match="ln_f.weight"), torch.no_grad():
+        model.ln_f.weight.sum()
+    assert get_state(model.ln_f.weight).values_freed()
+
+
 # -- leaf modules: at most the leaves in use are whole -----------------------------------------
 D, E, H, LAYERS = 8, 4, 32, 4
 
