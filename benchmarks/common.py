@@ -20,6 +20,7 @@ import os
 import socket
 import tempfile
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -105,6 +106,53 @@ def break_graph_after(model, after: int):
 
 def _forward_with_break(model, idx, targets):
     return gpt_forward_with_break(model, idx, targets, model.graph_break_after)
+
+
+def add_timed_gpt_arguments(parser) -> None:
+    """The arguments of the scripts that time the demo GPT's steps system against system
+    (``monitoring_overhead.py``, ``eager_flops_overhead.py``); ``apply_quick`` reads ``--quick``."""
+    parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3, help="times every system runs (in turn), for the drift")
+    parser.add_argument("--inner-compiler", default="eager", choices=["eager", "inductor"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a tiny GPT, 2 timed rounds (a smoke test)")
+
+
+def apply_quick(args) -> None:
+    """``--quick``: a tiny GPT, no warm-up, 2 timed rounds, one repeat."""
+    if args.quick:
+        args.layers, args.d_model, args.heads, args.vocab, args.seq_len, args.batch = 2, 64, 2, 256, 16, 2
+        args.warmup, args.rounds, args.repeats = 0, 2, 1
+
+
+def timed_gpt_steps(compiled, opt, example, args, rank: int, world: int) -> tuple[list, list]:
+    """Train ``compiled`` (the demo GPT) for one step, ``args.warmup`` and ``args.rounds`` more on
+    this rank's share of the example's batches; each step's milliseconds after a barrier, from
+    the forward to ``zero_grad``. Returns the timed rounds' milliseconds and every step's loss."""
+    table = example.successor_table(args.vocab)
+    for _ in range(5):    # the first collectives of a process are slow
+        dist.all_reduce(torch.zeros(1024))
+    times, losses = [], []
+    for step in range(1 + args.warmup + args.rounds):
+        x, y = example.global_batch(step, args.batch * world, args.seq_len, table)
+        x, y = x[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]
+        dist.barrier()
+        start = time.perf_counter()
+        loss = compiled(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append((time.perf_counter() - start) * 1e3)
+        losses.append(loss.item())
+    return times[1 + args.warmup:], losses
 
 
 def optional_pass_names() -> tuple[list[str], str | None]:

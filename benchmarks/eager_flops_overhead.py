@@ -23,16 +23,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_harness import prepare_main, result_header, write_results  # noqa: E402
-from common import RESULTS, break_graph_in_loop, load_example, spawn_ranks  # noqa: E402
+from common import (RESULTS, add_timed_gpt_arguments, apply_quick, break_graph_in_loop, load_example, spawn_ranks,
+                    timed_gpt_steps)  # noqa: E402
 
 SYSTEMS = ("loop break", "loop break, counting off", "per block", "per block, counting off")
 
@@ -44,7 +43,6 @@ def rank_main(rank: int, world: int, args, system: str) -> dict:
     if system.endswith("counting off"):
         EagerRegions._count_for = lambda self, unit: None       # this process only
     example = load_example()
-    table = example.successor_table(args.vocab)
     options = {"stage": args.stage, "inner_compiler": args.inner_compiler}
     torch.manual_seed(args.seed)
     model = example.GPT(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
@@ -55,44 +53,17 @@ def rank_main(rank: int, world: int, args, system: str) -> dict:
             block.compile(backend="zero", options=options)
         compiled = model
     opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
-    for _ in range(5):    # the first collectives of a process are slow
-        dist.all_reduce(torch.zeros(1024))
-    times, losses = [], []
-    for step in range(1 + args.warmup + args.rounds):
-        x, y = example.global_batch(step, args.batch * world, args.seq_len, table)
-        x, y = x[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]
-        dist.barrier()
-        start = time.perf_counter()
-        loss = compiled(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        times.append((time.perf_counter() - start) * 1e3)
-        losses.append(loss.item())
-    return {"step_ms": times[1 + args.warmup:], "losses": losses,
+    step_ms, losses = timed_gpt_steps(compiled, opt, example, args, rank, world)
+    return {"step_ms": step_ms, "losses": losses,
             "flops_per_step": zerocompile.stats().flops_per_step}
 
 
 def main(argv: list | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--stage", type=int, default=3)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=3, help="times every system runs (in turn), for the drift")
-    p.add_argument("--inner-compiler", default="eager", choices=["eager", "inductor"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="a tiny GPT, 2 timed rounds (a smoke test)")
+    add_timed_gpt_arguments(p)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    if args.quick:
-        args.layers, args.d_model, args.heads, args.vocab, args.seq_len, args.batch = 2, 64, 2, 256, 16, 2
-        args.warmup, args.rounds, args.repeats = 0, 2, 1
+    apply_quick(args)
     prepare_main()
     results = {system: {"rounds_ms": [], "repeat_ms": []} for system in SYSTEMS}
     for _ in range(args.repeats):      # the systems one after the other, again: the machine drifts
