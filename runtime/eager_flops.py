@@ -4,8 +4,9 @@ Compiled graphs are counted once per compile from their FX graphs (``passes/flop
 added at each run. Eager code has no graph to count, so while an eager unit's forward runs (the
 model's forward around a graph break in its layer loop, an eager root calling compiled blocks, a
 leaf module) a dispatch mode counts each op with torch's own FLOP formulas (the ones
-``torch.utils.flop_counter.FlopCounterMode`` uses), for the innermost eager module running. Ops
-inside a compiled frame run from there are the frame's, and not counted again (``paused``).
+``torch.utils.flop_counter.FlopCounterMode`` uses), for the innermost eager module running. A
+compiled frame run from there runs with the mode off (``EagerRegions.frame_runs``): its ops are
+the frame's, counted from its graphs.
 
 The backward of those ops runs in the autograd engine, where no mode of the forward applies. So
 each counted op whose output needs a gradient gets a hook on its autograd node, which adds that
@@ -41,7 +42,7 @@ class EagerFlops(TorchDispatchMode):
         super().__init__()
         self.record = record
         self.paused = 0
-        """> 0 while a compiled frame runs (its FLOPs are the frame's) or a signature is traced."""
+        """> 0 while a signature's backward is traced on meta tensors (``_backward_flops``)."""
         self.module = ("", "")
         """``(path, type)`` of the innermost eager module running: what the ops count for."""
         self.pending: list = []
@@ -54,7 +55,7 @@ class EagerFlops(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        return True     # compiled frames run compiled under it (their ops are not counted: paused)
+        return True     # a frame Dynamo compiles while it is on stays compiled
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

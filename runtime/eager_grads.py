@@ -48,6 +48,8 @@ class EagerGradients:
         self.states: list[ShardedParam] = []
         """The parameters whose eager gradients are reduced in the backward, in the order they were
         hooked (the same on every rank)."""
+        self.ids: set[int] = set()
+        """``id`` of each of ``states``."""
         self.owners: dict[int, int] = defaultdict(int)
         """How many eager units own each parameter (by ``id`` of the state)."""
         self.eligible: set[int] = set()
@@ -65,6 +67,7 @@ class EagerGradients:
 
     def add(self, sp: ShardedParam) -> None:
         self.states.append(sp)
+        self.ids.add(id(sp))
 
     def accumulated_into(self, sp: ShardedParam) -> None:
         self.accumulated.add(id(sp))
@@ -76,8 +79,7 @@ class EagerGradients:
     def module_backward_ended(self, states: list[ShardedParam]) -> None:
         """A module's backward ended: reduce its own eligible parameters' gradients (zeros where
         this rank has none yet); note for the next backward which ones had theirs."""
-        mine = {id(sp) for sp in self.states}
-        own = [sp for sp in states if id(sp) in mine and self.owners[id(sp)] == 1]
+        own = [sp for sp in states if id(sp) in self.ids and self.owners[id(sp)] == 1]
         items = []
         for sp in own:
             have = id(sp) in self.accumulated

@@ -433,7 +433,8 @@ def install_eager_regions(roots) -> None:
             object.__setattr__(module, _UNIT, unit)
             if caller and module is root:
                 # its forward is running now (it called the frame being installed): it counts as
-                # entered, and its post-hook, read when the forward returns, leaves it
+                # entered, provisionally, since Module.__call__ read its (then absent) hooks when
+                # the forward began (_Call.provisional)
                 regions.active.append(_Call(unit, provisional=True))
             if not is_leaf(module):      # a leaf's forward wrapper runs the unit (EagerUnit.run)
                 module.register_forward_pre_hook(_pre_forward, with_kwargs=True)

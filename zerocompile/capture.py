@@ -71,6 +71,8 @@ class FrameRunner:
         self._checked = False
         self._position = None
         """``(EagerRegions, position)`` where this frame checks its place across ranks first."""
+        self._regions = None
+        """The ``EagerRegions`` of the frame's roots (set at the first run, which installs them)."""
         self._loss_scale = partitioner.ctx.config.loss_scale
         self.order = time.monotonic_ns()  # compile order, for frame_reports()
         self.dump_root = partitioner.ctx.config.dump or env.dump_dir()
@@ -145,7 +147,7 @@ class FrameRunner:
         summaries = [self._forward_summary(),
                      self.partitioner.backward_summary]
         sequences = [s.sequence for s in summaries]
-        regions = regions_of(self._hook_roots)
+        regions = self._regions = regions_of(self._hook_roots)
         if regions is not None and self.partitioner.ctx.group.world > 1 and any(len(seq) for seq in sequences):
             # a frame of a model with eager units: run inside an eager forward, the ranks check they
             # run the same frame before it issues collectives (runtime/eager_regions.py:
@@ -219,7 +221,7 @@ class FrameRunner:
             # freed just now: their modules get the eager unit hooks as the first run's did
             install_eager_regions(self._hook_roots)
             self._new_states = False
-        regions = regions_of(self._hook_roots) if self._hook_roots else None
+        regions = self._regions
         if regions is not None:
             regions.frame_runs(True)        # its ops are the frame's FLOPs, not the eager code's
         try:
