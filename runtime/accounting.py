@@ -24,6 +24,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from zerocompile.runtime import activation_offload
+from zerocompile.runtime.collective_watch import CollectiveWatch
 from zerocompile.runtime.comms_log import CommsLog
 from zerocompile.runtime.module_times import ModuleTimes
 
@@ -192,6 +193,9 @@ class Accounting:
         """``id`` of the optimizer whose step ended last (``end_step_flops``)."""
         self.module_times = ModuleTimes()
         """The flops profiler's per-module latencies (``flops_profiler`` option)."""
+        self.watch = CollectiveWatch()
+        """The collective watchdog (``collective_timeout_s`` option): this rank's position."""
+        self.watch.board.counts = self.calls_since_step
 
     def record(self, kind: str, nbytes: int, count: int = 1) -> None:
         """``count`` eager collectives of ``kind`` over the data-parallel group, ``nbytes`` in all."""
@@ -231,6 +235,11 @@ class Accounting:
         self.step_calls, self.calls = self.calls, {}
         self.step_eager_modules, self.eager_modules = self.eager_modules, {}
         self.module_times.step_ended()
+        self.watch.step_ended()
+
+    def calls_since_step(self) -> dict:
+        """A copy of ``calls`` (read by the collective watchdog's responder thread)."""
+        return self.calls.copy()
 
     def reset(self) -> None:
         self.comm = {k: CollectiveTotals() for k in COLLECTIVE_KINDS + COMPRESSED_KINDS}

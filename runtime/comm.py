@@ -34,6 +34,7 @@ import torch.fx
 
 from zerocompile import _torch_compat
 from zerocompile.errors import ZeroConfigError
+from zerocompile.runtime.accounting import ACCOUNTING
 
 _c10d = torch.ops._c10d_functional
 
@@ -134,6 +135,22 @@ def every_rank_holds(value: int, world: int, group_name: str, device=None) -> bo
     return values[0] != 0 and all(v == values[0] for v in values)
 
 
+def watched(kind: str, x: torch.Tensor, group_name: str, *, world: int = 1, label: str | None = None,
+            **kwargs) -> torch.Tensor | None:
+    """Start an eager collective through the collective watchdog (``runtime/collective_watch.py``:
+    its ``wait_tensor`` waits, watched); None where the watchdog is off, ``x`` is being traced
+    into a graph (which ``passes/watch_collectives.py`` handles) or the group is torch's fake
+    one: the caller then issues the functional collective. ``label``: the call site in its
+    report (default: the innermost ``CollectiveWatch.scope``); ``kwargs``: as
+    ``CollectiveWatch.start``'s."""
+    watch = ACCOUNTING.watch
+    if not watch.on or _torch_compat.is_graph_value(x) or \
+            _torch_compat.collective_backend(group_name, x.device) in (None, "fake"):
+        return None
+    nbytes = x.numel() * x.element_size() * (world if kind == "all_gather" else 1)
+    return watch.start(kind, x, group_name, watch.eager_site(kind, nbytes, label), world=world, **kwargs)
+
+
 def all_gather_flat(x: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
     """Concatenate the equal-size 1-D ``x`` of every rank (rank order)."""
     if world == 1:
@@ -147,6 +164,9 @@ def start_all_gather_flat(x: torch.Tensor, world: int, group_name: str, out: tor
     ``out`` (eager only: ``world * len(x)`` elements), the result is written there, so a caller
     can reuse one buffer for many gathers; ``x`` must stay unchanged until the wait."""
     x = x.contiguous()
+    started = watched("all_gather", x, group_name, world=world, out=out)
+    if started is not None:
+        return started
     if out is not None:
         return _c10d.all_gather_into_tensor_out(x, world, group_name, out=out)
     if not _torch_compat.is_traced_tensor(x) and gathers_need_out_variant(group_name, x.device):
@@ -216,16 +236,39 @@ def reduce_scatter_flat(x: torch.Tensor, world: int, group_name: str) -> torch.T
     """Sum the 1-D ``x`` (length a multiple of ``world``) over ranks; keep this rank's chunk."""
     if world == 1:
         return x
-    out = _c10d.reduce_scatter_tensor(x.contiguous(), "sum", world, group_name)
-    return _c10d.wait_tensor(out)
+    return _c10d.wait_tensor(start_reduce_scatter(x, "sum", world, group_name))
+
+
+def start_reduce_scatter(x: torch.Tensor, reduce_op: str, world: int, group_name: str) -> torch.Tensor:
+    """Start ``reduce_scatter_tensor(x, reduce_op, world, group_name)`` (watched where the
+    watchdog is on); ``wait_tensor`` its result before reading it."""
+    x = x.contiguous()
+    started = watched("reduce_scatter", x, group_name, world=world, reduce_op=reduce_op)
+    return started if started is not None else _c10d.reduce_scatter_tensor(x, reduce_op, world, group_name)
+
+
+def all_reduce(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    """``x`` reduced over the ranks of the group (out of place; ``reduce_op``: ``"sum"``,
+    ``"max"``...), waited for."""
+    x = x.contiguous()
+    started = watched("all_reduce", x, group_name, reduce_op=reduce_op)
+    return _c10d.wait_tensor(started if started is not None else _c10d.all_reduce(x, reduce_op, group_name))
+
+
+def start_all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, group_name: str) -> torch.Tensor:
+    """Start ``all_to_all_single(x, out_splits, in_splits, group_name)`` (watched where the
+    watchdog is on); ``wait_tensor`` its result before reading it."""
+    x = x.contiguous()
+    started = watched("all_to_all", x, group_name, out_splits=list(out_splits), in_splits=list(in_splits))
+    return started if started is not None else _c10d.all_to_all_single(x, list(out_splits), list(in_splits),
+                                                                       group_name)
 
 
 def all_reduce_sum(x: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
     """Sum ``x`` over ranks (out of place)."""
     if world == 1:
         return x
-    out = _c10d.all_reduce(x.contiguous(), "sum", group_name)
-    return _c10d.wait_tensor(out)
+    return all_reduce(x, "sum", group_name)
 
 
 def pad_flat(x: torch.Tensor, padded_numel: int) -> torch.Tensor:

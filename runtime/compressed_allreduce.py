@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime.comm import CommGroup, start_all_gather_flat
+from zerocompile.runtime.comm import CommGroup, start_all_gather_flat, start_all_to_all
 from zerocompile.runtime.sign_compression import scale_of, sign_pack, sign_unpack
 
 __all__ = ["padded_size", "compressed_allreduce", "worker_compress", "server_compress", "decompress"]
@@ -98,8 +98,8 @@ def compressed_allreduce(x: torch.Tensor, worker_error: torch.Tensor, server_err
     send = worker_compress(x.to(torch.float32), worker_error, world)
     row = send.shape[1]
     ACCOUNTING.record("compressed_all_to_all", send.numel())
-    received = _c10d.wait_tensor(_c10d.all_to_all_single(send.reshape(-1), [row] * world, [row] * world,
-                                                         group.name)).view(world, row)
+    received = _c10d.wait_tensor(start_all_to_all(send.reshape(-1), [row] * world, [row] * world,
+                                                  group.name)).view(world, row)
     mine = server_compress(received, server_error)
     ACCOUNTING.record("compressed_all_gather", world * mine.numel())
     gathered = _c10d.wait_tensor(start_all_gather_flat(mine, world, group.name)).view(world, row)

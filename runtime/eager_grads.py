@@ -30,10 +30,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime.comm import is_fake_group
+from zerocompile.runtime.comm import all_reduce, is_fake_group
 from zerocompile.runtime.raw_grad import raw_grad, set_raw_grad
 from zerocompile.runtime.sharded_param import ShardedParam
 from zerocompile.runtime.step_collectives import reduce_scatter_mean
@@ -109,7 +108,7 @@ class EagerGradients:
             if group.world > 1 and not is_fake_group(group) and states[0].device.type != "meta":
                 with ACCOUNTING.comms.timed(rows.device, _LABEL):
                     ACCOUNTING.record("all_reduce", rows.numel())
-                    dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=group.group)
+                    rows = all_reduce(rows, "max", group.name)
             leftover, late, anywhere = rows.tolist()
             items = []
             for sp, some_rank, not_early, some_grad in zip(states, leftover, late, anywhere):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime.comm import CommGroup, all_gather_flat, is_fake_group
+from zerocompile.runtime.comm import CommGroup, all_gather_flat, all_reduce, is_fake_group
 
 _c10d = torch.ops._c10d_functional
 
@@ -79,7 +79,7 @@ def compare_holders(holders: list[Holder], group: CommGroup, device) -> list[lis
     pair = torch.tensor([value, -value], dtype=torch.int64, device=device)
     with ACCOUNTING.comms.timed(pair.device, "gradient participation check"):
         ACCOUNTING.record("all_reduce", pair.numel() * pair.element_size())
-        reduced = _c10d.wait_tensor(_c10d.all_reduce(pair, "max", group.name))
+        reduced = all_reduce(pair, "max", group.name)
     if is_fake_group(group) or reduced.is_meta:
         return None         # one process stands for every rank, and a meta tensor holds no value
     top, neg_bottom = reduced.tolist()

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from zerocompile import _torch_compat
+from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.shared_memory import channel_of
 
 KINDS = ("point_to_point", "shared_memory")
@@ -124,7 +125,7 @@ def _start_into(x: torch.Tensor, world: int, group_name: str, out: torch.Tensor,
                 shared_memory: bool = False) -> None:
     group = _torch_compat.process_group_named(group_name)
     works = start_point_to_point_gather(x, dist.get_rank(group), world, group, out, copy_input, shared_memory)
-    _torch_compat.register_pending_works(out, works)
+    ACCOUNTING.watch.register(out, works, nbytes=out.numel() * out.element_size())
 
 
 @torch.library.custom_op("zerocompile::all_gather_point_to_point", mutates_args=())
@@ -185,7 +186,7 @@ def all_gather_point_to_point_unpacked(x: torch.Tensor, world: int, group_name: 
     outs = [x.new_empty(world * chunk) for chunk in chunks]
     works = start_point_to_point_gather_unpacked(x, chunks, dist.get_rank(group), world, group, outs, copy_input,
                                                  shared_memory)
-    _torch_compat.register_pending_works(outs, works)
+    ACCOUNTING.watch.register(outs, works, nbytes=sum(o.numel() * o.element_size() for o in outs))
     return outs
 
 
@@ -207,7 +208,8 @@ def reduce_scatter_point_to_point(x: torch.Tensor, reduce_op: str, world: int, g
     works, parts = start_point_to_point_reduce_scatter(x, dist.get_rank(group), world, group, copy_input,
                                                        shared_memory)
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-    _torch_compat.register_pending_works(out, works, then=lambda: sum_in_rank_order(parts, out.view(-1)))
+    ACCOUNTING.watch.register(out, works, then=lambda: sum_in_rank_order(parts, out.view(-1)), kind="reduce_scatter",
+                              nbytes=x.numel() * x.element_size())
     return out
 
 
@@ -270,7 +272,9 @@ def _start_many(start, xs: list, outs: list, world: int, group_name: str, shared
     group = _torch_compat.process_group_named(group_name)
     works, then = start(xs, outs, dist.get_rank(group), world, group, shared_memory)
     if outs:
-        _torch_compat.register_pending_works(outs[0], works, then=then)
+        gathers = start is start_point_to_point_gather_into
+        ACCOUNTING.watch.register(outs[0], works, then=then, kind="all_gather" if gathers else "reduce_scatter",
+                                  nbytes=sum(t.numel() * t.element_size() for t in (outs if gathers else xs)))
 
 
 @torch.library.custom_op("zerocompile::all_gather_point_to_point_into", mutates_args=("outs",))

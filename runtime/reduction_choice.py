@@ -55,8 +55,8 @@ from zerocompile import _torch_compat
 from zerocompile.errors import ZeroConfigError
 from zerocompile.runtime import point_to_point  # noqa: F401  (registers zerocompile::all_gather_point_to_point_out)
 from zerocompile.runtime import shared_memory
-from zerocompile.runtime.comm import (CommGroup, agreement_digest, every_rank_holds, is_fake_group,
-                                      start_all_gather_flat)
+from zerocompile.runtime.comm import (CommGroup, agreement_digest, all_reduce, every_rank_holds, is_fake_group,
+                                      start_all_gather_flat, start_reduce_scatter)
 
 _c10d = torch.ops._c10d_functional
 log = logging.getLogger("zerocompile")
@@ -392,9 +392,9 @@ def probe_times(group_name: str, world: int, device: torch.device, sizes: tuple[
             if site == "step":
                 buf.copy_(grad)                     # the bucket's packing
             if kind == "reduce_scatter":
-                _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buf, "sum", world, group_name))
+                _c10d.wait_tensor(start_reduce_scatter(buf, "sum", world, group_name))
             elif kind == "all_reduce":
-                _c10d.wait_tensor(_c10d.all_reduce(buf, "sum", group_name))
+                all_reduce(buf, "sum", group_name)
             else:
                 _c10d.wait_tensor(torch.ops.zerocompile.reduce_scatter_point_to_point(buf, "sum", world, group_name,
                                                                                        True, shm))
@@ -456,8 +456,7 @@ def _timed(kinds: tuple[str, ...], run, group_name: str, device: torch.device, s
                 if rep:
                     times[kind].append((time.perf_counter() - start) * 1e3)
         mine += [statistics.median(times[kind]) for kind in kinds]
-    worst = _c10d.wait_tensor(_c10d.all_reduce(torch.tensor(mine, dtype=torch.float64, device=device), "max",
-                                               group_name)).cpu().tolist()
+    worst = all_reduce(torch.tensor(mine, dtype=torch.float64, device=device), "max", group_name).cpu().tolist()
     k = len(kinds)
     return tuple(tuple(worst[k * i: k * i + k]) for i in range(len(sizes)))
 

@@ -108,8 +108,15 @@ class _ChannelWork:
         self.channel, self.until = channel, until
 
     def wait(self, timeout=None) -> bool:
-        self.channel.progress(self.until)
+        """Progress until done; with ``timeout`` (a ``timedelta``: the collective watchdog's
+        polling), raise ``RuntimeError("Operation timed out!")`` past it, as gloo's ``wait`` does,
+        the transfer going on at the next ``wait``."""
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        self.channel.progress(self.until, deadline)
         return True
+
+    def is_completed(self) -> bool:
+        return min(self.channel._read, self.channel._written) >= self.until
 
 
 class SharedMemoryChannel:
@@ -201,11 +208,11 @@ class SharedMemoryChannel:
         self._unread.append(step)
         self._steps += 1
 
-    def progress(self, until: int | None) -> None:
+    def progress(self, until: int | None, deadline: float | None = None) -> None:
         """Write every started record that fits and read every one that arrived, in order;
         with ``until``, repeat until the first ``until`` records are written and read (polling,
         see the module): a rank returns from a wait only when the others no longer need it for
-        that transfer."""
+        that transfer. Past ``deadline`` (``time.monotonic()``), ``RuntimeError("Operation timed out!")``."""
         patience = _Patience(self)
         while True:
             moved = False
@@ -227,6 +234,8 @@ class SharedMemoryChannel:
             if moved:
                 patience = _Patience(self)
             else:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise RuntimeError("Operation timed out!")
                 patience.pause()
 
     def _at(self, step: _Step) -> slice:

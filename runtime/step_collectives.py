@@ -13,7 +13,8 @@ import torch
 
 from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime import point_to_point  # registers the zerocompile:: point-to-point ops
-from zerocompile.runtime.comm import CommGroup, pad_flat, start_all_gather_flat
+from zerocompile.runtime.comm import (CommGroup, pad_flat, start_all_gather_flat, start_all_to_all, start_reduce_scatter,
+                                      watched)
 
 _c10d = torch.ops._c10d_functional
 
@@ -118,13 +119,14 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
             offset += chunk
         if kind == "all_reduce":
             ACCOUNTING.record("all_reduce", n * elem)
-            return bucket, rows, _c10d.all_reduce_(rows, "sum", group.name)
+            started = watched("all_reduce", rows, group.name, reduce_op="sum", out=rows)
+            return bucket, rows, started if started is not None else _c10d.all_reduce_(rows, "sum", group.name)
         ACCOUNTING.record("reduce_scatter", n * elem)
         if kind in point_to_point.KINDS:
             # the buffer stays as it is until the wait: sent without a copy
             return bucket, None, torch.ops.zerocompile.reduce_scatter_point_to_point(
                 rows.reshape(-1), "sum", world, group.name, copy_input=False, shared_memory=shared_memory)
-        return bucket, None, _c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", world, group.name)
+        return bucket, None, start_reduce_scatter(rows.reshape(-1), "sum", world, group.name)
 
     def finish(bucket, rows, out):
         if isinstance(rows, list):     # sent in place: ``rows`` are the bucket's chunks, ``out`` the first
@@ -273,7 +275,7 @@ def start_all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: li
     comms = ACCOUNTING.comms
     with comms.capturing(send.device) as issued:         # nothing without the comms logger
         ACCOUNTING.record("all_to_all", (sum(send_counts) - send_counts[group.rank]) * elem)
-        received = _c10d.all_to_all_single(send, list(recv_counts), list(send_counts), group.name)
+        received = start_all_to_all(send, list(recv_counts), list(send_counts), group.name)
     if issued and comms.settings.blocking:     # waited for here: finish_all_to_all's wait returns at once
         _c10d.wait_tensor(received)
         comms.done(issued, "optimizer step")

@@ -225,3 +225,49 @@ def run_script_ranks(script, args: list, world: int, cwd, environ: dict | None =
                                      str(cwd)))
             outputs.append((out, err))
         return _finish(procs, outputs, timeout)
+
+
+def _parting_entry(rank, world, port, fn, args, outdir, environ, cwd, group_timeout_s):
+    faulthandler.enable()
+    _adopt(environ, cwd)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=group_timeout_s))
+    started = time.monotonic()
+    try:
+        record = {"ok": True, "result": fn(rank, world, *args)}
+    except BaseException as err:  # noqa: BLE001 - the parent checks what each rank raised
+        record = {"ok": False, "type": type(err).__name__, "error": str(err), "traceback": traceback.format_exc()}
+    record["seconds"] = time.monotonic() - started
+    torch.save(record, os.path.join(outdir, f"{rank}.pt"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)      # no barrier, no teardown: the ranks' collectives may have parted
+
+
+def run_parting_ranks(fn, world: int, *args, group_timeout_s: float = 60, deadline_s: float = 90) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks whose collectives may part (the
+    collective watchdog's tests): each rank records what ``fn`` returned or raised and leaves at
+    once, with no barrier. Returns per rank ``{"ok", "result"}`` or ``{"ok": False, "type",
+    "error"}``, with ``seconds`` (how long ``fn`` ran), or None for a rank that recorded nothing
+    (it died, or was still running at ``deadline_s`` and was killed)."""
+    _ensure_fork_server()
+    ctx = multiprocessing.get_context("forkserver")
+    with tempfile.TemporaryDirectory() as outdir:
+        port = free_port()
+        procs = [ctx.Process(target=_parting_entry, args=(r, world, port, fn, args, outdir, dict(os.environ),
+                                                          os.getcwd(), group_timeout_s)) for r in range(world)]
+        for proc in procs:
+            proc.start()
+        end = time.monotonic() + deadline_s
+        for proc in procs:
+            proc.join(max(0.0, end - time.monotonic()))
+        for proc in procs:
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+        out = []
+        for r in range(world):
+            path = os.path.join(outdir, f"{r}.pt")
+            out.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+        return out

@@ -41,7 +41,7 @@ def modules() -> dict[str, Path]:
 
 
 def layer_of(name: str) -> str:
-    if name in LEAVES:
+    if name in LEAVES or any(name.startswith(leaf + ".") for leaf in LEAVES):
         return "leaves"
     if any(name == t or name.startswith(t + ".") for t in TOOLS if t != "zerocompile") or name == "zerocompile":
         return "tools"
@@ -127,7 +127,10 @@ def test_no_upward_imports():
 
 @pytest.mark.parametrize("leaf", sorted(LEAVES))
 def test_leaves_import_nothing_of_the_package(leaf):
-    assert not list(import_graph().successors(leaf))
+    # a leaf package (``_torch_compat``) imports its own modules only
+    graph = import_graph()
+    inside = [m for m in graph if m == leaf or m.startswith(leaf + ".")]
+    assert not [t for m in inside for t in graph.successors(m) if not (t == leaf or t.startswith(leaf + "."))]
 
 
 def test_no_module_near_a_thousand_lines():

@@ -9,7 +9,7 @@ from zerocompile.checkpoint import consolidated_state_dict, load_checkpoint, sav
 from zerocompile.comms_summary import log_summary
 from zerocompile.config import ZeroConfig
 from zerocompile.deepspeed_training import initialize, training_settings
-from zerocompile.errors import (GradientNotGatheredError, LossScaleError, ParameterNotGatheredError, ParamIdentityError,
+from zerocompile.errors import (CollectiveMismatchError, GradientNotGatheredError, LossScaleError, ParameterNotGatheredError, ParamIdentityError,
                                 SwapFileError, UnshardedParametersError, ZeroConfigError)
 from zerocompile.generation import generate
 from zerocompile.optimizer import ZeroOptimizer
@@ -28,7 +28,7 @@ __all__ = [
     "reset_stats", "save_checkpoint", "save_pretrained", "set_leaf_modules", "stats", "training_settings",
     "zero_backend", "OneBitAdam", "ZeroOneAdam",
     # errors (zerocompile/errors.py)
-    "GradientNotGatheredError", "LossScaleError", "ParamIdentityError", "ParameterNotGatheredError",
+    "CollectiveMismatchError", "GradientNotGatheredError", "LossScaleError", "ParamIdentityError", "ParameterNotGatheredError",
     "SwapFileError", "UnshardedParametersError", "ZeroConfigError",
 ]
 __version__ = "0.1.0"

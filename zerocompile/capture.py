@@ -36,8 +36,9 @@ from zerocompile.partitioner import ZeroPartitioner
 from zerocompile.passes.flop_count import evaluate, size_symbols
 from zerocompile.passes.manager import pipeline, run_passes
 from zerocompile.passes.module_timers import insert_module_marks
+from zerocompile.passes.watch_collectives import watch_collectives
 from zerocompile.runtime.accounting import ACCOUNTING, CollectiveSummary
-from zerocompile.runtime.comm import CommGroup, resolve_group
+from zerocompile.runtime.comm import CommGroup, is_fake_group, resolve_group
 from zerocompile.runtime.reduction_choice import gradient_reduction
 from zerocompile.runtime.eager_regions import (eager_only_parameters, install_eager_regions, outermost_first,
                                                regions_of)
@@ -224,6 +225,7 @@ class FrameRunner:
         regions = self._regions
         if regions is not None:
             regions.frame_runs(True)        # its ops are the frame's FLOPs, not the eager code's
+        ACCOUNTING.watch.running(self.frame, "forward" if grad_mode else "inference")
         try:
             out = self.compiled(*new_args)
         finally:
@@ -242,15 +244,16 @@ class FrameRunner:
             node = _torch_compat.compiled_backward_node(tensors, stop)
             if node is not None:
                 node.register_prehook(functools.partial(_backward_ran, bw, flops.get("backward", 0),
-                                                        flops.get("recompute", 0), self.order))
+                                                        flops.get("recompute", 0), self.order, self.frame))
             elif tensors:
                 log.warning("[%s] backward node not found: its collectives and FLOPs are missing from "
                             "zerocompile.stats()", self.frame)
         return out
 
 
-def _backward_ran(summary: CollectiveSummary, flops: int, recompute: int, frame: int, grads) -> None:
+def _backward_ran(summary: CollectiveSummary, flops: int, recompute: int, frame: int, name: str, grads) -> None:
     """A compiled backward is about to run: its collectives and FLOPs count."""
+    ACCOUNTING.watch.running(name, "backward")
     ACCOUNTING.record_summary(summary)
     ACCOUNTING.record_flops(flops, recompute, frame=frame, backward=True)
 
@@ -374,6 +377,21 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     started = time.perf_counter()
     group = resolve_group(cfg.process_group)
     frame = _frame_name(gm)
+    if _watched(cfg, group):
+        # before the compile's own collectives: those of a frame compiled on some ranks only are watched too
+        ACCOUNTING.watch.configure(cfg.collective_timeout_s, cfg.collective_busy_limit_s)
+    with ACCOUNTING.watch.scope(f"compiling {frame}"):    # its collectives' label in a mismatch report
+        runner = _compile_frame(gm, example_inputs, cfg, group, frame)
+    ACCOUNTING.compile_seconds += time.perf_counter() - started
+    return runner
+
+
+def _watched(cfg: ZeroConfig, group: CommGroup) -> bool:
+    """Whether the collective watchdog watches this frame's collectives."""
+    return cfg.collective_timeout_s is not None and group.world > 1 and not is_fake_group(group)
+
+
+def _compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig, group: CommGroup, frame: str):
     traced = _copy_graph_module(gm)
     placeholders = list(traced.graph.find_nodes(op="placeholder"))
     sources = [_torch_compat.placeholder_source(node) for node in placeholders]
@@ -390,9 +408,7 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     source = _TracedFrame(traced, sources, eager_owned, frame, torch.is_grad_enabled(), _torch_compat.dynamo_fake_mode())
     compiled, partitioner = source.compile(cfg, plans, _gradient_reduction(cfg, group, plans, frame), example_inputs)
     _adopt_parameters(plans, roots)
-    runner = FrameRunner(compiled, plans, partitioner, frame, roots, source)
-    ACCOUNTING.compile_seconds += time.perf_counter() - started
-    return runner
+    return FrameRunner(compiled, plans, partitioner, frame, roots, source)
 
 
 class _TracedFrame:
@@ -528,6 +544,7 @@ def _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx: PassConte
         if cfg.flops_profiler.profile_step == 1:     # the step compiling it is the one profiled
             ACCOUNTING.module_times.arm(True)
         lowerings.append(functools.partial(insert_module_marks, times=ACCOUNTING.module_times))
+    watch = functools.partial(watch_collectives, frame=frame) if _watched(cfg, group) else None
     # the timers measure what ran between them: inductor keeps the graph's order
     keep_order = (cfg.comms_logger is not None and cfg.comms_logger.blocking) or cfg.flops_profiler is not None
     key = None if bypass else compile_cache.frame_key(gm, new_inputs, group, partitioner.uuid())
@@ -535,12 +552,13 @@ def _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx: PassConte
     status.compiling(f"AOTAutograd, {cfg.inner_compiler}")
     if cfg.inner_compiler == "eager":
         compiled = inner_compilers.compile_with_aot_eager(gm, new_inputs, partitioner, partitioner.inference,
-                                                          debug_checks=cfg.debug_checks, lowerings=lowerings)
+                                                          debug_checks=cfg.debug_checks, lowerings=lowerings,
+                                                          watch=watch)
         return compiled, partitioner
     cacheable = None if bypass else compile_cache.cacheable_functions(gm, partitioner.uuid())
     compiled = inner_compilers.compile_with_inductor(gm, new_inputs, partitioner, partitioner.inference,
                                                      cacheable_functions=cacheable, lowerings=lowerings,
-                                                     keep_graph_order=keep_order)
+                                                     keep_graph_order=keep_order, watch=watch)
     if not partitioner.ran and entry is not None:
         partitioner.restore(entry)
         log.info("[%s] compiled from torch's caches (zerocompile entry %s)", frame, key[:16])
@@ -549,7 +567,8 @@ def _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx: PassConte
         # or another rank compiles anew): compile again without that cache, so the passes run
         log.info("[%s] AOTAutograd cache hit without zerocompile's entry: compiling anew", frame)
         compiled = inner_compilers.compile_with_inductor(gm, new_inputs, partitioner, partitioner.inference,
-                                                         lowerings=lowerings, keep_graph_order=keep_order)
+                                                         lowerings=lowerings, keep_graph_order=keep_order,
+                                                         watch=watch)
     if key is not None and partitioner.ran:
         compile_cache.FrameCache.in_inductor_cache().save(key, partitioner.entry())
     return compiled, partitioner

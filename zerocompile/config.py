@@ -274,6 +274,19 @@ class ZeroConfig:
     ``zerocompile.log_summary()``. None = off. Parsed into a ``CommsLoggerSettings``
     (``runtime/comms_log.py``); see docs/monitoring.md."""
 
+    collective_timeout_s: float | None = 60.0
+    """Seconds a zerocompile collective may wait before the ranks compare where they are (through
+    the process group's store) and raise ``CollectiveMismatchError`` with every rank's position
+    and the likely cause, instead of hanging until the process group's own timeout. A rank that
+    is computing (compiling, running a graph or the optimizer step, in its own code) is busy, not
+    stuck: the wait starts again. None = off (collectives wait as torch's do). See
+    docs/sharding-and-errors.md, "When the ranks part"."""
+
+    collective_busy_limit_s: float | None = None
+    """How long (seconds, counted from the start of the wait) a busy rank may keep the others
+    waiting before they raise ``CollectiveMismatchError`` anyway. None = as long as the process
+    group's own timeout allows (a long first compile on one rank never stops a healthy job)."""
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_options(cls, options: "dict | str | os.PathLike | ZeroConfig | None") -> "ZeroConfig":
@@ -405,6 +418,12 @@ class ZeroConfig:
         object.__setattr__(self, "monitor", parse_monitor(self.monitor))
         object.__setattr__(self, "flops_profiler", parse_flops_profiler(self.flops_profiler))
         object.__setattr__(self, "comms_logger", parse_comms_logger(self.comms_logger))
+        for name in ("collective_timeout_s", "collective_busy_limit_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < math.inf):
+                raise ZeroConfigError(f"option '{name}' = {value!r} is invalid; allowed: a number of seconds > 0, "
+                                      "or None (off)")
         try:
             activations = parse_activation_offload(self.offload_activations)
         except ValueError as err:

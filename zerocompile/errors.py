@@ -41,6 +41,18 @@ class SwapFileError(OSError):
     """The swap file cannot be created, grown or written: a path, permission or space problem."""
 
 
+class CollectiveMismatchError(RuntimeError):
+    """A zerocompile collective waited past ``collective_timeout_s`` because the ranks are at
+    different collectives (or one is gone); the message holds every rank's position and the
+    likely cause. ``reports``: each rank's position as the ranks gave it (None: no answer);
+    ``cause``: the likely cause's text ("" where none of the known ones fits)."""
+
+    def __init__(self, message: str, reports: dict | None = None, cause: str = ""):
+        super().__init__(message)
+        self.reports = reports or {}
+        self.cause = cause
+
+
 def unknown_key_message(key, names) -> str:
     """``unknown option 'stgae'; did you mean 'stage'?`` (or the valid names when none is close)."""
     close = difflib.get_close_matches(str(key), names, n=1)

@@ -9,6 +9,8 @@ entry points they use are shims in ``_torch_compat.py``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from zerocompile import _torch_compat, graph_replay
@@ -17,7 +19,7 @@ from zerocompile.runtime.comm import check_collectives_runnable, lower_collectiv
 
 
 def compile_with_inductor(gm, example_inputs, partitioner, on_inference=None, cacheable_functions=None,
-                          lowerings=(), keep_graph_order=False):
+                          lowerings=(), keep_graph_order=False, watch=None):
     """Inductor's ``compile_fx`` with our partitioner (its ``custom_partitioner_fn`` config
     hook). ``on_inference(graph_module)`` rewrites an inference graph (a frame run without
     autograd, which no partitioner sees) before inductor compiles it, through
@@ -28,13 +30,14 @@ def compile_with_inductor(gm, example_inputs, partitioner, on_inference=None, ca
     ``lowerings``: functions of a final graph given to ``runnable`` (the comms logger's and the
     flops profiler's timers). ``keep_graph_order``: inductor's peak-memory reordering off, so its
     kernels run in the graph's order (no kernel between a blocking collective and its timer's
-    end; segments of one module together)."""
+    end; segments of one module together). ``watch``: as ``runnable``'s."""
     compile_fx, compile_fx_inner = _torch_compat.inductor_compilers()
 
     def inner_compile(graph, inputs, **kwargs):
         if kwargs.get("is_inference") and on_inference is not None:
             graph = on_inference(graph)
-        return compile_fx_inner(runnable(graph, lowerings), inputs, **kwargs)
+        kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+        return compile_fx_inner(runnable(graph, lowerings, watch, kind), inputs, **kwargs)
 
     caching = (_torch_compat.without_autograd_cache() if cacheable_functions is None
                else _torch_compat.autograd_cache(cacheable_functions))
@@ -45,7 +48,7 @@ def compile_with_inductor(gm, example_inputs, partitioner, on_inference=None, ca
 
 
 def compile_with_aot_eager(gm, example_inputs, partitioner, on_inference=None, debug_checks=False,
-                           lowerings=()):
+                           lowerings=(), watch=None):
     """AOTAutograd with our partitioner; the forward and backward graphs run op by op.
 
     ``on_inference(graph_module)`` rewrites an inference graph (no autograd) before it runs.
@@ -55,10 +58,10 @@ def compile_with_aot_eager(gm, example_inputs, partitioner, on_inference=None, d
     inductor, with no interpreter between the ops (``torch.fx.Interpreter`` added a few
     percent to a 40M-parameter GPT's forward on this project's machine).
     ``debug_checks``: run them through ``CheckedInterpreter`` instead (slower; see there).
-    ``lowerings``: as for ``compile_with_inductor``.
+    ``lowerings``, ``watch``: as for ``compile_with_inductor``.
     """
-    def boxed(graph, _inputs):
-        graph = runnable(graph, lowerings)
+    def boxed(graph, _inputs, kind="forward"):
+        graph = runnable(graph, lowerings, watch, kind)
         if debug_checks:
             interpreter = CheckedInterpreter(graph, garbage_collect_values=True)
 
@@ -81,21 +84,26 @@ def compile_with_aot_eager(gm, example_inputs, partitioner, on_inference=None, d
         return run
 
     def inference(graph, inputs):
-        return boxed(on_inference(graph) if on_inference is not None else graph, inputs)
+        return boxed(on_inference(graph) if on_inference is not None else graph, inputs, "inference")
 
     with _torch_compat.without_autograd_cache():
-        return _torch_compat.aot_autograd(fw_compiler=boxed, bw_compiler=boxed, inference_compiler=inference,
+        return _torch_compat.aot_autograd(fw_compiler=boxed, bw_compiler=functools.partial(boxed, kind="backward"),
+                                          inference_compiler=inference,
                                           partition_fn=partitioner, keep_inference_input_mutations=True)(
             gm, example_inputs)
 
 
-def runnable(gm: torch.fx.GraphModule, lowerings=()) -> torch.fx.GraphModule:
+def runnable(gm: torch.fx.GraphModule, lowerings=(), watch=None, kind: str = "forward") -> torch.fx.GraphModule:
     """``gm`` with its collectives in the form that is safe to run on their process group's
     backend (``runtime/comm.py``: all-gathers on gloo), checked; what both inner compilers get.
-    Each of ``lowerings(graph)`` then rewrites it (returning how many nodes it added)."""
+    Each of ``lowerings(graph)`` then rewrites it (returning how many nodes it added), and last
+    ``watch(graph, kind)`` (``kind``: ``forward``, ``backward`` or ``inference``) puts the
+    collective watchdog's ops in place of the collectives (``passes/watch_collectives.py``)."""
     changed = lower_collectives_for_backend(gm.graph)
     for lowering in lowerings:
         changed += lowering(gm.graph)
+    if watch is not None:
+        changed += watch(gm.graph, kind)
     if changed:
         gm.graph.lint()
         gm.recompile()

@@ -303,6 +303,12 @@ class ZeroOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with ACCOUNTING.watch.scope("optimizer step"):    # its collectives' label in a mismatch report
+            self._step(grad_scaler)
+        self._monitor.after_step(self)          # the monitors' figures (the monitor option), rank 0 writes
+        return loss
+
+    def _step(self, grad_scaler) -> None:
         self._step_record.begin()
         self._bind()
         self._binding.sync_hyperparameters()
@@ -335,8 +341,6 @@ class ZeroOptimizer(Optimizer):
         self._collected_through = update.collect_compile_garbage(self._collected_through)
         self._step_record.end(self._step_name, self._layout_group())
         ACCOUNTING.end_step_flops(id(self))     # what the compiled graphs ran since the last step is this step's
-        self._monitor.after_step(self)          # the monitors' figures (the monitor option), rank 0 writes
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients wherever zerocompile keeps them (parameters, replicas, shards)."""

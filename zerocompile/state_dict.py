@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 
+from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.sharded_param import get_state
 
 
@@ -21,7 +22,11 @@ def full_state_dict(model: torch.nn.Module, rank0_only: bool = True) -> dict:
     original dtype, e.g. fp32 under bf16 training). With ``rank0_only`` (the default) only
     global rank 0 gets the tensors; the other ranks get an empty dict.
     """
-    module = _unwrap(model)
+    with ACCOUNTING.watch.scope("full_state_dict"):       # its collectives' label in a mismatch report
+        return _full_state_dict(_unwrap(model), rank0_only)
+
+
+def _full_state_dict(module: torch.nn.Module, rank0_only: bool) -> dict:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     keep = rank == 0 or not rank0_only
     gathered: dict[int, torch.Tensor | None] = {}    # a tensor shared by several names gathers once
@@ -46,15 +51,8 @@ def gathered_parameters(model: torch.nn.Module):
     rank (e.g. a seeded init); on exit each rank keeps its own chunk of the new values.
     """
     module = _unwrap(model)
-    states = []
-    seen = set()
-    for p in module.parameters():
-        state = get_state(p)
-        if state is None or id(p) in seen:
-            continue
-        seen.add(id(p))
-        states.append((state, state.materialized))
-        state.materialize()
+    with ACCOUNTING.watch.scope("gathered_parameters"):   # its collectives' label in a mismatch report
+        states = _materialize_all(module)
     try:
         yield module
     finally:
@@ -62,3 +60,16 @@ def gathered_parameters(model: torch.nn.Module):
             state.write_full(state.param.detach())
             if not was_materialized:
                 state.release()
+
+
+def _materialize_all(module: torch.nn.Module) -> list:
+    """Gather every sharded parameter of ``module``; ``(state, was it materialized before)``."""
+    states, seen = [], set()
+    for p in module.parameters():
+        state = get_state(p)
+        if state is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        states.append((state, state.materialized))
+        state.materialize()
+    return states

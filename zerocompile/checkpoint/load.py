@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from zerocompile.checkpoint.checks import check_optimizer, listed
+from zerocompile.checkpoint.checks import check_every_rank_called, check_optimizer, listed
 from zerocompile.checkpoint.files import clean_path, failures_named, read_metadata, read_small, single_process
 from zerocompile.checkpoint.layout import (EXTRA_KEY, FORMAT, META_KEY, MODEL, OPTIM_GROUPS, layout_group,
                                            offloaded_shards, param_names, shard_part, unpickle_extra)
@@ -46,6 +46,7 @@ def load_checkpoint(path, model: torch.nn.Module, optimizer: ZeroOptimizer | Non
     entries = module.state_dict(keep_vars=True)
     _check_model(path, metadata, entries)
     group = layout_group(module, optimizer)
+    check_every_rank_called(group, "load_checkpoint", path)
     # offload_param: the shards are read back, loaded into, and written back to their files
     with resident_shards(offloaded_shards(module), write=True):
         state, after = _model_load_entries(entries, group)

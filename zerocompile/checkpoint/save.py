@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from zerocompile.checkpoint.checks import check_optimizer, check_optimizer_params
+from zerocompile.checkpoint.checks import check_every_rank_called, check_optimizer, check_optimizer_params
 from zerocompile.checkpoint.files import clean_path, failures_named, prepare_destination, single_process, swap_in
 from zerocompile.checkpoint.layout import (EXTRA_KEY, META_KEY, MODEL, OPTIM_GROUPS, OPTIM_STATE, is_sharded,
                                            layout_group, meta_entry, offloaded_shards, param_names,
@@ -40,6 +40,7 @@ def save_checkpoint(path, model: torch.nn.Module, optimizer: ZeroOptimizer | Non
         raise TypeError(f"save_checkpoint: extra must be a dict or None, got {type(extra).__name__}")
     path = clean_path(path)
     group = layout_group(module, optimizer)
+    check_every_rank_called(group, "save_checkpoint", path)
     entries = module.state_dict(keep_vars=True)
     fqns = param_names(module)
     token = _on_rank0(group, lambda: prepare_destination(path))
