@@ -209,14 +209,25 @@ class CollectiveWatch:
             work.wait()
             return
         deadline = started + timeout
+        since = time.time()
         missed = 0
         while True:
-            try:
-                work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            try:        # in slices of a second at most: a mismatch another rank found ends the wait early
+                work.wait(datetime.timedelta(seconds=min(1.0, max(0.001, deadline - time.monotonic()))))
                 return
             except RuntimeError as err:
-                if work.is_completed():      # the transport failed (a peer died): not our timeout
+                if work.is_completed() or "timed out" not in str(err).lower():
+                    # the transport failed (a peer died, a shared-memory peer exited): not our timeout.
+                    # A peer that found a mismatch and left: its table, not a dead peer
+                    peer = self._exchange.await_peer_verdict(since) if self._exchange is not None else None
+                    if peer is not None:
+                        raise mismatch_report.found_by_peer(site, time.monotonic() - started, peer) from err
                     raise self.verdict_error(site, time.monotonic() - started, missed, err) from err
+            peer = self._exchange.peer_verdict if self._exchange is not None else None
+            if peer is not None and peer["at"] >= since:
+                raise mismatch_report.found_by_peer(site, time.monotonic() - started, peer)
+            if time.monotonic() < deadline:
+                continue
             verdict = self.diagnose(site, time.monotonic() - started, missed)
             if verdict.error is not None:
                 # one more short wait: a collective that ended meanwhile is no mismatch
@@ -239,7 +250,7 @@ class CollectiveWatch:
                                         missed=missed, transport_error=transport_error,
                                         busy_limit_s=self.busy_limit_s, timeout_s=self.timeout_s)
         if exchange is not None:
-            exchange.publish(verdict.text if verdict.error is not None else "")
+            exchange.publish(verdict)
         if verdict.error is not None:
             if exchange is None or exchange.rank == 0:
                 log.error("%s", verdict.text)
@@ -271,10 +282,28 @@ class WatchedWork(torch._C._distributed_c10d.Work):
 class PollableWorks:
     """Several ``Work`` handles (point-to-point transfers, gloo's or a shared-memory channel's),
     then ``then()``, as one work that ``CollectiveWatch.wait`` can poll: ``wait(timeout)``
-    raises ``RuntimeError("Operation timed out!")`` past ``timeout``, the transfers going on."""
+    raises ``RuntimeError("Operation timed out!")`` past ``timeout``, the transfers going on.
+
+    gloo's send and receive handles cannot be polled (a ``wait(timeout)`` that expires fails the
+    transfer), so a thread waits for them without a timeout and the poll waits for that thread;
+    a shared-memory channel's are progressed by the polling thread itself."""
 
     def __init__(self, works: list, then=None):
-        self.works, self.then = list(works), then
+        c10d = torch._C._distributed_c10d.Work
+        self.blocking = [w for w in works if isinstance(w, c10d)]
+        self.works = [w for w in works if not isinstance(w, c10d)]
+        self.then = then
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = None
+
+    def _wait_blocking_ones(self) -> None:
+        try:
+            for work in self.blocking:
+                work.wait()
+        except BaseException as err:      # noqa: BLE001 - raised by the polling wait
+            self._error = err
+        self._done.set()
 
     def wait(self, timeout=None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
@@ -282,19 +311,31 @@ class PollableWorks:
             if deadline is None:
                 self.works[0].wait()
             else:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RuntimeError("Operation timed out!")
-                self.works[0].wait(datetime.timedelta(seconds=left))
+                self.works[0].wait(datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
             self.works.pop(0)
+        if self.blocking:
+            if deadline is None:
+                self._wait_blocking_ones()
+            else:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._wait_blocking_ones, daemon=True,
+                                                    name="zerocompile-transfer-wait")
+                    self._thread.start()
+                if not self._done.wait(max(0.0, deadline - time.monotonic())):
+                    raise RuntimeError("Operation timed out!")
+            if self._error is not None:
+                raise self._error
+            self.blocking = []
         if self.then is not None:
             then, self.then = self.then, None
             then()
         return True
 
     def is_completed(self) -> bool:
-        """Done, or failed (the first unfinished transfer ended with an error)."""
-        return not self.works or self.works[0].is_completed()
+        """Done, or failed (a transfer ended with an error)."""
+        if self.works:
+            return self.works[0].is_completed()
+        return not self.blocking or self._done.is_set()
 
 
 class _CudaMonitor:

@@ -44,6 +44,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 
 from zerocompile import _torch_compat
+from zerocompile.errors import CollectiveMismatchError
 from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import all_gather_flat, is_fake_group
 from zerocompile.runtime.eager_flops import EagerFlops
@@ -190,12 +191,13 @@ class EagerRegions:
         # what they skipped
         units = [i for i in ids if i < len(self.units)]
         if not units:
-            raise RuntimeError(
+            cause = ("a module whose forward runs on some ranks only (an expert reached by some ranks' tokens only) "
+                     "makes them gather different parameters. Mark the module that routes a leaf module: "
+                     "zerocompile.set_leaf_modules(model, [TheModuleClass])")
+            raise CollectiveMismatchError(
                 "zerocompile: the ranks run different compiled frames at stage 3 ("
                 + ", ".join(f"rank {r}: {self.frame_names.get(i, 'a frame this rank never ran')}" for r, i in enumerate(ids))
-                + "): a module whose forward runs on some ranks only (an expert reached by some ranks' tokens "
-                "only) makes them gather different parameters. Mark the module that routes a leaf module: "
-                "zerocompile.set_leaf_modules(model, [TheModuleClass])")
+                + "): " + cause, cause=cause)
         skipped = self.units[min(units)]
         ranks = [r for r, i in enumerate(ids) if i == skipped.index]
         names = [f"{skipped.name}.{n}" if skipped.name else n

@@ -128,6 +128,14 @@ def judge(my_site: str, waited: float, reports: dict | None, me: int, missed: in
     return Verdict(None, f"{head}; {why}:\n{table}", unanswered=len(silent))
 
 
+def found_by_peer(my_site: str, waited: float, peer: dict) -> CollectiveMismatchError:
+    """The error of a rank that waited ``waited`` s at ``my_site`` when another rank's verdict
+    (``PositionExchange.peer_verdict``) said the ranks have parted: that rank's table and cause."""
+    text = (f"zerocompile: this rank waited {waited:.1f} s at {describe(my_site)}; rank {peer['asker']} found that "
+            f"the ranks' collectives parted:\n{peer['text']}")
+    return CollectiveMismatchError(text, peer["reports"], peer["cause"])
+
+
 _AFTER = ("What now: this process group is out of step (the collective abandoned here is still queued on it, "
           "so the next one may pair with the wrong collective). In an `except`, save only what needs no "
           "collective (e.g. this rank's own files), then exit; restart from the last checkpoint.")
@@ -209,7 +217,8 @@ def _cause(reports: dict, me: int, blocked: list, dead: list, transport_error) -
                 "on every rank (each on its share of the data); read full weights with zerocompile.full_state_dict "
                 "(called on every rank); generate with zerocompile.generate on every rank.")
     steps = {r: rep.get("steps", 0) for r, rep in live.items()}
-    counts = {r: _counts(rep) for r, rep in live.items()}
+    # a forward counts once it ran: one a rank waits in counts too
+    counts = {r: (c[0] + (graphs[r] == "forward"), c[1]) for r, c in ((r, _counts(rep)) for r, rep in live.items())}
     detail = "; ".join(f"rank {r}: step {steps[r]}, {counts[r][0]} forward, {counts[r][1]} backward"
                        for r in sorted(live))
     finished = [r for r in blocked if live[r]["state"] in ("finished", "exited")]
@@ -227,15 +236,19 @@ def _cause(reports: dict, me: int, blocked: list, dead: list, transport_error) -
                 "run zerocompile's: a zerocompile model was run, or its optimizer stepped, on some ranks only. "
                 "Run it on every rank.")
     pending = {r: c[0] - c[1] for r, c in counts.items()}
-    if len(set(pending.values())) > 1:
-        skipped = [r for r, p in pending.items() if p == max(pending.values())]
+    if max(pending.values()) >= 2:      # a forward whose backward never ran, and another since
+        skipped = [r for r, p in pending.items() if p >= 2]
         return (f"rank(s) {_ranks(skipped)} ran a forward without its backward ({detail}): a step skipped on some "
                 "ranks only (e.g. `if not torch.isfinite(loss): continue` before loss.backward()). Decide on every "
                 "rank alike: all-reduce the condition first and skip on every rank.")
     if len({c[0] for c in counts.values()}) > 1:
-        return (f"the ranks ran different numbers of micro-batches since the last step ({detail}): an uneven last "
-                "batch (DistributedSampler(drop_last=False), or data split unevenly). Give every rank the same "
-                "number of batches: DistributedSampler(drop_last=True) or DataLoader(drop_last=True).")
+        more = [r for r, c in counts.items() if c[0] == max(c[0] for c in counts.values())]
+        return (f"the ranks ran different numbers of forward passes since the last step ({detail}): rank(s) "
+                f"{_ranks(more)} ran one more. Either different numbers of micro-batches (an uneven last batch: "
+                "DistributedSampler(drop_last=False), or data split unevenly; give every rank the same number of "
+                "batches: DistributedSampler(drop_last=True) or DataLoader(drop_last=True)), or a step skipped on "
+                "some ranks only (e.g. `if not torch.isfinite(loss): continue`; decide on every rank alike: "
+                "all-reduce the condition first and skip on every rank).")
     sites = {rep["site"] for rep in live.values() if rep["state"] == "waiting"}
     if len(sites) > 1:
         frames = sorted({_parts(x)[0] for x in sites})

@@ -58,11 +58,15 @@ class PositionExchange:
         self.board, self.rank, self.world = board, rank, world
         self._new_client = client_factory
         self._closed = threading.Event()
-        self._client = None          # the asking (training or monitor) thread's
+        self._client = client_factory()     # the asking (training or monitor) thread's, made while the store is up
         self._asked = 0
         self._ask_lock = threading.Lock()
         self.main = threading.main_thread()
         self._group = dist.group.WORLD
+        self.peer_verdict: dict | None = None
+        """The last mismatch another rank found while asking this one: ``{"asker", "text",
+        "cause", "reports", "at"}`` (``at``: this process's ``time.time()`` when it came)."""
+        self._answered: list[int] = []      # the ranks that answered the last ask
         threading.Thread(target=self._respond_forever, args=(client,), name="zerocompile-collective-watch",
                          daemon=True).start()
         atexit.register(self._leave_record)
@@ -81,6 +85,19 @@ class PositionExchange:
     def close(self) -> None:
         self._closed.set()
 
+    def await_peer_verdict(self, since: float, seconds: float = 1.5 * _POLL_S) -> dict | None:
+        """A mismatch another rank found (``peer_verdict``) since ``since`` (``time.time()``),
+        waiting up to ``seconds`` for the responder to read one: a rank whose transport failed
+        because a peer raised and left reports that peer's table, not a dead peer."""
+        deadline = time.monotonic() + seconds
+        while True:
+            peer = self.peer_verdict
+            if peer is not None and peer["at"] >= since:
+                return peer
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
     def _group_alive(self) -> bool:
         """The default group this exchange serves is still there (not destroyed by the user)."""
         return not self._closed.is_set() and dist.is_initialized() and dist.group.WORLD is self._group
@@ -91,8 +108,6 @@ class PositionExchange:
         ``answer_timeout_s``; ``{"store": error text}`` alone when the store cannot be reached."""
         with self._ask_lock:
             try:
-                if self._client is None:
-                    self._client = self._new_client(_CONNECT_S)
                 client = self._client
                 n = client.add(f"{_NAMESPACE}/asks", 1)
                 self._asked = n
@@ -102,24 +117,40 @@ class PositionExchange:
             out = {self.rank: report(self.board, self.main)}
             waiting = [r for r in range(self.world) if r != self.rank]
             deadline = time.monotonic() + answer_timeout_s
-            while waiting:
-                for r in list(waiting):
-                    key = f"{_NAMESPACE}/answer/{n}/{r}"
-                    with contextlib.suppress(Exception):
+            try:
+                while waiting:
+                    for r in list(waiting):
+                        key = f"{_NAMESPACE}/answer/{n}/{r}"
                         if client.check([key]):
                             out[r] = json.loads(client.get(key))
                             waiting.remove(r)
-                if not waiting or time.monotonic() > deadline:
-                    break
-                time.sleep(0.01)
+                    if not waiting or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
+            except Exception as err:   # noqa: BLE001 - the store's host went away meanwhile
+                return {"store": f"{type(err).__name__}: {err}"}
+            self._answered = [r for r in out if r != self.rank]
             for r in waiting:           # no answer in time: an exit record, or None
                 out[r] = _exit_record(client, r)
             return out
 
-    def publish(self, text: str) -> None:
-        """The verdict of the last ``ask`` ("" where it found no mismatch)."""
+    def publish(self, verdict) -> None:
+        """The verdict of the last ``ask`` (``mismatch_report.Verdict``), for the ranks that
+        answered it: they log it, and those waiting in a zerocompile collective raise it. Rank 0
+        hosts the store, which ends with its process: with a mismatch, it waits (up to
+        ``2 * _POLL_S``) until the others have read it before its caller raises."""
+        error = verdict.error
+        payload = {"text": verdict.text if error is not None else "", "cause": getattr(error, "cause", ""),
+                   "reports": {str(r): rep for r, rep in (getattr(error, "reports", None) or {}).items()}}
         with self._ask_lock, contextlib.suppress(Exception):
-            self._client.set(f"{_NAMESPACE}/verdict/{self._asked}", text)
+            n = self._asked
+            self._client.set(f"{_NAMESPACE}/verdict/{n}", json.dumps(payload))
+            if error is None or self.rank != 0:
+                return
+            deadline = time.monotonic() + 2 * _POLL_S + 0.5
+            keys = [f"{_NAMESPACE}/verdict-read/{n}/{r}" for r in self._answered]
+            while keys and time.monotonic() < deadline and not self._client.check(keys):
+                time.sleep(0.05)
 
     # ------------------------------------------------------------------ answering
     def _respond_forever(self, client) -> None:
@@ -140,23 +171,26 @@ class PositionExchange:
                     asker = int(client.get(f"{_NAMESPACE}/ask/{n}"))
                     if asker != self.rank:
                         client.set(f"{_NAMESPACE}/answer/{n}/{self.rank}", json.dumps(report(self.board, self.main)))
-                        if self.board.waiting is None:
-                            verdicts.append((n, asker, time.monotonic() + 60))
+                        verdicts.append((n, asker, time.monotonic() + 60))
                     n += 1
                 verdicts = [v for v in verdicts if not self._logged(client, *v)]
             except Exception:          # noqa: BLE001 - the store went away: the group is gone
                 return
 
     def _logged(self, client, n: int, asker: int, until: float) -> bool:
-        """This rank raises nothing itself (it was not in a zerocompile collective when asked):
-        log what the asking rank found, so that this rank's log says it too. True once logged,
-        or given up."""
+        """The verdict of request ``n``, once it came: a mismatch is kept (``peer_verdict``: a
+        wait of this rank's raises it) and, where this rank waits in no zerocompile collective
+        (so raises nothing itself), logged. True once read, or given up."""
         key = f"{_NAMESPACE}/verdict/{n}"
         if not client.check([key]):
             return time.monotonic() > until
-        text = client.get(key).decode()
-        if text:
-            log.error("rank %d found a collective mismatch:\n%s", asker, text)
+        payload = json.loads(client.get(key))
+        if payload["text"]:
+            self.peer_verdict = {**payload, "asker": asker, "at": time.time(),
+                                 "reports": {int(r): rep for r, rep in payload["reports"].items()}}
+            if self.board.waiting is None:
+                log.error("rank %d found a collective mismatch:\n%s", asker, payload["text"])
+        client.set(f"{_NAMESPACE}/verdict-read/{n}/{self.rank}", "1")
         return True
 
     def _leave_record(self) -> None:

@@ -10,6 +10,7 @@ transport's error instead of ours fails on its text.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -64,8 +65,8 @@ def _mismatch(record: dict) -> dict:
 
 
 # ------------------------------------------------------------------ eval on rank 0 only
-def _eval_on_rank0(rank: int, world: int, warm: bool) -> dict:
-    _, compiled, opt = _compiled(3)
+def _eval_on_rank0(rank: int, world: int, warm: bool, gather: str) -> dict:
+    _, compiled, opt = _compiled(3, parameter_gather=gather)
     _train_step(compiled, opt, rank, world, 0)
     if warm:        # evaluated on every rank once: the inference graph is compiled everywhere
         with torch.no_grad():
@@ -82,19 +83,201 @@ def _eval_on_rank0(rank: int, world: int, warm: bool) -> dict:
     return {"barrier": "passed"}
 
 
-@pytest.mark.parametrize("world,warm", [(2, True), (3, True), (2, False)])
-def test_eval_on_rank0_only_at_stage3(world, warm):
-    records = run_parting_ranks(_eval_on_rank0, world, warm)
+@pytest.mark.parametrize("world,warm,gather", [(2, True, "all_gather"), (3, True, "shared_memory"),
+                                               (2, False, "auto")])
+def test_eval_on_rank0_only_at_stage3(world, warm, gather):
+    records = run_parting_ranks(_eval_on_rank0, world, warm, gather)
     caught = _mismatch(records[0])
     assert caught["seconds"] < TIMEOUT + 15, caught
     text = caught["error"]
-    if warm:    # stuck in the inference graph's first gather
-        assert "rank 0 waited" in text and "inference graph: all_gather 1 of" in text, text
+    if warm and gather == "all_gather":    # stuck in the inference graph's first gather
+        assert "rank 0 waited 3.0 s at frame 0/1 inference graph: all_gather 1 of " in text, text
+    elif warm:      # the gathers' point-to-point transfers: the graph is known, not their place in it
+        assert "rank 0 waited 3.0 s at frame 0/1 inference graph: all_gather by point-to-point" in text, text
     else:       # stuck in the compile's own collectives (the first eval compiles the inference graph)
         assert "rank 0 waited" in text and "at compiling frame" in text, text
     for r in range(1, world):
         assert f"\n  {r}     in torch.distributed.barrier()" in text, text
         assert "test_collective_watch.py" in text   # where the user's code is, on each rank
-    assert "a forward ran on rank(s) 0 only" in caught["cause"], caught["cause"]
+    assert caught["cause"].startswith("a forward ran on rank(s) 0 only"), caught["cause"]
     assert "zerocompile.full_state_dict" in caught["cause"] and "every rank" in caught["cause"]
     assert "What now" in text
+
+
+# ------------------------------------------------------------------ one more micro-batch on rank 0
+def _extra_micro_batch(rank: int, world: int, stage: int) -> dict:
+    # through shared memory: gloo would abort a rank on the first transfers of different sizes
+    # (see _skipped_step)
+    _, compiled, opt = _compiled(stage, parameter_gather="shared_memory", gradient_reduction="shared_memory")
+    _train_step(compiled, opt, rank, world, 0)
+
+    def uneven():   # an uneven last batch: rank 0 gets 3 micro-batches, the others 2
+        _train_step(compiled, opt, rank, world, 1, micro=3 if rank == 0 else 2)
+        _train_step(compiled, opt, rank, world, 2)
+    return _caught(uneven)
+
+
+@pytest.mark.parametrize("stage,world", [(2, 2), (3, 2), (3, 3)])
+def test_extra_micro_batch_on_one_rank(stage, world):
+    records = run_parting_ranks(_extra_micro_batch, world, stage)
+    for rank, record in enumerate(records):
+        caught = _mismatch(record)
+        assert caught["seconds"] < 3 * TIMEOUT + 15, caught
+        cause = caught["cause"]
+        assert "different numbers of forward passes" in cause and "rank(s) 0 ran one more" in cause, caught["error"]
+        assert "rank 0: step 1, 3 forward" in cause and re.search(r"rank [12]: step 1, 2 forward", cause), cause
+        assert "different numbers of micro-batches" in cause and "drop_last=True" in cause
+        assert caught["error"].startswith((f"zerocompile: rank {rank} waited", "zerocompile: this rank waited"))
+
+
+# ------------------------------------------------------------------ full_state_dict on rank 0 only
+def _state_dict_on_rank0(rank: int, world: int) -> dict:
+    _, compiled, opt = _compiled(3)
+    _train_step(compiled, opt, rank, world, 0)
+    if rank == 0:
+        return _caught(lambda: len(zerocompile.full_state_dict(compiled)))
+    try:
+        dist.barrier()
+    except RuntimeError as err:
+        return {"barrier": str(err)}
+    return {"barrier": "passed"}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_full_state_dict_on_rank0_only(world):
+    records = run_parting_ranks(_state_dict_on_rank0, world)
+    caught = _mismatch(records[0])
+    assert caught["seconds"] < TIMEOUT + 15, caught
+    assert "at full_state_dict: all_gather" in caught["error"], caught["error"]
+    assert caught["cause"].startswith("full_state_dict ran on rank(s) 0 only"), caught["cause"]
+    assert "call it on every rank" in caught["cause"]
+    assert caught["states"] == {0: "waiting", **{r: "collective" for r in range(1, world)}}
+
+
+# ------------------------------------------------------------------ a step skipped on one rank
+def _skipped_step(rank: int, world: int) -> dict:
+    # the graphs' gathers and reductions through the shared-memory segment: gloo aborts a process
+    # whose paired transfers differ in size ("Received data size doesn't match expected size"),
+    # before any watchdog can speak (see docs/sharding-and-errors.md)
+    _, compiled, opt = _compiled(3, parameter_gather="shared_memory", gradient_reduction="shared_memory")
+    _train_step(compiled, opt, rank, world, 0)
+
+    def loop():
+        for step in (1, 2):
+            x, y = make_batch("gpt", step, 2 * world)
+            loss = compiled(rank_slice(x, rank, world), rank_slice(y, rank, world))
+            if step == 1 and rank == world - 1:     # "if not torch.isfinite(loss): continue", true here only
+                continue
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return _caught(loop)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_step_skipped_on_one_rank(world):
+    records = run_parting_ranks(_skipped_step, world)
+    for record in records:
+        caught = _mismatch(record)
+        assert caught["seconds"] < 3 * TIMEOUT + 15, caught
+        cause = caught["cause"]
+        # the rank that skipped ran one forward more than its backwards: the skipped step is named
+        assert f"rank(s) {world - 1} ran" in cause and "skipped on some ranks only" in cause, caught["error"]
+        assert "isfinite" in cause and "all-reduce the condition" in cause
+
+
+# ------------------------------------------------------------------ experts as frames of their own, no leaf
+def _experts_without_leaf(rank: int, world: int) -> dict:
+    from test_moe_routing import MoENet, _batch
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MoENet(own_experts=True)
+    with torch.no_grad():
+        model.moe.router.weight.copy_(torch.eye(4, 8) * 4)
+        model.moe.router.weight[3] = 0.0
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager",
+                                                           "collective_timeout_s": TIMEOUT})
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=torch.optim.SGD, lr=0.01)
+
+    def loop():
+        for step in range(2):
+            x, y = _batch(step)
+            compiled(rank_slice(x, rank, world), rank_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+    return _caught(loop)
+
+
+def test_experts_as_frames_without_leaf_modules():
+    records = run_parting_ranks(_experts_without_leaf, 2)
+    caught = _mismatch(records[0])          # rank 0 runs expert 2, which rank 1's tokens never reach
+    assert caught["seconds"] < 3 * TIMEOUT + 15, caught
+    assert "set_leaf_modules" in caught["cause"], caught["error"]
+
+
+# ------------------------------------------------------------------ a slow rank is not a hang
+def _slow_rank(rank: int, world: int) -> dict:
+    import logging
+
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logging.getLogger("zerocompile").addHandler(Keep())
+    _, compiled, opt = _compiled(3)
+    losses = []
+    for step in range(3):
+        x, y = make_batch("gpt", step, 2 * world)
+        loss = compiled(rank_slice(x, rank, world), rank_slice(y, rank, world))
+        if step == 1 and rank == 1:
+            time.sleep(2 * TIMEOUT)         # inside the step, between the forward and the backward
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item())
+    return {"losses": losses, "busy": [m for m in seen if "busy" in m]}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_busy_past_the_timeout_is_not_an_error(world):
+    records = run_parting_ranks(_slow_rank, world)
+    for record in records:
+        assert record is not None and record["ok"], record and record.get("traceback")
+    results = [r["result"] for r in records]
+    assert all(r["losses"] == results[0]["losses"] for r in results)     # the same step on every rank
+    busy = [m for r in results for m in r["busy"]]
+    assert busy and all("rank(s) 1 are busy" in m and "waiting again" in m for m in busy), busy
+
+
+# ------------------------------------------------------------------ a rank killed mid-step
+def _killed_rank(rank: int, world: int) -> dict:
+    import signal
+
+    _, compiled, opt = _compiled(3)
+    _train_step(compiled, opt, rank, world, 0)
+
+    def step():
+        x, y = make_batch("gpt", 1, 2 * world)
+        loss = compiled(rank_slice(x, rank, world), rank_slice(y, rank, world))
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss.backward()
+        opt.step()
+    return _caught(step)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_killed_mid_step_is_reported(world):
+    records = run_parting_ranks(_killed_rank, world)
+    assert records[1] is None           # killed: it recorded nothing
+    for rank in [0, *range(2, world)]:
+        caught = _mismatch(records[rank])
+        assert caught["seconds"] < TIMEOUT + 15, caught
+        assert caught["cause"].startswith("rank(s) 1 gave no answer and the transport reports a lost connection"), \
+            caught["error"]
+        assert caught["states"][1] is None

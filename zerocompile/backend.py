@@ -11,7 +11,7 @@ import os
 from zerocompile import _torch_compat, env
 from zerocompile.capture import compile_frame
 from zerocompile.config import ZeroConfig, options_needing_a_new_trace
-from zerocompile.errors import ZeroConfigError
+from zerocompile.errors import CollectiveMismatchError, ZeroConfigError
 from zerocompile.runtime.accounting import ACCOUNTING
 
 log = logging.getLogger("zerocompile")
@@ -44,7 +44,12 @@ def zero_backend(gm, example_inputs, options=None, mode=None, **kwargs):
             f"torch.compile mode={mode!r} is not supported by the 'zero' backend; "
             "use options={...} (see docs/config.md)")
     cfg = ZeroConfig.from_options(_with_environment_options(options))
-    runner = compile_frame(gm, example_inputs, cfg)
+    try:
+        runner = compile_frame(gm, example_inputs, cfg)
+    except CollectiveMismatchError as err:
+        # a compile's collectives parted (a frame compiled on some ranks only): the user's
+        # ``except CollectiveMismatchError`` must see it, not Dynamo's BackendCompilerFailed
+        raise _torch_compat.passed_through_dynamo(err) from None
     runner.script_options = options
     return runner
 

@@ -8,6 +8,7 @@ there, loudly, rather than somewhere deep in a training run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 import torch
@@ -571,3 +572,26 @@ def profiled_allocations(prof) -> list[tuple[int, int, int, str]]:
             out.append((event.start_time_ns, fields.alloc_size, fields.ptr, parent.name if parent is not None else ""))
     out.sort(key=lambda a: a[0])
     return out
+
+
+def passed_through_dynamo(err: Exception) -> Exception:
+    """``err`` (raised while a backend compiles) as an exception Dynamo passes to the caller as
+    it is, instead of wrapping it in ``BackendCompilerFailed``: an instance of a subclass of
+    ``type(err)`` (same name, message and attributes), so ``except type(err)`` catches it.
+
+    Why private: ``torch._dynamo.exc.ShortenTraceback`` is the only kind of backend exception
+    Dynamo re-raises unwrapped (``OutputGraph._call_user_compiler``)."""
+    cls = _passing_class(type(err))
+    out = Exception.__new__(cls)
+    out.__dict__.update(err.__dict__)
+    out.args = err.args
+    out.first_useful_frame = None
+    return out
+
+
+@functools.cache
+def _passing_class(cls: type) -> type:
+    from torch._dynamo.exc import ShortenTraceback
+
+    return type(cls.__name__, (cls, ShortenTraceback), {"__module__": cls.__module__,
+                                                        "__qualname__": cls.__qualname__})
