@@ -65,6 +65,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/whole_param_step.py
 	$(PY) benchmarks/activation_offload.py
 	$(PY) benchmarks/monitoring_overhead.py
+	$(PY) benchmarks/watchdog_overhead.py
 	$(PY) -m pytest benchmarks/micro --benchmark-only -q --benchmark-json benchmarks/results/micro.json
 
 # the GPU paths (Triton kernels, NCCL stage-3 step, CUDA memory); says so and exits 0 without a GPU

@@ -281,3 +281,30 @@ def test_a_rank_killed_mid_step_is_reported(world):
         assert caught["cause"].startswith("rank(s) 1 gave no answer and the transport reports a lost connection"), \
             caught["error"]
         assert caught["states"][1] is None
+
+
+# ------------------------------------------------------------------ on or off, the same numbers
+def _train_on_or_off(rank: int, world: int, timeout, inner: str) -> dict:
+    from zerocompile.runtime.accounting import ACCOUNTING
+
+    torch._dynamo.reset()
+    model = make_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": inner,
+                                                           "collective_timeout_s": timeout})
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
+    losses = [_train_step(compiled, opt, rank, world, step, micro=2) for step in range(3)]
+    return {"losses": losses, "state": zerocompile.full_state_dict(compiled, rank0_only=False),
+            "watched": ACCOUNTING.watch.board.last}
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_the_watchdog_changes_no_number_and_none_turns_it_off(inner):
+    from dist_utils import run_ranks
+
+    on = run_ranks(_train_on_or_off, 2, TIMEOUT, inner)
+    off = run_ranks(_train_on_or_off, 2, None, inner)
+    for a, b in zip(on, off):
+        assert a["losses"] == b["losses"]                   # bit for bit, every rank
+        assert all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
+        assert a["watched"] is not None and b["watched"] is None   # off: no collective went through the watchdog
+    assert "graph" in on[0]["watched"] or "full_state_dict" in on[0]["watched"]

@@ -263,14 +263,50 @@ def test_collective_backend_group_timeout_pending_collectives_and_traced_tensors
         assert _torch_compat.pending_collectives() == before + 1, "the work registry no longer counts a started collective"
         c10d.wait_tensor(out)
         assert _torch_compat.pending_collectives() == before
+        # the collective watchdog's store clients: a second client of the default store sees its keys
+        client = _torch_compat.new_default_store_client(5.0)
+        assert client is not None, "the default group's store is no longer reachable as a TCPStore"
+        client.set("zerocompile-test/key", "value")
+        assert _torch_compat.new_default_store_client().get("zerocompile-test/key") == b"value"
     finally:
         dist.destroy_process_group()
     assert not _torch_compat.is_traced_tensor(torch.ones(1))
     with FakeTensorMode() as mode:
         assert _torch_compat.is_traced_tensor(mode.from_tensor(torch.ones(1)))
+        assert _torch_compat.is_graph_value(mode.from_tensor(torch.ones(1)))
     seen = []
-    make_fx(lambda x: seen.append(_torch_compat.is_traced_tensor(x)) or x + 1)(torch.ones(1))
-    assert seen == [True], "make_fx tracing of plain tensors is no longer detected"
+    make_fx(lambda x: seen.append((_torch_compat.is_traced_tensor(x), _torch_compat.is_graph_value(x))) or x + 1)(
+        torch.ones(1))
+    assert seen == [(True, True)], "make_fx tracing of plain tensors is no longer detected"
+    assert not _torch_compat.is_graph_value(torch.ones(1))
+
+
+def test_an_error_passed_through_dynamo_reaches_the_caller_unwrapped():
+    from zerocompile.errors import CollectiveMismatchError
+
+    def backend(gm, inputs):
+        raise _torch_compat.passed_through_dynamo(CollectiveMismatchError("parted", {0: None}, "the cause"))
+
+    torch._dynamo.reset()
+    with pytest.raises(CollectiveMismatchError, match="^parted") as err:
+        torch.compile(lambda x: x * 2, backend=backend)(torch.ones(2))
+    assert err.value.cause == "the cause" and err.value.reports == {0: None}
+    assert type(err.value).__name__ == "CollectiveMismatchError", "Dynamo wrapped the backend's error"
+    torch._dynamo.reset()
+
+
+def test_register_work_makes_wait_tensor_call_a_python_work():
+    waited = []
+
+    class Work(torch._C._distributed_c10d.Work):
+        def wait(self, timeout=None):
+            waited.append(timeout)
+            return True
+
+    out = torch.ones(2)
+    _torch_compat.register_work(out, Work())
+    torch.ops._c10d_functional.wait_tensor(out)
+    assert len(waited) == 1, "wait_tensor no longer calls a registered Python Work's wait"
 
 
 def test_register_pending_makes_wait_tensor_wait_and_raise():
