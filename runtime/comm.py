@@ -34,6 +34,7 @@ import torch.fx
 
 from zerocompile import _torch_compat
 from zerocompile.errors import ZeroConfigError
+from zerocompile.runtime import watched_collectives  # noqa: F401  (registers the zerocompile::watched_* ops)
 from zerocompile.runtime.accounting import ACCOUNTING
 
 _c10d = torch.ops._c10d_functional
@@ -148,7 +149,21 @@ def watched(kind: str, x: torch.Tensor, group_name: str, *, world: int = 1, labe
             _torch_compat.collective_backend(group_name, x.device) in (None, "fake"):
         return None
     nbytes = x.numel() * x.element_size() * (world if kind == "all_gather" else 1)
-    return watch.start(kind, x, group_name, watch.eager_site(kind, nbytes, label), world=world, **kwargs)
+    site = watch.eager_site(kind, nbytes, label)
+    ops, out = torch.ops.zerocompile, kwargs.get("out")
+    if kind == "all_gather" and out is not None:
+        ops.watched_all_gather_into(x, world, group_name, site, out)
+        return out
+    if kind == "all_gather":
+        return ops.watched_all_gather(x, world, group_name, site)
+    if kind == "reduce_scatter":
+        return ops.watched_reduce_scatter(x, kwargs["reduce_op"], world, group_name, site)
+    if kind == "all_reduce" and out is x:
+        ops.watched_all_reduce_(x, kwargs["reduce_op"], group_name, site)
+        return x
+    if kind == "all_reduce":
+        return ops.watched_all_reduce(x, kwargs["reduce_op"], group_name, site)
+    return ops.watched_all_to_all(x, kwargs["out_splits"], kwargs["in_splits"], group_name, site)
 
 
 def all_gather_flat(x: torch.Tensor, world: int, group_name: str) -> torch.Tensor:

@@ -13,8 +13,8 @@ import torch
 
 from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime import point_to_point  # registers the zerocompile:: point-to-point ops
-from zerocompile.runtime.comm import (CommGroup, pad_flat, start_all_gather_flat, start_all_to_all, start_reduce_scatter,
-                                      watched)
+from zerocompile.runtime import comm
+from zerocompile.runtime.comm import CommGroup, pad_flat, start_all_gather_flat, start_reduce_scatter, watched
 
 _c10d = torch.ops._c10d_functional
 
@@ -275,7 +275,7 @@ def start_all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: li
     comms = ACCOUNTING.comms
     with comms.capturing(send.device) as issued:         # nothing without the comms logger
         ACCOUNTING.record("all_to_all", (sum(send_counts) - send_counts[group.rank]) * elem)
-        received = start_all_to_all(send, list(recv_counts), list(send_counts), group.name)
+        received = comm.start_all_to_all(send, list(recv_counts), list(send_counts), group.name)
     if issued and comms.settings.blocking:     # waited for here: finish_all_to_all's wait returns at once
         _c10d.wait_tensor(received)
         comms.done(issued, "optimizer step")

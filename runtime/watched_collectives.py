@@ -1,9 +1,11 @@
-"""The collectives of compiled graphs, as the collective watchdog runs them
-(``runtime/collective_watch.py``): ``torch.library`` ops that start the collective through
-``torch.distributed`` and register its ``Work`` for the result, so that the graph's
-``wait_tensor`` waits through the watchdog. ``passes/watch_collectives.py`` puts them in place of
-the functional collectives, with each one's site; each has a fake kernel of the functional
-collective's shape, and inductor calls it as an extern kernel.
+"""zerocompile's collectives as the collective watchdog runs them (``runtime/collective_watch.py``):
+``torch.library`` ops that start the collective through ``torch.distributed`` and register its
+``Work`` for the result, so that ``wait_tensor`` waits through the watchdog. In compiled graphs
+``passes/watch_collectives.py`` puts them in place of the functional collectives, with each one's
+site (each has a fake kernel of the functional collective's shape; inductor calls it as an extern
+kernel); eager code calls them through ``runtime/comm.py: watched``, so that a dispatch mode (a
+test's census) sees every collective as one op, in graphs and out. The ``_into`` and ``_``
+variants write into a buffer the caller gives (an eager bucket reused, an in-place all-reduce).
 """
 
 from __future__ import annotations
@@ -56,3 +58,25 @@ def watched_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[i
 @watched_all_to_all.register_fake
 def _all_to_all_fake(x, out_splits, in_splits, group_name, site):
     return x.new_empty((sum(out_splits) if out_splits else x.shape[0], *x.shape[1:]))
+
+
+@torch.library.custom_op("zerocompile::watched_all_gather_into", mutates_args=("out",))
+def watched_all_gather_into(x: torch.Tensor, world: int, group_name: str, site: str, out: torch.Tensor) -> None:
+    """``all_gather_into_tensor_out(x, world, group_name, out=out)``, watched (eager only)."""
+    ACCOUNTING.watch.start("all_gather", x, group_name, site, world=world, out=out)
+
+
+@watched_all_gather_into.register_fake
+def _all_gather_into_fake(x, world, group_name, site, out):
+    return None
+
+
+@torch.library.custom_op("zerocompile::watched_all_reduce_", mutates_args=("x",))
+def watched_all_reduce_(x: torch.Tensor, reduce_op: str, group_name: str, site: str) -> None:
+    """``all_reduce_(x, reduce_op, group_name)`` in place, watched (eager only)."""
+    ACCOUNTING.watch.start("all_reduce", x, group_name, site, reduce_op=reduce_op, out=x)
+
+
+@watched_all_reduce_.register_fake
+def _all_reduce__fake(x, reduce_op, group_name, site):
+    return None

@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zerocompile.runtime import point_to_point  # noqa: F401  (registers the ops counted here)
+from zerocompile.runtime import point_to_point, watched_collectives  # noqa: F401  (registers the ops counted here)
 from zerocompile.runtime.memory_tracker import LiveStorageTracker
 
 _c10d = torch.ops._c10d_functional
@@ -43,7 +43,9 @@ _P2P = torch.ops.zerocompile
 _GATHERS = (_c10d.all_gather_into_tensor.default,
             _c10d.all_gather_into_tensor_out.default,  # the form all-gathers run in on gloo
             _P2P.all_gather_point_to_point.default,    # parameter_gather="point_to_point"
-            _P2P.all_gather_point_to_point_unpacked.default)   # a bucket's, through shared memory
+            _P2P.all_gather_point_to_point_unpacked.default,   # a bucket's, through shared memory
+            _P2P.watched_all_gather.default,           # with the collective watchdog (collective_timeout_s)
+            _P2P.watched_all_gather_into.default)
 
 _KINDS = {
     _c10d.all_gather_into_tensor.default: ("all_gather", "out"),
@@ -58,7 +60,23 @@ _KINDS = {
     _P2P.reduce_scatter_point_to_point.default: ("reduce_scatter", "in"),
     _P2P.all_gather_point_to_point_into.default: ("all_gather", "outs"),
     _P2P.reduce_scatter_point_to_point_into.default: ("reduce_scatter", "xs"),
+    # the collective watchdog's forms of the collectives above (runtime/watched_collectives.py)
+    _P2P.watched_all_gather.default: ("all_gather", "out"),
+    _P2P.watched_all_gather_into.default: ("all_gather", "out"),
+    _P2P.watched_reduce_scatter.default: ("reduce_scatter", "in"),
+    _P2P.watched_all_reduce.default: ("all_reduce", "in"),
+    _P2P.watched_all_reduce_.default: ("all_reduce", "in"),
+    _P2P.watched_all_to_all.default: ("all_to_all", "in"),
 }
+
+
+def _written(func, args: tuple, out):
+    """The result of a collective op that writes into a buffer it is given, else ``out``."""
+    if func is _P2P.all_gather_point_to_point_out.default:
+        return args[3]
+    if func is _P2P.watched_all_gather_into.default:
+        return args[4]
+    return out
 
 
 class CollectiveCounter(_RuntimeMode):
@@ -84,8 +102,7 @@ class CollectiveCounter(_RuntimeMode):
             if which in ("outs", "xs"):     # many tensors at once, one collective
                 tensors = args[1] if which == "outs" else args[0]
             else:
-                tensors = [args[3] if func is _P2P.all_gather_point_to_point_out.default else out if which == "out"
-                           else args[0]]
+                tensors = [_written(func, args, out) if which == "out" else args[0]]
                 if func is _P2P.all_gather_point_to_point_unpacked.default:
                     tensors = out               # one tensor per member of the bucket
             self.count[kind] += 1
@@ -117,7 +134,7 @@ class AllToAlls(_RuntimeMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is _c10d.all_to_all_single.default:
+        if func in (_c10d.all_to_all_single.default, _P2P.watched_all_to_all.default):
             entry = self.groups[(args[3], len(args[1]))]
             entry[0] += 1
             entry[1] += args[0].numel() * args[0].element_size()
@@ -150,7 +167,8 @@ class GatheredBytes(_RuntimeMode):
         if func in _GATHERS:
             self.started_behind_another += bool(self._pending)
             # a bucket's gather through shared memory returns its members, each waited for apart
-            for t in out if isinstance(out, (list, tuple)) else [out]:
+            out_ = _written(func, args, out)
+            for t in out_ if isinstance(out_, (list, tuple)) else [out_]:
                 st = t.untyped_storage()
                 key, nbytes = st._cdata, st.nbytes()
                 if key not in self._refs:

@@ -43,7 +43,8 @@ class _CollectiveRecorder(TorchDispatchMode):
         self.seen: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "_c10d_functional" and func.__name__ != "wait_tensor.default":
+        if (func.namespace == "_c10d_functional" and func.__name__ != "wait_tensor.default") or \
+                func.__name__.startswith("watched_"):
             self.seen[func.__name__] = self.seen.get(func.__name__, 0) + 1
         return func(*args, **(kwargs or {}))
 
@@ -52,7 +53,12 @@ class _CollectiveRecorder(TorchDispatchMode):
 # the collectives themselves (not the point-to-point transfers "auto" may take on gloo instead)
 RUN = Run(model="gpt", stage=3, opt="adamw", steps=2, clip=1.0,
           options=(("bucket_mb", 0.01), ("prefetch_mb", 0.1), ("gradient_reduction", "reduce_scatter"),
-                   ("parameter_gather", "all_gather")))
+                   ("parameter_gather", "all_gather"), ("collective_timeout_s", None)))
+# the same with the collective watchdog on (the default): every gather starts through
+# torch.distributed's all_gather_single (gloo's _allgather_base, an ALLGATHER work)
+RUN_WATCHED = Run(model="gpt", stage=3, opt="adamw", steps=2, clip=1.0,
+                  options=(("bucket_mb", 0.01), ("prefetch_mb", 0.1), ("gradient_reduction", "reduce_scatter"),
+                           ("parameter_gather", "all_gather")))
 
 
 def _recorded_train(rank, world, run):
@@ -69,13 +75,17 @@ def _recorded_train(rank, world, run):
     return result
 
 
-def test_stage3_bucketed_prefetched_gathers_never_run_as_gloo_coalesced_works():
-    res = run_ranks(_recorded_train, 2, RUN)
-    assert_matches(res[0], reference(RUN))    # rank 0 holds the full state
+@pytest.mark.parametrize("watched", [False, True])
+def test_stage3_bucketed_prefetched_gathers_never_run_as_gloo_coalesced_works(watched):
+    run = RUN_WATCHED if watched else RUN
+    res = run_ranks(_recorded_train, 2, run)
+    assert_matches(res[0], reference(run))    # rank 0 holds the full state
+    gather, reduce = ("watched_all_gather", "watched_reduce_scatter") if watched else \
+        ("all_gather_into_tensor_out", "reduce_scatter_tensor")
     for r in res:
         assert "all_gather_into_tensor.default" not in r["seen"], r["seen"]
-        assert r["seen"].get("all_gather_into_tensor_out.default", 0) > 0, r["seen"]
-        assert r["seen"].get("reduce_scatter_tensor.default", 0) > 0, r["seen"]
+        assert r["seen"].get(f"{gather}.default", 0) > 0, r["seen"]
+        assert r["seen"].get(f"{reduce}.default", 0) > 0, r["seen"]
         assert torch.equal(r["gathered"], torch.tensor([0.0, 0, 0, 1, 1, 1]))
 
 
