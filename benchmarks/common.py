@@ -190,6 +190,13 @@ def _collective_table() -> dict:
         ("zerocompile", "all_gather_point_to_point_into"): ("all_gather", "outs"),
         ("zerocompile", "reduce_scatter_point_to_point"): ("reduce_scatter", "x"),
         ("zerocompile", "reduce_scatter_point_to_point_into"): ("reduce_scatter", "xs"),
+        # the collective watchdog's forms of zerocompile's collectives (collective_timeout_s, the default)
+        ("zerocompile", "watched_all_gather"): ("all_gather", "return"),
+        ("zerocompile", "watched_all_gather_into"): ("all_gather", "out"),
+        ("zerocompile", "watched_reduce_scatter"): ("reduce_scatter", "x"),
+        ("zerocompile", "watched_all_to_all"): ("reduce_scatter", "x"),
+        ("zerocompile", "watched_all_reduce"): ("all_reduce", "x"),
+        ("zerocompile", "watched_all_reduce_"): ("all_reduce", "x"),
         ("_c10d_functional", "all_reduce"): ("all_reduce", "input"),
         ("_c10d_functional", "all_reduce_"): ("all_reduce", "input"),
         ("_c10d_functional", "all_reduce_coalesced"): ("all_reduce", "inputs"),

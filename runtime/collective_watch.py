@@ -229,6 +229,12 @@ class CollectiveWatch:
             if time.monotonic() < deadline:
                 continue
             verdict = self.diagnose(site, time.monotonic() - started, missed)
+            if verdict.error is not None and not verdict.error.reports and self._exchange is not None:
+                # no table: the store went away while this rank asked (rank 0 raised and left);
+                # the verdict rank 0 published before it left has one
+                peer = self._exchange.await_peer_verdict(since)
+                if peer is not None:
+                    raise mismatch_report.found_by_peer(site, time.monotonic() - started, peer)
             if verdict.error is not None:
                 # one more short wait: a collective that ended meanwhile is no mismatch
                 with contextlib.suppress(RuntimeError):

@@ -251,7 +251,9 @@ def test_a_rank_busy_past_the_timeout_is_not_an_error(world):
     results = [r["result"] for r in records]
     assert all(r["losses"] == results[0]["losses"] for r in results)     # the same step on every rank
     busy = [m for r in results for m in r["busy"]]
-    assert busy and all("rank(s) 1 are busy" in m and "waiting again" in m for m in busy), busy
+    # the sleeping rank is named (a rank still compiling on a loaded machine may be too)
+    assert any("rank(s) 1 are busy" in m for m in busy), busy
+    assert all("are busy (computing, compiling or in their own code): waiting again" in m for m in busy), busy
 
 
 # ------------------------------------------------------------------ a rank killed mid-step
