@@ -172,7 +172,8 @@ class _ReadEvents(torch.utils._python_dispatch.TorchDispatchMode):
         elif func in (torch.ops._c10d_functional.all_gather_into_tensor.default,
                       torch.ops._c10d_functional.all_gather_into_tensor_out.default,
                       torch.ops.zerocompile.all_gather_point_to_point.default,
-                      torch.ops.zerocompile.all_gather_point_to_point_unpacked.default):  # what "auto" takes
+                      torch.ops.zerocompile.all_gather_point_to_point_unpacked.default,  # what "auto" takes
+                      torch.ops.zerocompile.watched_all_gather.default):  # with the collective watchdog
             self.events.append(("gather", None))
         return out
 
