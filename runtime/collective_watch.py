@@ -221,11 +221,11 @@ class CollectiveWatch:
                     # A peer that found a mismatch and left: its table, not a dead peer
                     peer = self._exchange.await_peer_verdict(since) if self._exchange is not None else None
                     if peer is not None:
-                        raise mismatch_report.found_by_peer(site, time.monotonic() - started, peer) from err
+                        raise self._peer_error(site, time.monotonic() - started, peer) from err
                     raise self.verdict_error(site, time.monotonic() - started, missed, err) from err
             peer = self._exchange.peer_verdict if self._exchange is not None else None
             if peer is not None and peer["at"] >= since:
-                raise mismatch_report.found_by_peer(site, time.monotonic() - started, peer)
+                raise self._peer_error(site, time.monotonic() - started, peer)
             if time.monotonic() < deadline:
                 continue
             verdict = self.diagnose(site, time.monotonic() - started, missed)
@@ -234,7 +234,7 @@ class CollectiveWatch:
                 # the verdict rank 0 published before it left has one
                 peer = self._exchange.await_peer_verdict(since)
                 if peer is not None:
-                    raise mismatch_report.found_by_peer(site, time.monotonic() - started, peer)
+                    raise self._peer_error(site, time.monotonic() - started, peer)
             if verdict.error is not None:
                 # one more short wait: a collective that ended meanwhile is no mismatch
                 with contextlib.suppress(RuntimeError):
@@ -243,6 +243,14 @@ class CollectiveWatch:
                 raise verdict.error
             missed = verdict.unanswered
             deadline = time.monotonic() + timeout
+
+    def _peer_error(self, site: str, waited: float, peer: dict) -> CollectiveMismatchError:
+        """The error of a wait ended by another rank's verdict; rank 0 logs it (it logs every
+        mismatch it raises)."""
+        error = mismatch_report.found_by_peer(site, waited, peer)
+        if self._exchange is not None and self._exchange.rank == 0:
+            log.error("%s", error)
+        return error
 
     def verdict_error(self, site: str, waited: float, missed: int, err: BaseException) -> CollectiveMismatchError:
         verdict = self.diagnose(site, waited, missed, transport_error=err)
@@ -345,21 +353,23 @@ class PollableWorks:
 
 
 class _CudaMonitor:
-    """CUDA: a thread that checks the oldest collective the streams have not finished."""
+    """CUDA: a thread that checks the oldest collective the streams have not finished.
+    ``new_event``: makes a recorded event (``query()``: finished?); ``abort``: ends the stuck
+    collectives (the default group's ``abort()``); ``period_s``: how often it looks."""
 
-    def __init__(self, watch: CollectiveWatch):
-        self.watch = watch
+    def __init__(self, watch: CollectiveWatch, new_event=None, abort=None, period_s: float = 1.0):
+        self.watch, self.period_s = watch, period_s
+        self.new_event = new_event or _recorded_cuda_event
+        self.abort = abort or (lambda: dist.group.WORLD.abort())
         threading.Thread(target=self._run, name="zerocompile-collective-monitor", daemon=True).start()
 
     def add(self, site: str) -> None:
-        event = torch.cuda.Event()
-        event.record()
-        self.watch.board.inflight.append((event, site, time.monotonic()))
+        self.watch.board.inflight.append((self.new_event(), site, time.monotonic()))
 
     def _run(self) -> None:
         board = self.watch.board
         while True:
-            time.sleep(1.0)
+            time.sleep(self.period_s)
             while board.inflight and board.inflight[0][0].query():
                 board.inflight.pop(0)
             timeout = self.watch.timeout_s
@@ -375,4 +385,11 @@ class _CudaMonitor:
             log.error("%s", verdict.text)
             self.watch.failed = verdict.error
             with contextlib.suppress(Exception):
-                dist.group.WORLD.abort()    # NCCL: the stuck kernels end; the next collective raises
+                self.abort()                # NCCL: the stuck kernels end; the next collective raises
+            return
+
+
+def _recorded_cuda_event():
+    event = torch.cuda.Event()
+    event.record()
+    return event

@@ -176,7 +176,8 @@ def _row(rep: dict | None) -> tuple[str, str]:
     if state == "finished":
         return "finished", f"the script's main thread ended, {step}{last}"
     scope = f" ({rep['scope']})" if rep.get("scope") else ""
-    return f"busy{scope}", f"{step}{at}{last}"
+    since = f" since {rep['last_ago']:.1f} s" if rep.get("last") else ""
+    return f"busy{scope}{since}", f"{step}{at}{last}"
 
 
 def _counts(rep: dict | None) -> tuple[int, int]:

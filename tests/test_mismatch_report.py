@@ -169,7 +169,7 @@ class _Pending(torch._C._distributed_c10d.Work):
         return self.done.is_set()
 
 
-def test_the_watched_wait_returns_when_the_work_ends_and_raises_a_peers_verdict():
+def test_the_watched_wait_returns_when_the_work_ends_and_raises_a_peers_verdict(caplog):
     from zerocompile.runtime.collective_watch import CollectiveWatch, WatchedWork
 
     watch = CollectiveWatch()
@@ -185,6 +185,7 @@ def test_the_watched_wait_returns_when_the_work_ends_and_raises_a_peers_verdict(
 
     class Exchange:     # what the responder keeps when another rank found a mismatch
         peer_verdict = None
+        rank = 0        # rank 0 also logs it
 
     watch._exchange = Exchange()
     out = torch.zeros(2)
@@ -194,9 +195,11 @@ def test_the_watched_wait_returns_when_the_work_ends_and_raises_a_peers_verdict(
         Exchange.peer_verdict = {"asker": 1, "text": "the table", "cause": "the cause", "reports": {0: None},
                                  "at": time.time()}
     threading.Timer(0.3, found).start()
-    with pytest.raises(CollectiveMismatchError, match="rank 1 found that the ranks' collectives parted") as err:
+    with pytest.raises(CollectiveMismatchError, match="rank 1 found that the ranks' collectives parted") as err, \
+            caplog.at_level("ERROR", logger="zerocompile"):
         torch.ops._c10d_functional.wait_tensor(out)
     assert err.value.cause == "the cause" and "the table" in str(err.value)
+    assert any("the table" in r.getMessage() for r in caplog.records)
     assert watch.board.waiting is None
 
 
@@ -220,3 +223,45 @@ def test_mismatch_report_rules_cover_every_state():
         extra = {"call": "torch.distributed.barrier()"} if state == "collective" else {"ago": 1.0}
         row = mismatch_report._row(rep(state, FWD, **extra))
         assert row[0] and row[1]
+
+
+def test_the_cuda_monitor_reports_a_collective_the_streams_never_finish():
+    """NCCL's path (no GPU here): a collective's wait only orders the streams, so a thread looks
+    at an event recorded after each; past the timeout it asks (here: a stand-in judgement), keeps
+    the error for the training thread's next collective, and aborts the group. Events and the
+    abort are stand-ins; the logic is the one that runs with CUDA."""
+    from zerocompile.runtime.collective_watch import CollectiveWatch, _CudaMonitor
+    from zerocompile.runtime.mismatch_report import Verdict
+    from zerocompile.runtime.position_exchange import report
+
+    watch = CollectiveWatch()
+    watch.timeout_s = 0.3
+    error = CollectiveMismatchError("the ranks parted", {}, "the cause")
+    asked, aborted = [], []
+
+    def diagnose(site, waited, missed=0, transport_error=None):
+        asked.append((site, waited))
+        return Verdict(None, "busy: waiting again") if len(asked) == 1 else Verdict(error, "the ranks parted")
+
+    watch.diagnose = diagnose
+
+    class Event:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    events = iter([Event(True), Event(False)])
+    monitor = _CudaMonitor(watch, new_event=lambda: next(events), abort=lambda: aborted.append(1), period_s=0.05)
+    monitor.add(FWD)        # finished at once: dropped at the next look
+    monitor.add(BWD)        # never finishes
+    state = report(watch.board, threading.current_thread())
+    assert state["state"] == "waiting" and state["site"] in (FWD, BWD)    # what the other ranks are told
+    deadline = time.monotonic() + 10
+    while watch.failed is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert watch.failed is error and aborted == [1]
+    assert [s for s, _ in asked] == [BWD, BWD] and all(w >= 0.3 for _, w in asked)   # a busy verdict: asked again
+    with pytest.raises(CollectiveMismatchError, match="the ranks parted"):
+        watch.start("all_gather", torch.ones(2), "0", STEP, world=2)    # the training thread's next collective
