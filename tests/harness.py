@@ -3,8 +3,12 @@ global batch, and the same run under ``backend="zero"`` on each rank's slice."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from dataclasses import dataclass
+
+import pytest
 
 import torch
 
@@ -15,6 +19,20 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
     "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
 }
+
+
+def built_or_skipped(module, name: str):
+    """``module`` (``cpu_extension.load(name)``'s result): a kernel that did not build is skipped only
+    where this machine has no C++ compiler (or no ninja); where it has them, a failed build is a
+    failure, not a skip that hides a broken build (the C++ source, or its build flags)."""
+    if module is not None:
+        return module
+    tools = [os.environ.get("CXX", "c++"), "ninja"]
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"the C++ kernel '{name}' cannot be built here: no {' or '.join(missing)}")
+    pytest.fail(f"the C++ kernel '{name}' did not build although {' and '.join(tools)} are here: see the build's "
+                "warning in the log (zerocompile.runtime.cpu_extension)")
 
 
 def torch_optimizer_steps(cls, params, grads, steps: int, **hyper):

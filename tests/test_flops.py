@@ -15,8 +15,6 @@ from torch.utils.flop_counter import FlopCounterMode
 import zerocompile
 from models import make_batch, make_model
 
-transformers = pytest.importorskip("transformers")
-
 
 def _compiled_flops(model, run, options: dict, steps: int = 2):
     torch._dynamo.reset()
@@ -61,6 +59,7 @@ def test_an_hf_llama_step_counts_what_flop_counter_mode_counts(checkpointing):
     checkpointing stops recomputing once it has what the backward needs, so its own count is not
     the reference: the compiled graph recomputes what its partitioner chose.)"""
     torch.manual_seed(0)
+    transformers = pytest.importorskip("transformers")      # this test only: the others need no HF
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64)).train()

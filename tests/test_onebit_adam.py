@@ -20,7 +20,7 @@ import torch
 
 import zerocompile
 from dist_utils import run_ranks
-from harness import rank_slice
+from harness import built_or_skipped, rank_slice
 from models import make_batch, make_model
 from zerocompile.deepspeed_training import optimizer_from_section
 from zerocompile.errors import ZeroConfigError
@@ -71,9 +71,7 @@ def check_kernels(pack, unpack) -> None:
 
 
 def test_cpp_kernels_equal_the_torch_reference_bit_for_bit():
-    module = cpu_extension.load("sign_compress")
-    if module is None:
-        pytest.skip("the C++ kernel could not be built here (logged)")
+    module = built_or_skipped(cpu_extension.load("sign_compress"), "sign_compress")
     check_kernels(module.sign_pack, module.sign_unpack)
     check_kernels(S.sign_pack, S.sign_unpack)      # the custom ops on CPU tensors run it
 
