@@ -374,3 +374,28 @@ def _disk_goes_away(rank: int, world: int, path: str) -> int:
 
 def test_a_write_that_fails_later_stops_the_monitor_not_the_training(tmp_path):
     assert run_ranks(_disk_goes_away, 2, str(tmp_path)) == [3, 3]
+
+
+def _logs_after_each_step(rank: int, world: int, path: str) -> list:
+    from models import make_batch
+
+    compiled, opt = _mlp_with_csv_monitor(path, 2)
+    for step in range(3):
+        x, y = make_batch("mlp", step * world + rank, 4)
+        loss = compiled(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        zerocompile.log_metrics({"after_step": float(10 * step + rank)})   # after the step, as many loops do
+    zerocompile.close_monitors()       # every rank: the last value's mean over the ranks is written here
+    return []
+
+
+def test_values_logged_after_the_last_step_are_written_by_close_monitors(tmp_path):
+    run_ranks(_logs_after_each_step, 2, str(tmp_path))
+    # each value is written with the next step's figures, the last one by close_monitors at the
+    # step after the last: 3 points for 3 steps, each the mean over the 2 ranks
+    with open(tmp_path / "x" / "Train_Samples_after_step.csv") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "after_step"]
+    assert [(int(x), float(v)) for x, v in rows[1:]] == [(2, 0.5), (3, 10.5), (4, 20.5)]

@@ -30,6 +30,7 @@ Tags (DeepSpeed's ``Train/Samples/...``), each step:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 
@@ -49,9 +50,12 @@ TAG_PREFIX = "Train/Samples/"
 
 def log_metrics(values: dict) -> None:
     """Add the user's figures to the monitors: each is reduced over the ranks (mean) and written
-    with the figures of the next ``ZeroOptimizer.step()``. Every rank must log the same names in a
-    step. Values: numbers or one-element tensors (read at that step, a host sync for a device
-    tensor). Without an enabled monitor they are dropped (one warning)."""
+    with the figures of the next ``ZeroOptimizer.step()``; values given after the last step are
+    written by ``close_monitors()`` (called on every rank), at the step after it, as the next step
+    would have. Every rank must log the same names in a step. Values: numbers or one-element
+    tensors (read when written, a host sync for a device tensor). Without an enabled monitor they
+    are dropped (one warning); at exit, values ``close_monitors()`` did not write are dropped with
+    a warning (exit handlers run no collectives)."""
     if not isinstance(values, dict):
         raise TypeError(f"zerocompile.log_metrics takes a dict of name -> number, got {type(values).__name__}")
     for name, value in values.items():
@@ -68,13 +72,15 @@ def log_metrics(values: dict) -> None:
 
 
 def close_monitors() -> None:
-    """Flush the monitors of every ``ZeroOptimizer`` alive, close their files and end the W&B runs
-    and Comet experiments they started (done at exit otherwise; a script that leaves with
-    ``os._exit`` must call it). They write nothing more afterwards."""
-    for optimizer in list(ACCOUNTING.optimizers):
-        monitor = getattr(optimizer, "_monitor", None)
-        if monitor is not None:
-            monitor.close()
+    """Write the ``log_metrics`` values given since the last step (a collective: every rank calls
+    it), then flush the monitors of every ``ZeroOptimizer`` alive, close their files and end the
+    W&B runs and Comet experiments they started (done at exit otherwise, without those last values;
+    a script that leaves with ``os._exit`` must call it). They write nothing more afterwards."""
+    monitors = [m for m in (getattr(o, "_monitor", None) for o in list(ACCOUNTING.optimizers)) if m is not None]
+    for monitor in sorted(monitors, key=lambda m: m.settings is None):     # one that writes takes them
+        monitor.write_pending()
+    for monitor in monitors:
+        monitor.close()
 
 
 class StepMonitor:
@@ -229,6 +235,7 @@ class StepMonitor:
                                   "output_path this process can create and write, and for W&B and Comet their "
                                   "package and login (or their offline modes)")
         log.info("monitoring to %s", self.settings.describe())
+        atexit.register(self._warn_dropped_at_exit)
 
     def _user_metrics(self, group, device: torch.device) -> dict:
         """``log_metrics``' values since the last step, each the mean over the ranks (collectives on
@@ -251,6 +258,27 @@ class StepMonitor:
             dist.all_reduce(values, group=group.group)
             values /= group.world
         return {f"{TAG_PREFIX}{name}": float(v) for name, v in zip(names, values.tolist())}
+
+    def write_pending(self) -> None:
+        """``log_metrics``' values given since the last step, written at the next step's number
+        (``close_monitors``); dropped with the usual warning without a monitor."""
+        if not ACCOUNTING.pending_metrics:
+            return
+        if self.settings is None or not self._opened:
+            self._drop_pending()
+            return
+        states = list(self.params.states())
+        metrics = self._user_metrics(self._layout_group(), states[0].device if states else torch.device("cpu"))
+        if self._writer is not None and metrics:
+            samples = self.settings.samples_per_step
+            self._writer.write(metrics, (self._steps + 1) * samples if samples else self._steps + 1)
+
+    def _warn_dropped_at_exit(self) -> None:
+        if ACCOUNTING.pending_metrics and self.settings is not None:
+            log.warning("zerocompile.log_metrics: %d value(s) given after the last opt.step() (%s) were not written: "
+                        "call zerocompile.close_monitors() on every rank at the end of training to write them",
+                        len(ACCOUNTING.pending_metrics), ", ".join(sorted(ACCOUNTING.pending_metrics)))
+            ACCOUNTING.pending_metrics.clear()
 
     def _drop_pending(self) -> None:
         if ACCOUNTING.pending_metrics and not self._warned:
