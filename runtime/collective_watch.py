@@ -219,22 +219,21 @@ class CollectiveWatch:
                 if work.is_completed() or "timed out" not in str(err).lower():
                     # the transport failed (a peer died, a shared-memory peer exited): not our timeout.
                     # A peer that found a mismatch and left: its table, not a dead peer
-                    peer = self._exchange.await_peer_verdict(since) if self._exchange is not None else None
-                    if peer is not None:
-                        raise self._peer_error(site, time.monotonic() - started, peer) from err
-                    raise self.verdict_error(site, time.monotonic() - started, missed, err) from err
-            peer = self._exchange.peer_verdict if self._exchange is not None else None
-            if peer is not None and peer["at"] >= since:
-                raise self._peer_error(site, time.monotonic() - started, peer)
+                    waited = time.monotonic() - started
+                    raise (self._from_peer(site, waited, since, wait=True)
+                           or self.diagnose(site, waited, missed, transport_error=err).error) from err
+            error = self._from_peer(site, time.monotonic() - started, since, wait=False)
+            if error is not None:
+                raise error
             if time.monotonic() < deadline:
                 continue
             verdict = self.diagnose(site, time.monotonic() - started, missed)
-            if verdict.error is not None and not verdict.error.reports and self._exchange is not None:
+            if verdict.error is not None and not verdict.error.reports:
                 # no table: the store went away while this rank asked (rank 0 raised and left);
                 # the verdict rank 0 published before it left has one
-                peer = self._exchange.await_peer_verdict(since)
-                if peer is not None:
-                    raise self._peer_error(site, time.monotonic() - started, peer)
+                error = self._from_peer(site, time.monotonic() - started, since, wait=True)
+                if error is not None:
+                    raise error
             if verdict.error is not None:
                 # one more short wait: a collective that ended meanwhile is no mismatch
                 with contextlib.suppress(RuntimeError):
@@ -244,17 +243,21 @@ class CollectiveWatch:
             missed = verdict.unanswered
             deadline = time.monotonic() + timeout
 
-    def _peer_error(self, site: str, waited: float, peer: dict) -> CollectiveMismatchError:
-        """The error of a wait ended by another rank's verdict; rank 0 logs it (it logs every
-        mismatch it raises)."""
+    def _from_peer(self, site: str, waited: float, since: float, wait: bool) -> CollectiveMismatchError | None:
+        """The error of a wait ended by a mismatch another rank found since ``since`` (with
+        ``wait``, giving this rank's responder the time to read one: a rank whose transport or
+        store went away because that rank raised and left), or None; rank 0 logs it (it logs
+        every mismatch it raises)."""
+        exchange = self._exchange
+        if exchange is None:
+            return None
+        peer = exchange.await_peer_verdict(since) if wait else exchange.await_peer_verdict(since, 0.0)
+        if peer is None:
+            return None
         error = mismatch_report.found_by_peer(site, waited, peer)
-        if self._exchange is not None and self._exchange.rank == 0:
+        if exchange.rank == 0:
             log.error("%s", error)
         return error
-
-    def verdict_error(self, site: str, waited: float, missed: int, err: BaseException) -> CollectiveMismatchError:
-        verdict = self.diagnose(site, waited, missed, transport_error=err)
-        return verdict.error or mismatch_report.transport_error(site, waited, err)
 
     def diagnose(self, site: str, waited: float, missed: int = 0, transport_error=None) -> "mismatch_report.Verdict":
         """Ask every rank where it is and judge (``mismatch_report.judge``); logs what it finds."""
@@ -262,7 +265,7 @@ class CollectiveWatch:
         reports = exchange.ask(min(5.0, max(1.0, self.timeout_s or 5.0))) if exchange is not None else None
         verdict = mismatch_report.judge(site, waited, reports, exchange.rank if exchange else 0,
                                         missed=missed, transport_error=transport_error,
-                                        busy_limit_s=self.busy_limit_s, timeout_s=self.timeout_s)
+                                        busy_limit_s=self.busy_limit_s)
         if exchange is not None:
             exchange.publish(verdict)
         if verdict.error is not None:

@@ -75,7 +75,7 @@ class Verdict:
 
 
 def judge(my_site: str, waited: float, reports: dict | None, me: int, missed: int = 0, transport_error=None,
-          busy_limit_s: float | None = None, timeout_s: float | None = None) -> Verdict:
+          busy_limit_s: float | None = None) -> Verdict:
     """The verdict for rank ``me``, which waited ``waited`` s at ``my_site``; ``reports``: every
     rank's report (``PositionExchange.ask``), None without an exchange."""
     head = f"zerocompile: rank {me} waited {waited:.1f} s at {describe(my_site)}"

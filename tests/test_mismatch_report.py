@@ -183,9 +183,12 @@ def test_the_watched_wait_returns_when_the_work_ends_and_raises_a_peers_verdict(
     assert 0.25 < time.monotonic() - started < 5
     assert watch.board.waiting is None and watch.board.last == FWD
 
+    from zerocompile.runtime.position_exchange import PositionExchange
+
     class Exchange:     # what the responder keeps when another rank found a mismatch
         peer_verdict = None
         rank = 0        # rank 0 also logs it
+        await_peer_verdict = PositionExchange.await_peer_verdict
 
     watch._exchange = Exchange()
     out = torch.zeros(2)
