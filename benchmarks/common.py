@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import socket
+import statistics
 import tempfile
 import sys
 import time
@@ -153,6 +154,26 @@ def timed_gpt_steps(compiled, opt, example, args, rank: int, world: int) -> tupl
         times.append((time.perf_counter() - start) * 1e3)
         losses.append(loss.item())
     return times[1 + args.warmup:], losses
+
+
+def systems_in_turn(systems, rank_main, args) -> dict:
+    """Time each of ``systems`` with ``rank_main(rank, world, args, system)`` (which returns
+    ``timed_gpt_steps``' ``step_ms`` and anything else) on 2 ranks of its own, the systems one
+    after the other, ``args.repeats`` times (this machine's speed drifts). Per system:
+    ``rounds_ms`` (each timed round's slowest rank, over every repeat), ``repeat_ms`` (each
+    repeat's median), ``step_ms`` (the median of ``rounds_ms``), and rank 0's other results of
+    the last repeat."""
+    results = {system: {"rounds_ms": [], "repeat_ms": []} for system in systems}
+    for _ in range(args.repeats):
+        for system in systems:
+            ranks = spawn_ranks(2, rank_main, (args, system))
+            per_round = [max(r["step_ms"][i] for r in ranks) for i in range(args.rounds)]
+            results[system]["rounds_ms"] += per_round
+            results[system]["repeat_ms"].append(statistics.median(per_round))
+            results[system].update({k: v for k, v in ranks[0].items() if k != "step_ms"})
+    for r in results.values():
+        r["step_ms"] = statistics.median(r["rounds_ms"])
+    return results
 
 
 def optional_pass_names() -> tuple[list[str], str | None]:

@@ -21,7 +21,6 @@ of the slowest rank's step, and the ratio of counting on to counting off. Result
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_harness import prepare_main, result_header, write_results  # noqa: E402
-from common import (RESULTS, add_timed_gpt_arguments, apply_quick, break_graph_in_loop, load_example, spawn_ranks,
+from common import (RESULTS, add_timed_gpt_arguments, apply_quick, break_graph_in_loop, load_example, systems_in_turn,
                     timed_gpt_steps)  # noqa: E402
 
 SYSTEMS = ("loop break", "loop break, counting off", "per block", "per block, counting off")
@@ -65,19 +64,9 @@ def main(argv: list | None = None) -> int:
     args = p.parse_args(argv)
     apply_quick(args)
     prepare_main()
-    results = {system: {"rounds_ms": [], "repeat_ms": []} for system in SYSTEMS}
-    for _ in range(args.repeats):      # the systems one after the other, again: the machine drifts
-        for system in SYSTEMS:
-            ranks = spawn_ranks(2, rank_main, (args, system))
-            per_round = [max(r["step_ms"][i] for r in ranks) for i in range(args.rounds)]
-            results[system]["rounds_ms"] += per_round
-            results[system]["repeat_ms"].append(statistics.median(per_round))
-            results[system]["losses"] = ranks[0]["losses"]
-            results[system]["flops_per_step"] = ranks[0]["flops_per_step"]
+    results = systems_in_turn(SYSTEMS, rank_main, args)
     lines = ["| system | step ms (median, slowest rank) | per repeat | ratio to counting off | flops_per_step |",
              "|---|---|---|---|---|"]
-    for system, r in results.items():
-        r["step_ms"] = statistics.median(r["rounds_ms"])
     for system, r in results.items():
         base = results[system.replace(", counting off", "") + ", counting off"]["step_ms"]
         r["ratio"] = r["step_ms"] / base

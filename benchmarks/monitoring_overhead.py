@@ -27,7 +27,6 @@ repeat's median, the ratio to ``plain``, and how far the losses are from ``plain
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -37,7 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_harness import prepare_main, result_header, write_results  # noqa: E402
-from common import RESULTS, add_timed_gpt_arguments, apply_quick, load_example, spawn_ranks, timed_gpt_steps  # noqa: E402
+from common import (RESULTS, add_timed_gpt_arguments, apply_quick, load_example, systems_in_turn,  # noqa: E402
+                    timed_gpt_steps)
 
 SYSTEMS = {
     "plain": {},
@@ -49,7 +49,12 @@ SYSTEMS = {
 }
 
 
-def rank_main(rank: int, world: int, args, system: str, out: str) -> dict:
+def rank_main(rank: int, world: int, args, system: str) -> dict:
+    with tempfile.TemporaryDirectory() as out:     # where this rank's monitors write (rank 0's do)
+        return _timed(rank, world, args, system, out)
+
+
+def _timed(rank: int, world: int, args, system: str, out: str) -> dict:
     import zerocompile
 
     example = load_example()
@@ -77,20 +82,11 @@ def main(argv: list | None = None) -> int:
     args = p.parse_args(argv)
     apply_quick(args)
     prepare_main()
-    results = {system: {"rounds_ms": [], "repeat_ms": []} for system in SYSTEMS}
-    for _ in range(args.repeats):      # the systems one after the other, again: the machine drifts
-        for system in SYSTEMS:
-            with tempfile.TemporaryDirectory() as scratch:
-                ranks = spawn_ranks(2, rank_main, (args, system, scratch))
-            per_round = [max(r["step_ms"][i] for r in ranks) for i in range(args.rounds)]
-            results[system]["rounds_ms"] += per_round
-            results[system]["repeat_ms"].append(statistics.median(per_round))
-            results[system]["losses"] = ranks[0]["losses"]
-    base = statistics.median(results["plain"]["rounds_ms"])
+    results = systems_in_turn(SYSTEMS, rank_main, args)
+    base = results["plain"]["step_ms"]
     lines = ["| system | step ms (median, slowest rank) | per repeat | ratio to plain | losses: max rel. diff to "
              "plain's |", "|---|---|---|---|---|"]
     for system, r in results.items():
-        r["step_ms"] = statistics.median(r["rounds_ms"])
         r["ratio"] = r["step_ms"] / base
         # equal with the eager inner compiler; inductor fuses differently around the profiler's marks
         r["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], results["plain"]["losses"]))

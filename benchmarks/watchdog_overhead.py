@@ -18,7 +18,6 @@ whether the losses are the same bit for bit (they must be: the watchdog moves no
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_harness import prepare_main, result_header, write_results  # noqa: E402
-from common import RESULTS, add_timed_gpt_arguments, apply_quick, load_example, spawn_ranks, timed_gpt_steps  # noqa: E402
+from common import (RESULTS, add_timed_gpt_arguments, apply_quick, load_example, systems_in_turn,  # noqa: E402
+                    timed_gpt_steps)
 
 SYSTEMS = ("stage 3, watchdog on", "stage 3, watchdog off", "stage 2, watchdog on", "stage 2, watchdog off")
 
@@ -54,18 +54,9 @@ def main(argv: list | None = None) -> int:
     args = p.parse_args(argv)
     apply_quick(args)
     prepare_main()
-    results = {system: {"rounds_ms": [], "repeat_ms": []} for system in SYSTEMS}
-    for _ in range(args.repeats):
-        for system in SYSTEMS:
-            ranks = spawn_ranks(2, rank_main, (args, system))
-            per_round = [max(r["step_ms"][i] for r in ranks) for i in range(args.rounds)]
-            results[system]["rounds_ms"] += per_round
-            results[system]["repeat_ms"].append(statistics.median(per_round))
-            results[system]["losses"] = ranks[0]["losses"]
+    results = systems_in_turn(SYSTEMS, rank_main, args)
     lines = ["| system | step ms (median, slowest rank) | per repeat | ratio on / off | losses equal to off |",
              "|---|---|---|---|---|"]
-    for r in results.values():
-        r["step_ms"] = statistics.median(r["rounds_ms"])
     for system, r in results.items():
         off = results[system.replace("watchdog on", "watchdog off")]
         r["ratio"] = r["step_ms"] / off["step_ms"]
