@@ -42,7 +42,7 @@ from zerocompile.flops_profiler import FlopsProfilerSettings, report, step_modul
 from zerocompile.monitor import MetricWriter, MonitorSettings
 from zerocompile.runtime import accounting
 from zerocompile.runtime.accounting import ACCOUNTING
-from zerocompile.runtime.comm import agreement_digest, every_rank_holds
+from zerocompile.runtime.comm import agreement_digest, all_reduce, every_rank_holds
 
 log = logging.getLogger("zerocompile")
 TAG_PREFIX = "Train/Samples/"
@@ -254,9 +254,8 @@ class StepMonitor:
         if not names:
             return {}
         values = torch.tensor([float(pending[n]) for n in names], dtype=torch.float64, device=device)
-        if group.world > 1:
-            dist.all_reduce(values, group=group.group)
-            values /= group.world
+        if group.world > 1:         # watched, as every zerocompile collective of the step
+            values = all_reduce(values, "sum", group.name) / group.world
         return {f"{TAG_PREFIX}{name}": float(v) for name, v in zip(names, values.tolist())}
 
     def write_pending(self) -> None:
