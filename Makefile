@@ -1,10 +1,11 @@
 # make demo: create .venv, install everything, run the 2-rank ZeRO-3 training demo on CPU.
 # make test: same install, run the test suite.
-# make bench: same install plus the bench extra (DeepSpeed, matplotlib, pytest-benchmark), then benchmarks/run.py,
+# make bench: same install plus the bench extra (DeepSpeed, matplotlib, pytest-benchmark), then the smoke runs of every
+#             benchmark in its quick mode (make bench-smoke: benchmarks/smoke/), then benchmarks/run.py,
 #             benchmarks/optimizer_step.py, benchmarks/first_step.py, benchmarks/collectives.py, benchmarks/quantize.py,
 #             benchmarks/onebit_bytes.py, benchmarks/whole_param_step.py, benchmarks/monitoring_overhead.py,
 #             benchmarks/eager_flops_overhead.py,
-#             benchmarks/step_breakdown.py, benchmarks/plan_llama70b.py, benchmarks/tune_llama70b.py,
+#             benchmarks/step_breakdown.py, benchmarks/plan_llama70b.py, benchmarks/tune_llama70b.py, benchmarks/tune_ranking.py,
 #             benchmarks/lr_schedules_vs_deepspeed.py
 #             and the micro benchmarks
 #             (results in benchmarks/results/).
@@ -18,7 +19,7 @@ PYTHON  ?= python3
 CACHE_HOME ?= $(if $(HOME),$(HOME)/.cache,$(CURDIR)/.cache)
 export TORCHINDUCTOR_CACHE_DIR ?= $(CACHE_HOME)/zerocompile/inductor
 
-.PHONY: install demo test bench gpu-check clean
+.PHONY: install demo test bench bench-smoke gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -41,8 +42,16 @@ test: $(STAMP)
 
 # DeepSpeed is optional: if the extra does not install, the rest of it is tried alone and the
 # benchmark reports the DeepSpeed rows as skipped
-bench: $(STAMP)
+BENCH_EXTRA := $(VENV)/.zerocompile-bench-installed
+$(BENCH_EXTRA): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]' || $(PY) -m pip install --quiet matplotlib pytest-benchmark || true
+	touch $(BENCH_EXTRA)
+
+# every benchmark in its quick mode, end to end, with its figures checked (a few minutes); make bench runs it first
+bench-smoke: $(BENCH_EXTRA)
+	$(PY) -m pytest -q -p no:cacheprovider benchmarks/smoke
+
+bench: bench-smoke
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/optimizer_step.py
 	$(PY) benchmarks/first_step.py
@@ -61,6 +70,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/plan_llama70b.py
 	$(PY) benchmarks/tune_llama70b.py --compare-reuse
 	$(PY) benchmarks/tune_llama70b.py --exact
+	$(PY) benchmarks/tune_ranking.py
 	$(PY) benchmarks/lr_schedules_vs_deepspeed.py | tee benchmarks/results/lr_schedules_vs_deepspeed.txt
 	$(PY) benchmarks/whole_param_step.py
 	$(PY) benchmarks/activation_offload.py

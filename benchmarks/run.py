@@ -73,11 +73,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_harness as harness  # noqa: E402
 from common import MiB, RESULTS, all_ranks_ok, error_line, load_example, spawn_ranks  # noqa: E402
 
-SYSTEMS = ("ddp", "fsdp2", "fsdp2-compile", "ds-zero1", "ds-zero2", "ds-zero3", "ds-zero3-offload",
+SYSTEMS = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile", "ds-zero1", "ds-zero2", "ds-zero3", "ds-zero3-offload",
            "ds-zero3-infinity", "zero1", "zero2", "zero3", "zero3-profile", "zero3-qwz", "zero3-nopass",
            "zero3-offload", "zero3-infinity")
 LABELS = {
-    "ddp": "DDP", "fsdp2": "FSDP2 eager", "fsdp2-compile": "FSDP2 + per-block compile",
+    "ddp": "DDP", "ddp-compile": "DDP + torch.compile", "fsdp2": "FSDP2 eager", "fsdp2-compile": "FSDP2 + per-block compile",
     "ds-zero1": "DeepSpeed ZeRO-1", "ds-zero2": "DeepSpeed ZeRO-2", "ds-zero3": "DeepSpeed ZeRO-3",
     "ds-zero3-offload": "DeepSpeed ZeRO-3 + ZeRO-Offload (CPU Adam)",
     "ds-zero3-infinity": "DeepSpeed ZeRO-3 + ZeRO-Infinity (NVMe)",
@@ -88,7 +88,7 @@ LABELS = {
     "zero3-offload": "zerocompile stage 3, NVMe optimizer offload",
     "zero3-infinity": "zerocompile stage 3, NVMe optimizer + parameter offload",
 }
-STAGE = {"ddp": 0, "fsdp2": 3, "fsdp2-compile": 3, "ds-zero1": 1, "ds-zero2": 2, "ds-zero3": 3,
+STAGE = {"ddp": 0, "ddp-compile": 0, "fsdp2": 3, "fsdp2-compile": 3, "ds-zero1": 1, "ds-zero2": 2, "ds-zero3": 3,
          "ds-zero3-offload": 3, "ds-zero3-infinity": 3,
          "zero1": 1, "zero2": 2, "zero3": 3, "zero3-profile": 3, "zero3-qwz": 3, "zero3-nopass": 3, "zero3-offload": 3, "zero3-infinity": 3}
 APPROXIMATE = {"zero3-qwz": 0.02}
@@ -221,8 +221,12 @@ def build_system(name: str, args, spec: dict, example, device: torch.device, dis
     with system.tracker:
         torch.manual_seed(args.seed)
         model = make_model(spec, example).to(device)
-        if name == "ddp":
+        if name in ("ddp", "ddp-compile"):
             system.model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+            if name == "ddp-compile":
+                # the like-for-like peer of zerocompile's stages 0-2: the same inner compiler on
+                # DDP's model (Dynamo's DDPOptimizer splits the graph at DDP's buckets)
+                system.model = torch.compile(system.model, backend="aot_eager" if inner == "eager" else "inductor")
             system.opt = torch.optim.AdamW(model.parameters(), **torch_opt)
         elif name in ("fsdp2", "fsdp2-compile"):
             for block in blocks_of(model):
