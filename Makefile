@@ -55,6 +55,7 @@ bench: bench-smoke
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/optimizer_step.py
 	$(PY) benchmarks/first_step.py
+	$(PY) benchmarks/demo_first_step.py
 	$(PY) benchmarks/collectives.py
 	$(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 6 --systems fsdp2 zero3 --out benchmarks/results/stage3_vs_fsdp2_6block.json
 	$(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 6 --graph-break-after 2 --systems fsdp2 zero3 --out benchmarks/results/stage3_vs_fsdp2_6block_break.json

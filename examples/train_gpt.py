@@ -297,6 +297,10 @@ def main(argv=None) -> None:
     if args.batch_size < 1 or args.batch_size % per_step:
         parser.error(f"--batch-size {args.batch_size} must be a positive multiple of "
                      f"world size x --grad-accum = {world} x {args.grad_accum}")
+    # the first step compiles the model (tens of seconds with inductor on a small CPU machine):
+    # rank 0 says which frame compiled and how long it took, whether or not stderr is a terminal
+    # (ZEROCOMPILE_PROGRESS=0 turns it off)
+    os.environ.setdefault("ZEROCOMPILE_PROGRESS", "1")
     if existing:
         train(args, dist.get_rank(), world)
     elif torchrun:

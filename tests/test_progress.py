@@ -47,7 +47,9 @@ def test_the_first_step_says_which_frame_compiled(monkeypatch, capsys):
     model = torch.compile(make_model("tied"), backend="zero", options={"stage": 3, "inner_compiler": "eager"})
     model(*make_batch("tied", 0, 2)).backward()        # two frames: a graph break before the head
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("zerocompile:")]
-    assert len(lines) == 2 and all("compiled frame" in line and "(stage 3) in" in line for line in lines), lines
+    assert len(lines) == 2 and all("compiled frame" in line and "(stage 3, " in line for line in lines), lines
+    # what compiled: the body's frame holds the embeddings and blocks, the head's frame the tied weight
+    assert all("forward + backward, eager) in " in line and " parameters, " in line for line in lines), lines
     for setting in ("0", None):
         if setting is None:
             monkeypatch.delenv("ZEROCOMPILE_PROGRESS")

@@ -411,6 +411,16 @@ def _compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig, gr
     return FrameRunner(compiled, plans, partitioner, frame, roots, source)
 
 
+def _frame_summary(plans: list, cfg: ZeroConfig, grad_enabled: bool) -> str:
+    """What a frame's compile line says it holds: its parameters and their elements, whether it
+    trains, and the inner compiler."""
+    params = [sp.param for sp in plans if sp is not None]
+    numel = sum(p.numel() for p in params)
+    size = f"{numel / 1e6:.2f}M" if numel >= 10**5 else f"{numel}"
+    kind = "forward + backward" if grad_enabled else "inference"
+    return f"{len(params)} parameters, {size} elements, {kind}, {cfg.inner_compiler}"
+
+
 class _TracedFrame:
     """What a frame's compile starts from: a copy of Dynamo's graph, untouched by the passes,
     and its example inputs; ``FrameRunner.recompile`` compiles it again with other pass options."""
@@ -450,7 +460,8 @@ class _TracedFrame:
         # the first compile runs inside Dynamo's; a later one (FrameRunner.recompile) as it ran
         again = _torch_compat.as_in_dynamo_compile(self.fake_mode) if self.compiled_once else contextlib.nullcontext()
         self.compiled_once = True
-        with again, compile_status(frame, cfg.stage) as status, torch.set_grad_enabled(self.grad_enabled):
+        with again, compile_status(frame, cfg.stage, _frame_summary(plans, cfg, self.grad_enabled)) as status, \
+                torch.set_grad_enabled(self.grad_enabled):
             ctx.progress = status.update
             try:
                 return _passes_and_inner_compile(_copy_graph_module(self.gm), example_inputs, self.sources,

@@ -3,9 +3,9 @@ checkpoint and loading or saving pretrained weights (``track``), and a status li
 frame compiles (``compile_status``: the frame, the graph and the pass it is at, the seconds).
 
 A bar is drawn only where someone watches: stderr is a terminal and this is global rank 0
-(every rank of a job would otherwise draw its own). ``ZEROCOMPILE_PROGRESS=1`` forces the bars
-(for example under a launcher that pipes stderr: each bar is then printed once, finished),
-``ZEROCOMPILE_PROGRESS=0`` turns them off.
+(every rank of a job would otherwise draw its own). ``ZEROCOMPILE_PROGRESS=1`` forces the bars on
+rank 0 (for example under a launcher that pipes stderr: each bar is then printed once, finished,
+and each compiled frame gets its line), ``ZEROCOMPILE_PROGRESS=0`` turns them off.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from zerocompile import env
 def progress_enabled() -> bool:
     """Whether bars are drawn in this process (see the module docstring)."""
     setting = env.progress_setting()
-    if setting is not None:
-        return setting
+    if setting is False:
+        return False
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return False
-    return sys.stderr.isatty()
+    return setting or sys.stderr.isatty()
 
 
 def track(items: Iterable, description: str, total: int | None = None) -> Iterator:
@@ -79,11 +79,13 @@ class CompileStatus:
 
 
 @contextlib.contextmanager
-def compile_status(frame: str, stage: int) -> Iterator[CompileStatus]:
+def compile_status(frame: str, stage: int, what: str = "") -> Iterator[CompileStatus]:
     """A status line while a frame compiles (its passes, AOTAutograd, the inner compiler), drawn
-    where ``progress_enabled()``: on a terminal a spinner that disappears when the frame is done;
-    elsewhere (``ZEROCOMPILE_PROGRESS=1`` under a launcher that pipes stderr) one line per frame
-    once it compiled, so logs are not flooded. Yields the ``CompileStatus`` to update."""
+    where ``progress_enabled()``: on a terminal a spinner while it compiles; then, on a terminal
+    or not (``ZEROCOMPILE_PROGRESS=1`` under a launcher that pipes stderr, a log, ``tee``), one
+    line per frame once it compiled, ``zerocompile: compiled frame 0/0 (stage 3, <what>) in 12.3 s``,
+    so logs are not flooded. ``what``: what the frame holds (its parameters, the inner compiler).
+    Yields the ``CompileStatus`` to update."""
     status = CompileStatus(frame, stage)
     if not progress_enabled():
         yield status
@@ -96,7 +98,8 @@ def compile_status(frame: str, stage: int) -> Iterator[CompileStatus]:
             status.status = drawn
             yield status
             status.status = None
-        return
-    yield status
-    console.print(f"zerocompile: compiled {frame} (stage {stage}) in {time.perf_counter() - status.start:.1f} s",
-                  highlight=False)
+    else:
+        yield status
+    detail = f"stage {stage}, {what}" if what else f"stage {stage}"
+    console.print(f"zerocompile: compiled {frame} ({detail}) in {time.perf_counter() - status.start:.1f} s",
+                  highlight=False, soft_wrap=True)
