@@ -1,8 +1,9 @@
 """The comms logger (``runtime/comms_log.py``, ``passes/comm_timers.py``, ``zerocompile.log_summary``):
 DeepSpeed's ``comms_logger`` key. On 2 ranks every collective the step issues is timed once: the
-timed count and bytes per kind equal what ``stats()`` counts independently (from the graphs and the
-eager call sites), under both inner compilers, blocking or not, and the losses are those of the
-same run without the logger."""
+timed count and bytes per kind equal a dispatch-mode count of the collective ops that ran
+(``census.CollectiveCounter``, independent of zerocompile's accounting) and what ``stats()``
+counts, under both inner compilers, blocking or not, with eager parts, and the losses are those
+of the same run without the logger."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import zerocompile
+from census import CollectiveCounter
 from dist_utils import run_ranks
 from zerocompile.config import ZeroConfig
 from zerocompile.errors import ZeroConfigError
@@ -41,12 +43,17 @@ def _run(rank: int, world: int, options: dict, optimizer=torch.optim.AdamW, eage
     opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer, lr=1e-3)
     printed = io.StringIO()
     losses = []
+    # an independent count of what ran: a dispatch mode over the steps, which sees every collective
+    # op the graphs and the eager call sites run (not zerocompile's accounting, which starts the
+    # timers and counts in one call)
+    counter = CollectiveCounter()
     with contextlib.redirect_stdout(printed):
         for step in range(STEPS + 1):
             if step == 1:
                 zerocompile.reset_stats()       # from here on: the steps' collectives only
                 printed.seek(0)
                 printed.truncate()
+                counter.__enter__()
             x, y = make_batch("gpt", step * world + rank, 4)
             loss = compiled(x, y)
             loss.backward()
@@ -54,11 +61,13 @@ def _run(rank: int, world: int, options: dict, optimizer=torch.optim.AdamW, eage
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
+        counter.__exit__(None, None, None)
     now = zerocompile.stats()
     out = io.StringIO()
     rows = zerocompile.log_summary(show_straggler=True, file=out)
     torch._dynamo.reset()
     return {"losses": losses, "counted": {k: (getattr(now, k).count, getattr(now, k).bytes) for k in KINDS},
+            "census": {k: (counter.count[k], counter.bytes[k]) for k in KINDS if counter.count[k]},
             "rows": rows, "stats_rows": now.comm_latency, "printed": out.getvalue(),
             "verbose": [line for line in printed.getvalue().splitlines() if line.startswith("comm op:")]}
 
@@ -151,6 +160,8 @@ def test_every_collective_is_timed_once_and_the_values_do_not_change(plain, stag
     if stage == 3 and inner == "eager" and not eager_parts:
         assert [r["losses"] for r in ranks] == [r["losses"] for r in plain]
     for r in ranks:
+        # every collective that ran was timed once, with its bytes: against the dispatch-mode count
+        assert _timed(r["rows"]) == r["census"], (r["rows"], r["census"])
         assert _timed(r["rows"]) == {k: v for k, v in r["counted"].items() if v[0]}
         assert r["counted"]["all_gather"][0] > 0 and r["counted"]["all_reduce"][0] > 0
         _check_rows(r["rows"])
