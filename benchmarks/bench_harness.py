@@ -23,6 +23,7 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -242,12 +243,27 @@ def write_results(out: Path, benchmark: str, result: dict, title: str, lines: li
     print(f"wrote {out / benchmark}.json and .md")
 
 
+def git_commit() -> str:
+    """The checkout's commit, with ``+dirty`` when tracked files differ from it; ``unknown``
+    outside a git checkout."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=repo).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def result_header(benchmark: str, args: argparse.Namespace, argv: list | None) -> dict:
     """The first keys of a result file: which benchmark, when, the command, the machine and the
     parsed options."""
     return {
         "benchmark": benchmark,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
         "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv),
         "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
                     "platform": platform.platform()},

@@ -572,6 +572,8 @@ def main(argv=None) -> int:
         print("\n" + table + "\n", flush=True)
 
     notes = [
+        f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(started))} UTC at commit {harness.git_commit()}, "
+        f"torch {torch.__version__}.",
         f"{args.world_size} {backend} ranks x {args.threads} thread(s) on {os.cpu_count()} CPUs, fp32 AdamW "
         f"(lr {args.lr}, weight decay {args.weight_decay}); load average before {load_before[0]:.1f}.",
         "ms/step: median over timed steps of the slowest rank (min–max); × is the ratio of medians to the "
