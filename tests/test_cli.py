@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from dist_utils import run_cli
 from zerocompile.cli import human_bytes, main
 from zerocompile.dump import DumpRecorder
 from zerocompile.passes.graph_utils import set_tag
@@ -308,6 +309,14 @@ def _cli(*argv, cwd) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 
+def _cli_forked(*argv, cwd) -> subprocess.CompletedProcess:
+    """``_cli`` in a child of the fork server (``dist_utils.run_cli``: ``main(argv)`` with torch and
+    zerocompile already imported, the same environment): a process of its own without the ~5 s
+    of a new interpreter's imports. ``python -m zerocompile`` itself runs in the test below."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ZEROCOMPILE_DUMP", "ZEROCOMPILE_OPTIONS")}
+    return run_cli([str(a) for a in argv], cwd, env, timeout=TIMEOUT)
+
+
 RECORDING_STUB = """\
 import json, os, sys
 
@@ -339,7 +348,7 @@ def test_dump_runs_the_script_as_a_subprocess_or_on_a_fake_group(tmp_path):
     script.write_text(RECORDING_STUB)
     (tmp_path / "d" / "rank3").mkdir(parents=True)              # an earlier dump
     (tmp_path / "d" / "rank3" / "index.json").write_text('{"frames": {}}')
-    done = _cli("dump", "--out", "d", "--options", '{"stage": 2}', "--", script, "3", "--flag", cwd=tmp_path)
+    done = _cli_forked("dump", "--out", "d", "--options", '{"stage": 2}', "--", script, "3", "--flag", cwd=tmp_path)
     assert done.returncode == 3, done.stderr
     assert _seen(done.stdout) == {
         "argv": ["3", "--flag"], "name": "__main__", "world": 1,
@@ -348,7 +357,7 @@ def test_dump_runs_the_script_as_a_subprocess_or_on_a_fake_group(tmp_path):
     assert "replacing the previous dump" in done.stdout and not (tmp_path / "d" / "rank3").exists()
     assert "exited with code 3" in done.stdout and "nothing was recorded" in done.stdout
 
-    done = _cli("dump", "--out", "d", "--world-size", "16", "--", script, "0", "--record", cwd=tmp_path)
+    done = _cli_forked("dump", "--out", "d", "--world-size", "16", "--", script, "0", "--record", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     seen = _seen(done.stdout)
     assert seen["world"] == 16 and seen["name"] == "__main__" and seen["argv"] == ["0", "--record"]

@@ -44,7 +44,7 @@ STACK = textwrap.dedent("""
     class Stack(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.blocks = torch.nn.ModuleList(Block(96 if i % 2 else 64) for i in range(6))
+            self.blocks = torch.nn.ModuleList(Block(96 if i % 2 else 64) for i in range(4))
             self.scale = torch.nn.Parameter(torch.ones(48))
             self.out = torch.nn.Linear(48, 7)
         def forward(self, x):
@@ -149,7 +149,7 @@ def test_plan_with_replay_equals_plan_without_on_a_zoo(tmp_path):
     stack.write_text(STACK)
     tied.write_text(TIED)
     llama = str(REPO / "benchmarks" / "train_llama.py")
-    tiny = ["--size", "tiny", "--layers", "4", "--seq", "16", "--steps", "2"]
+    tiny = ["--size", "tiny", "--layers", "2", "--seq", "16", "--steps", "2"]     # the second layer replays
     cases = [
         (llama, [*tiny, "--options", '{"stage": 3, "inner_compiler": "eager"}'], 8),
         # the stack's scale (used only by the eager loop) and its head (an nn.Linear compiled on
@@ -198,7 +198,7 @@ def _spoiled_plan_child(argv: list, out_path: str, err_path: str, environ: dict)
 def test_a_plan_whose_replay_cannot_vouch_for_its_figures_fails_and_names_the_fix(tmp_path):
     """When a replay's inputs die differently from the recorded run's (forced here), plan
     fails with one line saying so and naming --no-replay, instead of printing figures."""
-    args = ["--size", "tiny", "--layers", "3", "--seq", "16", "--steps", "2"]
+    args = ["--size", "tiny", "--layers", "2", "--seq", "16", "--steps", "2"]
     out, err = tmp_path / "plan.out", tmp_path / "plan.err"
     run = start_fresh(_spoiled_plan_child, ["plan", "--world-size", "4", "--json", "--",
                                             str(REPO / "benchmarks" / "train_llama.py"), *args],

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -69,11 +68,12 @@ SCRIPT = textwrap.dedent("""
         model = Net()
         loss_of = torch.compile(model, backend="zero", options=options)
         batch = lambda g: torch.randn(6, 12, generator=g)
-    else:   # the tiny Llama of benchmarks/train_llama.py, bf16, compiled block by block
+    else:   # the tiny Llama of benchmarks/train_llama.py (two layers), bf16, compiled block by block
         import transformers
         from train_llama import SIZES, compile_by_blocks
         torch.set_default_dtype(torch.bfloat16)
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES["tiny"], use_cache=False,
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{{**SIZES["tiny"], "num_hidden_layers": 2}},
+                                                                         use_cache=False,
                                                                          attn_implementation="sdpa"))
         torch.set_default_dtype(torch.float32)
         loss_of = compile_by_blocks(model, options)
@@ -214,7 +214,7 @@ def test_plan_of_hf_gradient_checkpointing_at_1024_ranks_follows_the_formulas():
     assert got["comm_by_kind"]["reduce_scatter"]["bytes"] == 4 * world * chunks
 
 
-def test_stats_of_a_model_on_the_meta_device():
+def test_stats_of_a_model_on_the_meta_device(tmp_path):
     """A model built on the meta device trains through every sharded stage on 4 fake ranks
     (the cost model falls back to its default rates: nothing can be timed on meta), and
     stats() counts its shards, gradients and optimizer state as on real tensors."""
@@ -245,7 +245,11 @@ def test_stats_of_a_model_on_the_meta_device():
             del c, opt, model
         print(json.dumps(out))
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+    # in a process of its own (nothing else has touched stats() or a process group there), forked
+    # from the fork server rather than a new interpreter importing torch and zerocompile again
+    path = tmp_path / "meta.py"
+    path.write_text(script)
+    done = run_script_ranks(path, [], 1, REPO, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     got = {int(k): v for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
     psi, shard = 8 * 8 + 8 + 8 * 4 + 4, 16 + 2 + 8 + 1       # elements; one rank's padded share

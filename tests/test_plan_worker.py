@@ -5,15 +5,14 @@ checkpointing and on a script with graph breaks and a frame run without autograd
 
 from __future__ import annotations
 
-import concurrent.futures
+import json
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from dist_utils import run_cli
-from zerocompile.cli.plan import plan_in_subprocess
+from dist_utils import run_cli, start_cli
 from zerocompile.config import PASS_OPTIONS, ZeroConfig, options_needing_a_new_trace
 from zerocompile.plan_worker import PlanWorker, PlanWorkers, trace_key
 
@@ -28,14 +27,26 @@ def _figures(report: dict) -> dict:
     return {k: report[k] for k in FIGURES}
 
 
-def _fresh(world: int, candidates: list, script: Path, args: list) -> list:
-    def one(options):
-        return plan_in_subprocess(world, "h100", options, script, args)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(one, candidates))
+def _fresh(world: int, candidates: list, script: Path, args: list, folder: Path) -> list:
+    """A fresh ``zerocompile plan --json`` of each candidate, each in a process of its own (the
+    arguments ``cli.plan.plan_in_subprocess`` gives ``python -m zerocompile``), forked from the
+    fork server: torch, transformers and zerocompile imported, nothing planned, so as fresh as a
+    new interpreter without the ~5 s of CPU of importing them again (``dist_utils.start_cli``)."""
+    runs = []
+    for i, options in enumerate(candidates):
+        out, err = folder / f"fresh{i}.out", folder / f"fresh{i}.err"
+        argv = ["plan", "--world-size", str(world), "--hardware", "h100", "--json", "--options", json.dumps(options),
+                "--", str(script), *args]
+        runs.append((start_cli(argv, out, err, REPO), out, err))
+    reports = []
+    for (run, out, err), options in zip(runs, candidates):
+        run.join(timeout=600)
+        assert run.exitcode == 0, (options, run.exitcode, err.read_text()[-3000:])
+        reports.append(json.loads(out.read_text().splitlines()[0]))
+    return reports
 
 
-def test_every_tuned_knob_on_one_trace_gives_a_fresh_plans_figures():
+def test_every_tuned_knob_on_one_trace_gives_a_fresh_plans_figures(tmp_path):
     """The tiny HF Llama with ``gradient_checkpointing_enable()`` at 16 ranks of the h100 profile
     (two nodes, so hpZ over a node and qwZ/qgZ apply): the script's own options, then each knob
     ``zerocompile tune`` turns without a new trace, on one worker; every report equals a fresh plan."""
@@ -49,7 +60,7 @@ def test_every_tuned_knob_on_one_trace_gives_a_fresh_plans_figures():
         reused = [worker.plan(options) for options in candidates]
     finally:
         worker.close()
-    fresh = _fresh(16, candidates, LLAMA, args)
+    fresh = _fresh(16, candidates, LLAMA, args, tmp_path)
     for options, got, want in zip(candidates, reused, fresh):
         assert _figures(got) == _figures(want), options
     # the knobs that must change the figures did (the comparison is not of one plan with itself)
@@ -130,7 +141,7 @@ def test_graph_breaks_an_inference_frame_and_a_script_out_of_steps(tmp_path):
         got.append(last)
     finally:
         workers.close()
-    fresh = _fresh(16, candidates, script, args)
+    fresh = _fresh(16, candidates, script, args, tmp_path)
     for options, a, b in zip(candidates, got, fresh):
         assert _figures(a) == _figures(b), options
 
