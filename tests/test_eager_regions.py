@@ -8,8 +8,8 @@ every parameter on every rank compared) and checks what is sharded:
   positional table, in nanoGPT's loop: two micro-batches, torch's ``clip_grad_norm_``; stages
   0-3;
 - the same GPT compiled per block (torchtitan's ``blk.compile(...)``) with an eager root, and
-  with one block ``torch.compiler.disable``d (its parameters kept whole: ``keep_full``); both
-  GPTs at stage 3 on 3 ranks too;
+  with one block ``torch.compiler.disable``d (its parameters kept whole: ``keep_full``); the
+  graph-break GPT at stage 3 on 3 ranks too (this file's one 3-rank case: padded shards);
 - the per-block GPT with an untied head: its gradient is reduced when the head's backward ends
   (from the second backward on), not at the end of the backward; on 3 ranks too;
 - a mixture of experts over 4 layers, each a leaf module (``set_leaf_modules``): exact, and
@@ -34,7 +34,8 @@ from models import GPT, make_batch
 from zerocompile.runtime.raw_grad import raw_grad
 from zerocompile.runtime.sharded_param import get_state
 
-STEPS, ACCUM, BATCH = 3, 2, 12     # 12: the batch splits over 2 and 3 ranks
+STEPS, ACCUM, BATCH = 2, 2, 12     # 12: the batch splits over 2 and 3 ranks; 2 steps: 4 backwards, the
+                                   # second step on sharded parameters and learned hooks
 SGD = {"lr": 0.1, "momentum": 0.9}
 """SGD: an update linear in the gradient, so a wrong gradient shows and rounding does not grow
 (AdamW divides by the root of tiny second moments, which turns 1e-9 differences into 1e-4)."""
@@ -180,17 +181,22 @@ def test_gpt_with_eager_parts_is_exact_and_sharded(gpt_runs, case):
             assert results[case]["head_grad_at_embedding"][1:] == [False] * (STEPS * ACCUM - 1), what
 
 
-def test_gpt_with_eager_parts_on_three_ranks_is_exact_and_sharded():
-    """The graph-break GPT, the per-block compiled one with an untied head and the one with a
-    disabled block at stage 3 on 3 ranks (parameters whose sizes do not divide by 3 are padded)."""
-    cases = [("break", 3), ("untied", 3), ("disabled", 3)]
+def test_gpt_with_eager_parts_on_three_ranks_is_exact_and_sharded(gpt_runs):
+    """The graph-break GPT (eager embedding, final norm and tied head) and the per-block compiled
+    one with an untied head (its gradient reduced when its backward ends) at stage 3 on 3 ranks
+    (parameters whose sizes do not divide by 3 are padded), in one group of ranks, against the
+    one-process references the 2-rank cases use. This file's one 3-rank case: the disabled
+    block's parameters are kept whole (nothing to pad), its other blocks compiled as the untied
+    GPT's are, and the leaf-module and LoRA tests run on 2 ranks."""
+    cases = [("break", 3), ("untied", 3)]
     per_rank = run_ranks(_gpt_runs, 3, cases)
+    _, refs = gpt_runs
     for kind, stage in cases:
-        ref = _reference(kind)
-        keep_full = [f"blocks.0.{n}" for n, _ in _gpt(kind).blocks[0].named_parameters()] if kind == "disabled" else []
         for rank, results in enumerate(per_rank):
-            _assert_exact(results[(kind, stage)], ref, f"{kind}, 3 ranks, rank {rank}")
-            _assert_sharded(results[(kind, stage)], stage, f"{kind}, 3 ranks, rank {rank}", keep_full)
+            _assert_exact(results[(kind, stage)], refs[kind], f"{kind}, 3 ranks, rank {rank}")
+            _assert_sharded(results[(kind, stage)], stage, f"{kind}, 3 ranks, rank {rank}")
+            if kind == "untied":
+                assert results[(kind, stage)]["head_grad_at_embedding"][1:] == [False] * (STEPS * ACCUM - 1)
 
 
 def _census_after_step(rank: int, world: int, kind: str) -> dict:
@@ -226,13 +232,24 @@ def _census_after_step(rank: int, world: int, kind: str) -> dict:
     return {"live": live, "trainable": [p.numel() for p in trainable], "frozen": [p.numel() for p in frozen]}
 
 
+def _censuses_after_step(rank: int, world: int, kinds) -> dict:
+    return {kind: _census_after_step(rank, world, kind) for kind in kinds}
+
+
+@pytest.fixture(scope="module")
+def censuses(once_per_run):
+    """Both models' censuses in one group of 2 ranks (one after the other, each its own census)."""
+    return once_per_run("test_eager_regions.censuses",
+                        lambda: run_ranks(_censuses_after_step, 2, ("break", "untied")))
+
+
 @pytest.mark.parametrize("kind", ["break", "untied"])
-def test_stage3_memory_after_a_step_is_the_formula_with_eager_parts(kind):
+def test_stage3_memory_after_a_step_is_the_formula_with_eager_parts(censuses, kind):
     """After ``step()`` every rank holds 16 bytes per trainable element / N (the fp32 shard, its
     gradient and AdamW's two moments) and 4 per frozen element / N (its shard), within padding:
     the eager embedding, positional table (frozen), final norm and head too."""
     world = 2
-    for rank, res in enumerate(run_ranks(_census_after_step, world, kind)):
+    for rank, res in enumerate(r[kind] for r in censuses):
         sizes = res["trainable"] + res["frozen"]
         low = (16 * sum(res["trainable"]) + 4 * sum(res["frozen"])) / world
         high = (16 * sum(-(-n // world) * world for n in res["trainable"])
@@ -359,9 +376,9 @@ def test_leaf_modules_are_whole_only_while_they_run():
     """Four MoE layers as leaf modules at stage 3: exact, and during the backward the whole
     parameters alive never exceed one layer's (DeepSpeed frees a leaf after its forward and
     gathers it again for its backward; before, every leaf stayed whole until the step). On 2
-    ranks and on 3."""
+    ranks (padding on 3 ranks: test_gpt_with_eager_parts_on_three_ranks_is_exact_and_sharded)."""
     ref = _moe_reference()
-    for rank, result in enumerate(run_ranks(_train_moe, 2) + run_ranks(_train_moe, 3)):
+    for rank, result in enumerate(run_ranks(_train_moe, 2)):
         for key, value in ref.items():
             torch.testing.assert_close(result["state"][key], value, atol=2e-5, rtol=1e-5,
                                        msg=lambda m: f"rank {rank}, {key}: {m}")
@@ -374,7 +391,7 @@ def test_leaf_modules_are_whole_only_while_they_run():
 # -- PEFT LoRA on an HF Llama: the frozen base sharded, the adapters exact -----------------------
 LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
-LORA_IDS = torch.randint(0, 128, (STEPS, 6, 8), generator=torch.Generator().manual_seed(1))   # 6: 2 or 3 ranks
+LORA_IDS = torch.randint(0, 128, (STEPS, 6, 8), generator=torch.Generator().manual_seed(1))
 
 
 # -- a parameter some ranks' code uses, then none --------------------------------------------
@@ -569,8 +586,7 @@ def test_peft_lora_adapters_are_exact_and_the_frozen_base_is_sharded():
     stage 3 none is whole after a step and the frozen parameters hold 1/N of their elements.
     The saved adapter (save_pretrained with zerocompile.full_state_dict) is the file one process
     writes; save_pretrained alone at stage 3 refuses, naming the calls to use."""
-    runs = [(world, rank, results) for world, cases in ((2, LORA_CASES), (3, [(True, 3)]))
-            for rank, results in enumerate(run_ranks(_lora_runs, world, cases))]
+    runs = [(2, rank, results) for rank, results in enumerate(run_ranks(_lora_runs, 2, LORA_CASES))]
     refs = {ckpt: _lora_reference(ckpt) for ckpt in (True, False)}
     for world, rank, results in runs:
         for (checkpointing, stage), result in results.items():

@@ -22,7 +22,11 @@ from dist_utils import run_ranks
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
-LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+# one decoder layer: what these tests check is the Trainer / Accelerate plumbing (data sharding,
+# accumulation, clipping, schedules, checkpoints, saving), the same whatever the depth, and each
+# run compiles the model (twice with a resume); the decoder-layer loop under checkpointing and
+# sharding is test_gradient_checkpointing.py's and test_eager_regions.py's (2 layers)
+LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
 
 
@@ -115,13 +119,14 @@ def test_zero_trainer_matches_a_single_process_trainer(tmp_path):
             assert torch.equal(value, run["trained"][key]), (stage, key)
 
 
-def _refusals(out: str) -> dict:
+def _refusals(rank, world, out: str) -> dict:
     """What ZeroTrainer and ZeroAccelerator say when built without their CPU flag on 2 gloo
-    ranks (Accelerate then sets itself up with distributed_type NO)."""
+    ranks (Accelerate then sets itself up with distributed_type NO): nothing is trained first."""
     from accelerate.state import AcceleratorState
     from zerocompile.integrations.accelerate import ZeroAccelerator
     from zerocompile.integrations.transformers import ZeroTrainer
 
+    _distributed_env(rank, world)
     said = {}
     args = transformers.TrainingArguments(output_dir=out, ddp_backend="gloo", report_to=[])   # no use_cpu
     try:
@@ -140,9 +145,7 @@ def _refusals(out: str) -> dict:
 
 def _accelerate_runs(rank, world, out):
     _distributed_env(rank, world)
-    refusals = _refusals(os.path.join(out, "refused"))
-    return {"refusals": refusals, **{stage: _accelerate_loop(stage, os.path.join(out, f"stage{stage}"))
-                                     for stage in (0, 2, 3)}}
+    return {stage: _accelerate_loop(stage, os.path.join(out, f"stage{stage}")) for stage in (0, 2, 3)}
 
 
 def _accelerate_setup(stage: int):
@@ -225,8 +228,8 @@ def _accelerate_reference():
 
 @pytest.fixture(scope="module")
 def accelerate_runs(tmp_path_factory, once_per_run):
-    """One 2-rank run for the Accelerate tests: the refusals without a CPU flag, then the loop at
-    stages 0, 2 and 3, each saved after step 2 and resumed from there."""
+    """One 2-rank run for the Accelerate tests: the loop at stages 0, 2 and 3, each saved after
+    step 2 and resumed from there."""
     return once_per_run("test_integrations.accelerate_runs",
                         lambda: run_ranks(_accelerate_runs, 2, str(tmp_path_factory.mktemp("accelerate"))))
 
@@ -236,7 +239,7 @@ def test_an_accelerate_loop_with_zero_accelerator_matches_one_process(accelerate
     a schedule) on 2 ranks at stages 0, 2 and 3: the model is not wrapped in DDP, the clipped
     norm is the global one, and losses and final weights equal one process's on the whole batch."""
     want_losses, want_norms, want_state = _accelerate_reference()
-    for stage, r in ((stage, r) for runs in accelerate_runs for stage, r in runs.items() if stage != "refusals"):
+    for stage, r in ((stage, r) for runs in accelerate_runs for stage, r in runs.items()):
         assert r["wrapped"] == "LlamaForCausalLM", (stage, r["wrapped"])
         assert r["losses"] == pytest.approx(want_losses, rel=1e-5), (r["losses"], want_losses)
         assert r["norms"] == pytest.approx(want_norms, rel=1e-4), (r["norms"], want_norms)
@@ -288,12 +291,11 @@ def test_accelerate_save_model_writes_the_full_model_from_pretrained_reads(accel
                 assert r["plain_save"] == "saved", (stage, r["plain_save"])
 
 
-def test_without_the_cpu_flag_every_rank_refuses_and_names_the_fix(accelerate_runs):
+def test_without_the_cpu_flag_every_rank_refuses_and_names_the_fix(tmp_path):
     """On a machine without GPUs, ``ZeroTrainer`` without ``use_cpu=True`` and ``ZeroAccelerator``
     without ``cpu=True`` would leave Accelerate at distributed_type NO (no data sharding) while
     zerocompile shards over 2 ranks; both refuse on every rank, naming the flag."""
-    for rank, runs in enumerate(accelerate_runs):
-        said = runs["refusals"]
+    for rank, said in enumerate(run_ranks(_refusals, 2, str(tmp_path / "refused"))):
         assert "use_cpu=True" in said.get("trainer", ""), (rank, said)
         assert "cpu=True to ZeroAccelerator" in said.get("accelerator", ""), (rank, said)
         for text in said.values():
