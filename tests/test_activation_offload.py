@@ -5,8 +5,11 @@ regions; less memory; the files gone at exit; bad input refused early."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import errno
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -152,6 +155,83 @@ def _train(options: dict | None, model_name: str = "gpt", inner: str = "eager", 
 def _bitwise(a, b):
     assert len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
     assert set(a[1]) == set(b[1]) and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def _block_of(node: torch.fx.Node) -> str | None:
+    """``blocks.N`` for a node the forward ran inside the model's ``blocks[N]`` (read off the
+    module paths on its ``nn_module_stack``, not with the passes' own helpers), else None."""
+    for path, *_ in (node.meta.get("nn_module_stack") or {}).values():
+        tokens = re.findall(r"[A-Za-z_]\w*|\d+", str(path))
+        for name, index in zip(tokens, tokens[1:]):
+            if name == "blocks" and index.isdigit():
+                return f"blocks.{index}"
+    return None
+
+
+def _forward_census(graph: torch.fx.Graph, num_fwd_outputs: int) -> dict:
+    """What a forward graph saves for backward, per block: each storage once (the fake values'
+    storages: a view shares its base's), attributed to the block of the node that made it, graph
+    inputs left out; ``saved``: bytes kept in memory, ``moved``/``storages``: bytes and storages
+    whose saved place holds an ``offload_activation`` token instead."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    maker = {}
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            maker.setdefault(StorageWeakRef(val.untyped_storage()), node)
+    out = {"saved": collections.Counter(), "moved": collections.Counter(), "storages": collections.Counter()}
+    seen = set()
+    outputs = next(iter(graph.find_nodes(op="output"))).args[0]
+    for node in outputs[num_fwd_outputs:]:
+        if not isinstance(node, torch.fx.Node):
+            continue
+        token = node.target is torch.ops.zerocompile.offload_activation.default
+        val = (node.args[0] if token else node).meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue                                    # a saved SymInt
+        storage = StorageWeakRef(val.untyped_storage())
+        made_by = maker[storage]
+        if made_by.op == "placeholder" or (token, storage) in seen:
+            continue
+        seen.add((token, storage))
+        block = _block_of(made_by)
+        if token:
+            out["moved"][block] += val.untyped_storage().nbytes()
+            out["storages"][block] += 1
+        else:
+            out["saved"][block] += val.untyped_storage().nbytes()
+    return out
+
+
+@contextlib.contextmanager
+def _forward_censuses(patch):
+    """Each frame compiled inside: the census of its forward graph as the partitioner made it
+    (``before``) and after the forward passes (``after``), in a list."""
+    import zerocompile.partitioner as partitioner
+
+    censuses, run_passes = [], partitioner.run_passes
+
+    def spy(gm, ctx, graph_kind, **inputs):
+        if graph_kind != "forward":
+            return run_passes(gm, ctx, graph_kind, **inputs)
+        before = _forward_census(gm.graph, ctx.num_fwd_outputs)
+        gm = run_passes(gm, ctx, graph_kind, **inputs)
+        censuses.append({"before": before, "after": _forward_census(gm.graph, ctx.num_fwd_outputs)})
+        return gm
+
+    patch.setattr(partitioner, "run_passes", spy)
+    yield censuses
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def plain_step():
+    """The run without offload (one step of two micro-batches) several tests compare with, and
+    its forward's census, computed once."""
+    with pytest.MonkeyPatch.context() as patch, _forward_censuses(patch) as censuses:
+        plain = _train(None, steps=1)
+    return plain, censuses[-1]["before"]
 
 
 def test_the_graphs_hold_the_offload_nodes_and_the_numbers_are_bitwise(tmp_path):
@@ -339,8 +419,8 @@ def test_at_stage_3_over_several_ranks_the_planner_still_sees_the_blocks(fake_wo
     assert sorted(plan["offloaded"] + plan["recomputed"]) == ["blocks.0", "blocks.1"]
 
 
-def test_a_budget_plans_blocks_and_keeps_the_numbers(tmp_path):
-    plain = _train(None, steps=1)
+def test_a_budget_plans_blocks_and_keeps_the_numbers(tmp_path, plain_step):
+    plain = plain_step[0]
     planned = _train({"offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0,
                                               "budget_mb": 0.5}}, steps=1)
     _bitwise(plain, planned)
@@ -351,28 +431,76 @@ def test_a_budget_plans_blocks_and_keeps_the_numbers(tmp_path):
 
 
 @pytest.mark.parametrize("fraction", [0.3, 0.7])
-def test_a_partial_plan_keeps_what_it_planned_after_partitioning(tmp_path, fraction):
+def test_a_partial_plan_keeps_what_it_planned_after_partitioning(tmp_path, fraction, plain_step, monkeypatch):
     """The planner picks single tensors; the partitioner must then save those very tensors (not
     recompute them from inputs it saves instead, which nothing would offload): what stays in
-    memory after partitioning is within the budget, and the bytes offloaded are the planned ones."""
-    plain = _train(None, steps=1)
+    memory after partitioning is within the budget, and the bytes offloaded are the planned ones,
+    block by block: each block's figures (what it saves, what the plan offloads of it, what it
+    keeps) are those of the forward graph's own saved tensors, counted per block from the
+    graph (so a plan with the right total in the wrong blocks fails)."""
+    plain, plain_census = plain_step
     baseline = plain[2]["results"]["saved_activation_bytes"]
     budget_mb = fraction * baseline / 2**20
     # recompute priced out, so the plan is offload only
-    planned = _train({"cost_model": {"flops_per_s": 1.0, "memory_gbps": 1e-9},
-                      "offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0,
-                                              "budget_mb": budget_mb}}, steps=1)
+    with _forward_censuses(monkeypatch) as censuses:
+        planned = _train({"cost_model": {"flops_per_s": 1.0, "memory_gbps": 1e-9},
+                          "offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0,
+                                                  "budget_mb": budget_mb}}, steps=1)
     _bitwise(plain, planned)
     results = planned[2]["results"]
     plan = results["plan_activations"]
     assert plan["recomputed"] == [] and plan["offloaded_tensors"]
-    planned_bytes = sum(f["offloaded_bytes"] for f in plan["per_block"]) + sum(
-        b for b in [plan["estimated_saved_bytes_before"] - plan["estimated_saved_bytes"]
-                    - sum(f["offloaded_bytes"] for f in plan["per_block"])])
+    inside = sum(f["offloaded_bytes"] for f in plan["per_block"])
+    outside = plan["estimated_saved_bytes_before"] - plan["estimated_saved_bytes"] - inside
     moved = results["offload_activations"]["offloaded_bytes"]
-    assert moved == planned_bytes
+    assert moved == inside + outside
     assert results["saved_activation_bytes"] - moved <= plan["budget_bytes"] < results["saved_activation_bytes"]
     assert results["saved_activation_bytes"] - moved <= plan["estimated_saved_bytes"]
+
+    # block by block, against the forward graph: what the partitioner saves (as without the
+    # plan: an offload-only plan changes nothing it saves), what the offload pass moved, what stays
+    before, after = censuses[-1]["before"], censuses[-1]["after"]
+    assert before["saved"] == plain_census["saved"]
+    blocks = [f["name"] for f in plan["per_block"]]
+    assert sorted(blocks) == sorted(b for b in before["saved"] if b is not None) == ["blocks.0", "blocks.1"]
+    for f in plan["per_block"]:
+        block = f["name"]
+        assert f["offload_bytes"] == before["saved"][block], f            # what the block saves
+        assert f["offloaded_bytes"] == after["moved"][block], f            # planned = offloaded
+        assert f["offloaded_tensors"] == after["storages"][block], f
+        assert f["offload_bytes"] - f["offloaded_bytes"] == after["saved"][block], f     # kept
+        assert f["choice"] == ("offload" if after["moved"][block] else "keep"), f
+    assert after["moved"][None] == outside
+    assert after["storages"][None] == len(plan["offloaded_outside_blocks"])
+    assert sum(after["saved"].values()) == results["saved_activation_bytes"] - moved
+
+
+def test_a_plan_that_recomputes_one_block_frees_that_blocks_bytes(tmp_path, plain_step, monkeypatch):
+    """Offload priced out and a budget one byte under what the forward saves: the plan recomputes
+    one block, and the bytes it says that block frees are what that block's saved tensors in the
+    forward graph fall by; the other block keeps all it saved."""
+    plain, plain_census = plain_step
+    baseline = plain[2]["results"]["saved_activation_bytes"]
+    with _forward_censuses(monkeypatch) as censuses:
+        planned = _train({"cost_model": {"offload_gbps": 1e-9},
+                          "offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0,
+                                                  "budget_mb": (baseline - 1) / 2**20}}, steps=1)
+    _bitwise(plain, planned)
+    results = planned[2]["results"]
+    plan = results["plan_activations"]
+    assert len(plan["recomputed"]) == 1 and plan["offloaded_tensors"] == []
+    assert results["offload_activations"]["offloaded_bytes"] == 0
+    saved = censuses[-1]["after"]["saved"]
+    assert saved[None] == plain_census["saved"][None]
+    for f in plan["per_block"]:
+        block = f["name"]
+        if block in plan["recomputed"]:
+            assert f["choice"] == "recompute" and 0 < f["recompute_freed_bytes"] <= plain_census["saved"][block], f
+            assert saved[block] == plain_census["saved"][block] - f["recompute_freed_bytes"], f
+        else:
+            assert f["choice"] == "keep" and f["offloaded_bytes"] == 0, f
+            assert saved[block] == plain_census["saved"][block], f
+    assert sum(saved.values()) == results["saved_activation_bytes"] == plan["estimated_saved_bytes"]
 
 
 def test_what_inductor_saves_in_place_of_a_planned_tensor_is_offloaded(tmp_path):
@@ -391,8 +519,8 @@ def test_what_inductor_saves_in_place_of_a_planned_tensor_is_offloaded(tmp_path)
     assert results["saved_activation_bytes"] - moved <= plan["estimated_saved_bytes"]
 
 
-def test_profile_feeds_the_planner_measured_transfer_times(tmp_path):
-    plain = _train(None, steps=1)
+def test_profile_feeds_the_planner_measured_transfer_times(tmp_path, plain_step):
+    plain = plain_step[0]
     planned = _train({"profile": True, "offload_activations": {"device": "nvme", "nvme_path": str(tmp_path),
                                                                "min_kb": 0, "budget_mb": 0}}, steps=1)
     _bitwise(plain, planned)
