@@ -9,14 +9,45 @@ from dist_utils import run_ranks
 from harness import Run, assert_matches, reference, zero_train_many
 
 
-def test_inductor_stage2_and_stage3_with_tied_weights_and_graph_break():
-    # stage 2 with its reduce-scatters made all-reduces (passes/all_reduce_gradients.py): the
-    # reduce-scatter path is the one stage 3 runs
-    runs = [Run(model="tied", stage=stage, opt="adamw", steps=3, accum=2, clip=1.0, inner="inductor",
-                options=(("gradient_reduction", "all_reduce"),) if stage == 2 else ())
-            for stage in (2, 3)]
-    results = run_ranks(zero_train_many, 2, runs)
-    for run, res in zip(runs, results[0]):
+# stage 2 with its reduce-scatters made all-reduces (passes/all_reduce_gradients.py): the
+# reduce-scatter path is the one stage 3 runs
+TIED_RUNS = [Run(model="tied", stage=stage, opt="adamw", steps=3, accum=2, clip=1.0, inner="inductor",
+                 options=(("gradient_reduction", "all_reduce"),) if stage == 2 else ())
+             for stage in (2, 3)]
+BF16_RUNS = {stage: Run(model="gpt", stage=stage, opt="adamw", steps=3, param_dtype="bfloat16", inner="inductor")
+             for stage in (3,)}
+
+
+def _all_runs(rank, world):
+    """Every 2-rank run of this module in one group of ranks (one start, one process group); a
+    run that raises is recorded as its traceback, so only the test that reads it fails."""
+    import traceback
+
+    out = {}
+    for key, fn, args in (("tied", zero_train_many, (TIED_RUNS,)),
+                          *((("bf16", stage), zero_train_many, ([run],)) for stage, run in BF16_RUNS.items()),
+                          ("peak", _gathered_peak, ())):
+        try:
+            out[key] = fn(rank, world, *args)
+        except Exception:  # noqa: BLE001 - reported by the test that reads it
+            out[key] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def inductor_results(once_per_run):
+    return once_per_run("test_inductor.inductor_results", lambda: run_ranks(_all_runs, 2))
+
+
+def _rank0(results, key):
+    for r in results:
+        assert not isinstance(r[key], str), r[key]
+    return results[0][key]
+
+
+def test_inductor_stage2_and_stage3_with_tied_weights_and_graph_break(inductor_results):
+    runs = TIED_RUNS
+    for run, res in zip(runs, _rank0(inductor_results, "tied")):
         assert_matches(res, reference(run))
         # the forward and backward graphs' collectives were summarised from inductor's partition
         if run.stage == 3:
@@ -25,10 +56,10 @@ def test_inductor_stage2_and_stage3_with_tied_weights_and_graph_break():
             assert res["stats"]["reduce_scatter"]["count"] == 0 and res["stats"]["all_reduce"]["count"] > 6
 
 
-@pytest.mark.parametrize("stage", [3])
-def test_inductor_bf16(stage):
-    run = Run(model="gpt", stage=stage, opt="adamw", steps=3, param_dtype="bfloat16", inner="inductor")
-    res = run_ranks(zero_train_many, 2, [run])[0][0]
+@pytest.mark.parametrize("stage", list(BF16_RUNS))
+def test_inductor_bf16(inductor_results, stage):
+    run = BF16_RUNS[stage]
+    res = _rank0(inductor_results, ("bf16", stage))[0]
     ref = reference(run)
     assert max(abs(a - b) for a, b in zip(res["losses"], ref["losses"])) < 5e-2
 
@@ -39,6 +70,7 @@ def _gathered_peak(rank, world):
     from census import GatheredBytes
     from models import GPT, make_batch
 
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = GPT(layers=4)
     total = sum(-(-p.numel() // world) * world * 4 for p in model.parameters())
@@ -52,9 +84,10 @@ def _gathered_peak(rank, world):
     return tracker.peak / total
 
 
-def test_inductor_stage3_keeps_few_parameters_gathered_at_once():
+def test_inductor_stage3_keeps_few_parameters_gathered_at_once(inductor_results):
     """Inductor's code frees each gathered parameter after its last use too."""
-    assert run_ranks(_gathered_peak, 2)[0] < 0.5
+    _rank0(inductor_results, "peak")
+    assert inductor_results[0]["peak"] < 0.5
 
 
 def test_allocator_peak_sees_the_buffers_inductor_allocates_that_the_tracker_cannot():
