@@ -55,15 +55,33 @@ def _resume_worker(rank, world, stage, tmpdir):
     return first + second, zerocompile.full_state_dict(fresh), errors
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_optimizer_state_dict_round_trip_resumes_exactly(stage, tmp_path):
+def _each_stage(rank, world, worker, stages, *args):
+    """``worker`` at each stage in turn, in one spawned group of ranks."""
+    out = {}
+    for stage in stages:
+        torch._dynamo.reset()
+        out[stage] = worker(rank, world, stage, *args)
+    return out
+
+
+def test_optimizer_state_dict_round_trip_resumes_exactly(tmp_path):
+    """Stages 1 and 3, in one group of ranks (each stage saves its own files)."""
     ref_model, ref_losses = _reference(4)
-    losses, state, errors = run_ranks(_resume_worker, 2, stage, str(tmp_path))[0]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-5)
-    for key, value in ref_model.state_dict().items():
-        torch.testing.assert_close(state[key], value, atol=1e-5, rtol=1e-5)
-    assert "saved by rank" in errors[0] and "load each rank's own file" in errors[0]
-    assert "param groups (sizes [])" in errors[1]
+    for stage, dirname in ((1, "s1"), (3, "s3")):
+        (tmp_path / dirname).mkdir()
+    results = run_ranks(_each_stage, 2, _resume_worker_in, (1, 3), str(tmp_path))[0]
+    for stage in (1, 3):
+        losses, state, errors = results[stage]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"stage {stage}: {m}")
+        for key, value in ref_model.state_dict().items():
+            torch.testing.assert_close(state[key], value, atol=1e-5, rtol=1e-5, msg=lambda m: f"stage {stage} {key}: {m}")
+        assert "saved by rank" in errors[0] and "load each rank's own file" in errors[0], stage
+        assert "param groups (sizes [])" in errors[1], stage
+
+
+def _resume_worker_in(rank, world, stage, tmpdir):
+    return _resume_worker(rank, world, stage, f"{tmpdir}/s{stage}")
 
 
 # ----------------------------------------------------------------------------- groups
@@ -86,16 +104,19 @@ def _groups_worker(rank, world, stage):
     return losses, zerocompile.full_state_dict(model), lrs
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_param_groups_and_lr_scheduler(stage):
+def test_param_groups_and_lr_scheduler():
+    """Stages 0, 2 and 3, in one group of ranks."""
     ref_model, ref_losses = _reference(4, groups=_groups, scheduler=_schedule)
-    losses, state, lrs = run_ranks(_groups_worker, 2, stage)[0]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-5)
-    for key, value in ref_model.state_dict().items():
-        torch.testing.assert_close(state[key], value, atol=1e-5, rtol=1e-5)
-    # the inner optimizer ran its last step with the scheduler's lr for that step (1/4); the
-    # user-visible groups already hold the next one (1/5)
-    assert lrs == pytest.approx([1e-2 / 4, 5e-3 / 4, 1e-2 / 5, 5e-3 / 5])
+    results = run_ranks(_each_stage, 2, _groups_worker, (0, 2, 3))[0]
+    for stage in (0, 2, 3):
+        losses, state, lrs = results[stage]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"stage {stage}: {m}")
+        for key, value in ref_model.state_dict().items():
+            torch.testing.assert_close(state[key], value, atol=1e-5, rtol=1e-5, msg=lambda m: f"stage {stage} {key}: {m}")
+        # the inner optimizer ran its last step with the scheduler's lr for that step (1/4); the
+        # user-visible groups already hold the next one (1/5)
+        assert lrs == pytest.approx([1e-2 / 4, 5e-3 / 4, 1e-2 / 5, 5e-3 / 5]), stage
 
 
 def _add_group_worker(rank, world):
@@ -147,17 +168,19 @@ def _inference_worker(rank, world, stage):
     return compiled_eval, eager_eval, more, zerocompile.full_state_dict(model)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_no_grad_eval_and_uncompiled_eager_forward(stage):
+def test_no_grad_eval_and_uncompiled_eager_forward():
+    """Stages 1 and 3, in one group of ranks."""
     ref_model, ref_losses = _reference(3)
-    compiled_eval, eager_eval, more, state = run_ranks(_inference_worker, 2, stage)[0]
+    results = run_ranks(_each_stage, 2, _inference_worker, (1, 3))[0]
     ref_model.load_state_dict(_reference(2)[0].state_dict())
     x, y = make_batch("gpt", 50, 4)
     with torch.no_grad():
         expected = ref_model.eval()(x, y).item()
-    assert compiled_eval == pytest.approx(expected, abs=1e-5)
-    assert eager_eval == pytest.approx(expected, abs=1e-5)
-    assert more[0] == pytest.approx(ref_losses[2], abs=1e-5)
+    for stage in (1, 3):
+        compiled_eval, eager_eval, more, state = results[stage]
+        assert compiled_eval == pytest.approx(expected, abs=1e-5), stage
+        assert eager_eval == pytest.approx(expected, abs=1e-5), stage
+        assert more[0] == pytest.approx(ref_losses[2], abs=1e-5), stage
 
 
 def _gathered_worker(rank, world):

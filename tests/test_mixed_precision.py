@@ -181,11 +181,11 @@ def _check_overflow_runs(runs, results, atol):
 KINDS = ("grad_scaler", "sharded_grad_scaler", "loss_scale")
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_overflow_on_one_rank_skips_the_step_everywhere_fp32(kind):
+def test_overflow_on_one_rank_skips_the_step_everywhere_fp32():
     """fp32 compute: scaling by powers of two is exact, so the run equals the reference to
-    fp32 tolerance; the scale moves identically on both ranks."""
-    runs = [(stage, kind, None) for stage in (0, 1, 2, 3)]
+    fp32 tolerance; the scale moves identically on both ranks. Every kind at every stage, in
+    one group of ranks (each run names its stage and kind when it fails)."""
+    runs = [(stage, kind, None) for kind in KINDS for stage in (0, 1, 2, 3)]
     _check_overflow_runs(runs, run_ranks(_overflow_worker, 2, runs), atol=1e-5)
 
 
@@ -263,9 +263,10 @@ def test_loss_scale_float16_gradients_beside_eager_ones():
         ref(*make_batch("tied", step, 8)).backward()
         opt.step()
         opt.zero_grad()
-    for result in run_ranks(_eager_fp16_worker, 2, (1, 3))[0]:
-        for key, value in ref.state_dict().items():
-            assert (result[key] - value).abs().max().item() < 1e-2, key
+    for rank, results in enumerate(run_ranks(_eager_fp16_worker, 2, (1, 3))):
+        for stage, result in zip((1, 3), results):
+            for key, value in ref.state_dict().items():
+                assert (result[key] - value).abs().max().item() < 1e-2, (rank, stage, key)
 
 
 # ----------------------------------------------------------------------------- float16 underflow
@@ -320,10 +321,10 @@ def test_loss_scale_keeps_float16_gradients_from_underflowing():
     off; scaled inside the backward (2**14), it is within float16 rounding of the fp32 one."""
     start, ref = _underflow_reference()
     runs = [(stage, scale) for stage in (0, 3) for scale in ({"initial_scale": 2.0**14}, None)]
-    results = run_ranks(_underflow_worker, 2, runs)[0]
-    for (stage, scale), result in zip(runs, results):
-        error = _update_error(result, start, ref)
-        assert error < 5e-3 if scale else error > 0.2, (stage, scale, error)
+    for rank, results in enumerate(run_ranks(_underflow_worker, 2, runs)):
+        for (stage, scale), result in zip(runs, results):
+            error = _update_error(result, start, ref)
+            assert error < 5e-3 if scale else error > 0.2, (rank, stage, scale, error)
 
 
 # ----------------------------------------------------------------------------- one process

@@ -29,15 +29,41 @@ def _nvme(path, **kw) -> dict:
     return {"device": "nvme", "nvme_path": str(path), "buffer_size": 2048, "buffer_count": 3, **kw}
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_nvme_offload_is_bitwise_the_run_without_it(tmp_path, stage):
-    """Tiny buffers (2048 elements, 3 in flight) so every parameter streams in several tiles;
-    a ratio of 0.5 offloads some parameters and keeps the others resident."""
+# ----------------------------------------------------------------------------- one group of ranks
+def _bitwise_runs(stage, tmp_path):
     base = Run(model="gpt", stage=stage, opt="adamw", steps=4, clip=1.0)
-    runs = [base] + [Run(model="gpt", stage=stage, opt="adamw", steps=4, clip=1.0,
+    return [base] + [Run(model="gpt", stage=stage, opt="adamw", steps=4, clip=1.0,
                          options=(("offload_optimizer", _nvme(tmp_path, **extra)),))
                      for extra in ({}, {"ratio": 0.5})]
-    plain, offloaded, partial = run_ranks(zero_train_many, 2, runs)[0]
+
+
+def _group_worker(rank, world, root):
+    """The 2-rank runs of this module's tests, in one spawned group of ranks, each in its own
+    directory under ``root`` (the memory census first, in a process that has run nothing yet)."""
+    out = {"memory": _memory_worker(rank, world, f"{root}/memory")}
+    for stage in (1, 3):
+        out[("bitwise", stage)] = zero_train_many(rank, world, _bitwise_runs(stage, f"{root}/bitwise{stage}"))
+    torch._dynamo.reset()
+    out["checkpoint"] = _checkpoint_worker(rank, world, f"{root}/swap", f"{root}/ckpt")
+    out["hf"] = _hf_worker(rank, world, f"{root}/hf")
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("offload")
+    for name in ("memory", "bitwise1", "bitwise3", "hf"):
+        (root / name).mkdir()
+    return root, run_ranks(_group_worker, 2, str(root))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_nvme_offload_is_bitwise_the_run_without_it(two_ranks, stage):
+    """Tiny buffers (2048 elements, 3 in flight) so every parameter streams in several tiles;
+    a ratio of 0.5 offloads some parameters and keeps the others resident."""
+    tmp_path = two_ranks[0] / f"bitwise{stage}"
+    base = _bitwise_runs(stage, tmp_path)[0]
+    plain, offloaded, partial = two_ranks[1][0][("bitwise", stage)]
     assert_matches(plain, reference(base))
     for res in (offloaded, partial):
         assert res["losses"] == plain["losses"] and res["norms"] == plain["norms"]
@@ -74,11 +100,12 @@ def _memory_worker(rank, world, path):
             "offload": opt.offload}
 
 
-def test_nvme_offload_resident_bytes_are_params_grads_and_buffers(tmp_path):
+def test_nvme_offload_resident_bytes_are_params_grads_and_buffers(two_ranks):
     """Stage 3 fp32, 2 ranks: live bytes after the step (counted by a dispatch mode, as the
     memory tests count) are at most 8 Psi/N (shards and their gradients) plus the pipeline's
     buffers plus AdamW's 4-byte step counters; the swap file holds the 8 Psi/N of moments."""
-    for res in run_ranks(_memory_worker, 2, str(tmp_path)):
+    tmp_path = two_ranks[0] / "memory"
+    for res in (ranks["memory"] for ranks in two_ranks[1]):
         n = 2
         state = 8 * res["psi_padded"] / n
         assert res["kernel"] == "cpp" and res["offload"] == "nvme"
@@ -125,8 +152,8 @@ def _checkpoint_worker(rank, world, path, ckpt):
     return out
 
 
-def test_checkpoints_move_between_offloaded_and_resident_runs(tmp_path):
-    res = run_ranks(_checkpoint_worker, 2, str(tmp_path / "swap"), str(tmp_path / "ckpt"))[0]
+def test_checkpoints_move_between_offloaded_and_resident_runs(two_ranks):
+    res = two_ranks[1][0]["checkpoint"]
     for key in ((True, False), (False, True)):
         for name, value in res["uninterrupted"].items():
             assert torch.equal(res[key][name], value), (key, name)
@@ -154,9 +181,9 @@ def _hf_worker(rank, world, path):
     return out
 
 
-def test_nvme_offload_on_an_hf_llama_is_bitwise_the_run_without_it(tmp_path):
+def test_nvme_offload_on_an_hf_llama_is_bitwise_the_run_without_it(two_ranks):
     """Optimizer offload, and optimizer + parameter offload (ZeRO-Infinity's setting)."""
-    res = run_ranks(_hf_worker, 2, str(tmp_path))[0]
+    res = two_ranks[1][0]["hf"]
     for name, value in res[False].items():
         assert torch.equal(res[True][name], value), name
         assert torch.equal(res["params too"][name], value), name

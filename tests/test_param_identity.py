@@ -49,10 +49,6 @@ def train(rank: int, world: int, name: str, stage: int, inner: str) -> tuple[lis
     return losses, zerocompile.full_state_dict(compiled, rank0_only=False), sharded
 
 
-def train_all(rank, world, names, stages, inner):
-    return {(name, stage): train(rank, world, name, stage, inner) for name in names for stage in stages}
-
-
 def assert_same(result, ref, label):
     losses, state, _ = result
     ref_losses, ref_state = ref
@@ -102,28 +98,54 @@ def test_original_report_graph_break_between_blocks_world_one():
         assert compiled(x).item() == pytest.approx(eager, abs=1e-6), f"stage {stage}"
 
 
+def train_cases(rank, world, cases, inner):
+    return {(name, stage): train(rank, world, name, stage, inner) for stage, names in cases for name in names}
+
+
 # the whole zoo at stages 0 and 3 (sharding nothing, sharding everything); stages 1 and 2 on
 # the models whose parameters reach frames in the most ways (a suite-time budget)
-@pytest.mark.parametrize("stage,names", [
+ZOO_CASES = [
     (0, list(zoo.ZOO)), (3, list(zoo.ZOO)),
     (1, ["loop_break_between", "shared_across_blocks", "eager_block", "called_twice"]),
-    (2, ["loop_break_every", "hook_breaks", "shared_across_blocks", "nested_lists", "param_view_across_break"])])
+    (2, ["loop_break_every", "hook_breaks", "shared_across_blocks", "nested_lists", "param_view_across_break"])]
+INDUCTOR_CASES = [(stage, ["loop_break_between", "hook_breaks", "shared_across_blocks"]) for stage in (0, 3)]
+_CACHE = {}
+
+
+def _cached(key, make):
+    """Computed once per test process: the spawned runs of every parametrization together, and
+    each model's single-process reference."""
+    if key not in _CACHE:
+        _CACHE[key] = make()
+    return _CACHE[key]
+
+
+def _ref(name):
+    return _cached(("reference", name), lambda: reference(name))
+
+
+def _zoo_results(inner):
+    cases = ZOO_CASES if inner == "eager" else INDUCTOR_CASES
+    return _cached(inner, lambda: run_ranks(train_cases, 2, cases, inner))
+
+
+@pytest.mark.parametrize("stage,names", ZOO_CASES)
 def test_zoo_matches_single_process(stage, names):
-    refs = {name: reference(name) for name in names}
-    results = run_ranks(train_all, 2, names, [stage], "eager")[0]
-    for name in names:
-        assert_same(results[(name, stage)], refs[name], f"{name} stage {stage}")
-        if stage > 0:  # every parameter a compiled frame touched is sharded (by object)
-            assert results[(name, stage)][2] > 0
+    results = _zoo_results("eager")
+    for rank, ranks in enumerate(results):
+        for name in names:
+            assert_same(ranks[(name, stage)], _ref(name), f"{name} stage {stage} rank {rank}")
+            if stage > 0:  # every parameter a compiled frame touched is sharded (by object)
+                assert ranks[(name, stage)][2] > 0, (name, stage, rank)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_zoo_with_inductor(stage):
-    names = ["loop_break_between", "hook_breaks", "shared_across_blocks"]
-    refs = {name: reference(name) for name in names}
-    results = run_ranks(train_all, 2, names, [stage], "inductor")[0]
-    for name in names:
-        assert_same(results[(name, stage)], refs[name], f"{name} stage {stage} inductor")
+    results = _zoo_results("inductor")
+    (names,) = [names for st, names in INDUCTOR_CASES if st == stage]
+    for rank, ranks in enumerate(results):
+        for name in names:
+            assert_same(ranks[(name, stage)], _ref(name), f"{name} stage {stage} inductor rank {rank}")
 
 
 # -- the identity's invariants, on hand-built graphs (no process group) -------------------------

@@ -31,13 +31,40 @@ def _nvme(path) -> dict:
     return {"device": "nvme", "nvme_path": str(path)}
 
 
-def test_param_offload_is_bitwise_stage_three_on_two_ranks(tmp_path):
-    """The GPT of the equivalence tests with clipping, with parameter and optimizer offload
-    (ZeRO-Infinity's setting). Parameter offload alone is tested on the zoo below."""
+ZOO_NAMES = ["loop_break_every", "shared_across_blocks", "param_view_across_break", "eager_block"]
+
+
+def _bitwise_runs(tmp_path):
     base = Run(model="gpt", stage=3, opt="adamw", steps=3, clip=1.0)
     both = Run(model="gpt", stage=3, opt="adamw", steps=3, clip=1.0,
-               options=(("offload_param", _nvme(tmp_path / "p")), ("offload_optimizer", _nvme(tmp_path / "o"))))
-    plain, off = run_ranks(zero_train_many, 2, [base, both])[0]
+               options=(("offload_param", _nvme(f"{tmp_path}/p")), ("offload_optimizer", _nvme(f"{tmp_path}/o"))))
+    return [base, both]
+
+
+def _group_worker(rank, world, root):
+    """The 2-rank runs of this module's tests, in one spawned group of ranks, each in its own
+    directory under ``root`` (the memory census first, in a process that has run nothing yet)."""
+    out = {"memory": _memory_worker(rank, world, f"{root}/memory")}
+    out["zoo"] = _zoo_worker(rank, world, ZOO_NAMES, f"{root}/zoo")
+    torch._dynamo.reset()
+    out["read_order"] = _read_order_worker(rank, world, f"{root}/read_order")
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("param_offload")
+    for name in ("memory", "zoo", "read_order"):
+        (root / name).mkdir()
+    return root, run_ranks(_group_worker, 2, str(root))
+
+
+def test_param_offload_is_bitwise_stage_three_on_two_ranks(tmp_path):
+    """The GPT of the equivalence tests with clipping, with parameter and optimizer offload
+    (ZeRO-Infinity's setting). Parameter offload alone is tested on the zoo below. Its own group
+    of ranks: it compares stats(), which counts every model alive in the process."""
+    base = _bitwise_runs(tmp_path)[0]
+    plain, off = run_ranks(zero_train_many, 2, _bitwise_runs(tmp_path))[0]
     assert_matches(plain, reference(base))
     assert off["losses"] == plain["losses"] and off["norms"] == plain["norms"]
     for key, value in plain["state"].items():
@@ -69,13 +96,13 @@ def _zoo_worker(rank, world, names, path):
     return out
 
 
-def test_param_offload_on_the_zoo(tmp_path):
+def test_param_offload_on_the_zoo(two_ranks):
     """A graph break after every block of a layer loop (one frame run for every block: each must
     read its own files), parameters shared across blocks and tied to the head, a view of a
     parameter used across a break, a block Dynamo never compiles (its parameters stay full next
     to their shards in files)."""
-    names = ["loop_break_every", "shared_across_blocks", "param_view_across_break", "eager_block"]
-    res = run_ranks(_zoo_worker, 2, names, str(tmp_path))[0]
+    names = ZOO_NAMES
+    res = two_ranks[1][0]["zoo"]
     for name in names:
         plain, off = res[(name, False)], res[(name, True)]
         assert off[0] == plain[0], name
@@ -123,14 +150,15 @@ def _memory_worker(rank, world, path):
     return out
 
 
-def test_param_offload_leaves_only_gradients_resident(tmp_path):
+def test_param_offload_leaves_only_gradients_resident(two_ranks):
     """Stage 3 fp32 on 2 ranks with both offloads, counted by a dispatch mode as the memory tests
     count: after the step exactly the formula, the gradient shards (4 Psi/N), plus the buffers
     ``stats()`` reports apart (the optimizer pipeline's) plus AdamW's step counters are live, no
     fetched shard or read buffer; after the forward exactly the 4 Psi/N of resident shards
     fewer bytes are live than without parameter offload (the fetched shards are not saved for
     the backward, which fetches again)."""
-    for res in run_ranks(_memory_worker, 2, str(tmp_path)):
+    tmp_path = two_ranks[0] / "memory"
+    for res in (ranks["memory"] for ranks in two_ranks[1]):
         plain, off = res[False], res[True]
         shards = 4 * plain["psi_padded"] // 2
         # the census records a storage when an op creates or writes it: the plain run's shards,
@@ -209,14 +237,14 @@ def _units(events):
     return units + ([current] if current else [])
 
 
-def test_file_reads_are_issued_one_bucket_ahead(tmp_path):
+def test_file_reads_are_issued_one_bucket_ahead(two_ranks):
     """Each bucket's file reads start before the previous bucket's reads are waited for, so
     they run (on their threads) while that bucket is waited for, all-gathered and computed
     with; every read is waited for once, after it started: in forward every parameter's, in
     backward those of the weights the input gradients need (layers 1-3). The reads of a
     bucket are one unit: the fetches are bucketed with the all-gathers they feed (they once
     were taken for all-gathers themselves, and every parameter was gathered alone)."""
-    for fwd, bwd, files, report, gathers in run_ranks(_read_order_worker, 2, str(tmp_path)):
+    for fwd, bwd, files, report, gathers in (ranks["read_order"] for ranks in two_ranks[1]):
         assert gathers["forward"]["before"] == 8 and gathers["backward"]["before"] == 3
         assert 1 < gathers["forward"]["after"] < 8, gathers      # weights and biases share buckets
         for events, count, kind in ((fwd, 8, "forward"), (bwd, 3, "backward")):

@@ -211,20 +211,30 @@ def test_ranks_on_different_hosts_are_refused_and_auto_measures_without_it():
         assert "shared_memory n/a" in auto["description"]
 
 
-@pytest.mark.parametrize("stage, world", [(1, 2), (2, 2), (3, 2), (3, 3)])
-def test_training_through_shared_memory_is_the_single_process_training(stage, world):
+def _training_runs(stage, world):
+    return [Run(model="tied", stage=stage, opt="adamw", steps=3, accum=2, clip=0.5, batch=4 * world,
+                options=(("gradient_reduction", how), ("parameter_gather", how), ("bucket_mb", 2 / 1024)))
+            for how in ("point_to_point", "shared_memory")]
+
+
+@pytest.mark.parametrize("world, stages", [(2, (1, 2, 3)), (3, (3,))])
+def test_training_through_shared_memory_is_the_single_process_training(world, stages):
     """Tied weights, 2 micro-batches per step, clipping, small buckets (many transfers in
     flight): forced through shared memory, the single-process reference, and bit for bit the run
     through the sockets; the graphs' collectives became the transfers, stats() counts the
-    same bytes and reports the segment."""
-    runs = [Run(model="tied", stage=stage, opt="adamw", steps=3, accum=2, clip=0.5, batch=4 * world,
-                options=(("gradient_reduction", how), ("parameter_gather", how), ("bucket_mb", 2 / 1024)))
-            for how in ("point_to_point", "shared_memory")]
-    sockets, shm = run_ranks(zero_train_many, world, runs)[0]
+    same bytes and reports the segment. The stages of one world size run in one group of ranks,
+    every run through the sockets first (a shared-memory segment, once chosen, stays open)."""
+    runs = [_training_runs(st, world)[0] for st in stages] + [_training_runs(st, world)[1] for st in stages]
+    results = run_ranks(zero_train_many, world, runs)[0]
+    for i, stage in enumerate(stages):
+        _check_training(stage, world, _training_runs(stage, world), results[i], results[len(stages) + i])
+
+
+def _check_training(stage, world, runs, sockets, shm):
     assert_matches(shm, reference(runs[1]))
-    assert shm["losses"] == sockets["losses"]
+    assert shm["losses"] == sockets["losses"], stage
     for key, value in sockets["state"].items():
-        assert torch.equal(value, shm["state"][key]), key
+        assert torch.equal(value, shm["state"][key]), (stage, key)
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         assert shm["stats"][kind] == sockets["stats"][kind], kind
     assert shm["stats"]["shared_memory_bytes"] == 2 * world * 64 + world * shared_memory.CAPACITY

@@ -8,6 +8,8 @@ at that tolerance; Adafactor at 1e-4."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -127,6 +129,28 @@ def _assert_close(result, ref, tol):
                                    msg=lambda m: f"{key}: {m}")
 
 
+# ----------------------------------------------------------------------------- one group of ranks
+def _misc_worker(rank, world, root):
+    """The 2-rank runs of the smaller tests below, in one spawned group of ranks: each returns
+    what its test checks. (The dump's test has its own: it compares stats() with the dump.)"""
+    return {"bf16": _bf16_worker(rank, world),
+            "declared": _declared_worker(rank, world),
+            "offload": _offload_worker(rank, world, os.path.join(root, "offload")),
+            "deepspeed_muon": _deepspeed_muon_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def misc(tmp_path_factory):
+    root = tmp_path_factory.mktemp("whole_parameter")
+    (root / "offload").mkdir()
+    results = run_ranks(_misc_worker, 2, str(root))
+    return root, results
+
+
+def _misc(misc, key):
+    return [ranks[key] for ranks in misc[1]]
+
+
 # ----------------------------------------------------------------------------- exactness
 def _two_rank_cases(rank, world, tmp):
     out = {}
@@ -207,12 +231,12 @@ def _bf16_worker(rank, world):
     return [_result(rank, world, "gpt", "muon", 2, options={"param_dtype": "bfloat16"})]
 
 
-def test_bf16_compute_matches_one_rank_with_the_same_options():
+def test_bf16_compute_matches_one_rank_with_the_same_options(misc):
     """bfloat16 compute, float32 masters: against one rank with the same options, at bfloat16's
     resolution (a loss near 4.5 moves in steps of 0.03); the masters the owners step stay
     float32 (the master shards travel to the owners, not the bfloat16 replicas)."""
     one = run_ranks(_bf16_worker, 1)[0]
-    two = run_ranks(_bf16_worker, 2)
+    two = _misc(misc, "bf16")
     for i in range(1):
         for rank in range(2):
             _assert_close(two[rank][i], (one[i]["losses"], one[i]["state"]), dict(weights=1e-2, loss=0.1))
@@ -291,7 +315,7 @@ def _declared_worker(rank, world):
     return losses, zerocompile.full_state_dict(model, rank0_only=False)
 
 
-def test_a_declared_whole_parameter_class_matches_plain_torch():
+def test_a_declared_whole_parameter_class_matches_plain_torch(misc):
     model = make_model("mlp")
     opt = ScaledSignSGD(model.parameters(), lr=0.01)
     losses = []
@@ -302,7 +326,7 @@ def test_a_declared_whole_parameter_class_matches_plain_torch():
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    for got in run_ranks(_declared_worker, 2):
+    for got in _misc(misc, "declared"):
         _assert_close({"losses": got[0], "state": got[1]}, (losses, model.state_dict()), dict(weights=1e-6, loss=1e-6))
     with pytest.raises(ValueError, match="ScaledSignSGD is not known to be element-wise.*whole_parameter=True"):
         zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=ScaledSignSGD)
@@ -333,8 +357,8 @@ def _offload_worker(rank, world, path):
     return None
 
 
-def test_offloading_a_whole_parameter_optimizers_state_is_a_clear_error(tmp_path):
-    for message in run_ranks(_offload_worker, 2, str(tmp_path)):
+def test_offloading_a_whole_parameter_optimizers_state_is_a_clear_error(misc):
+    for message in _misc(misc, "offload"):
         assert message is not None and "offload_optimizer='nvme' is not supported for Muon" in message
 
 
@@ -353,7 +377,7 @@ def _deepspeed_muon_worker(rank, world):
     return losses, zerocompile.full_state_dict(model, rank0_only=False), classes, lrs
 
 
-def test_deepspeed_muon_section_builds_muon_with_aux_adamw():
+def test_deepspeed_muon_section_builds_muon_with_aux_adamw(misc):
     """DeepSpeed's rule: Muon for parameters with 2+ dimensions whose name has neither "embed"
     nor "lm_head" (here wte, tied to the head, is one of them), Adam for the rest; muon_lr and
     adam_lr win over lr; the Adam group has DeepSpeed's betas (0.9, 0.95) and eps 1e-10."""
@@ -374,7 +398,7 @@ def test_deepspeed_muon_section_builds_muon_with_aux_adamw():
             opt.step()
             opt.zero_grad()
         losses.append(loss.item())
-    for got_losses, state, classes, lrs in run_ranks(_deepspeed_muon_worker, 2):
+    for got_losses, state, classes, lrs in _misc(misc, "deepspeed_muon"):
         assert classes == ["Muon", "AdamW"] and lrs == [0.02, 3e-3]
         _assert_close({"losses": got_losses, "state": state}, (losses, model.state_dict()), MUON_TOL)
 
