@@ -24,39 +24,16 @@ import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from bench_harness import git_commit  # noqa: E402
 SPLITS = ((16, 1), (8, 2), (4, 4), (2, 8), (1, 16))
 
-SCRIPT = textwrap.dedent("""
-    import argparse, datetime, sys
-    import torch, torch.distributed as dist
-    import zerocompile
-    sys.path.insert(0, {tests!r})
-    from models import make_batch, make_model
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch", type=int)
-    parser.add_argument("--accum", type=int)
-    parser.add_argument("--steps", type=int, default=6)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    torch.manual_seed(0)
-    model = torch.compile(make_model("gpt"), backend="zero", options={{"stage": 3, "inner_compiler": "eager"}})
-    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
-    for step in range(args.steps):
-        for micro in range(args.accum):
-            x, y = make_batch("gpt", step * args.accum + micro, args.batch)
-            (model(x, y) / args.accum).backward()
-        opt.step()
-        opt.zero_grad()
-    dist.barrier()
-    dist.destroy_process_group()
-""").format(tests=str(REPO / "tests"))
+SCRIPT = REPO / "benchmarks" / "tune_train.py"
+"""The training script planned and run: its micro-batch size and accumulation come from its arguments."""
 
 
 def _free_port() -> int:
@@ -92,8 +69,7 @@ def main() -> int:
         if done.returncode != 0:
             print(done.stderr[-3000:], file=sys.stderr)
             return 2
-        script = tmp / "train.py"
-        script.write_text(SCRIPT)
+        script = SCRIPT
         script_args = ["--batch", "{micro_batch}", "--accum", "{grad_accum}"]
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
             reports = list(pool.map(lambda split: plan_in_subprocess(
@@ -116,7 +92,8 @@ def main() -> int:
     extremes_right = (est[first] - est[last]) * (meas[first] - meas[last]) > 0
 
     lines = ["# tune's estimated ranking against runs here (stage 3, 2 gloo ranks, 16 samples per rank and step)", "",
-             f"`python benchmarks/tune_ranking.py`, {time.strftime('%Y-%m-%d %H:%M')}, wall {time.perf_counter() - started:.0f} s",
+             f"`python benchmarks/tune_ranking.py` at `{git_commit()}`, {time.strftime('%Y-%m-%d %H:%M')}, "
+             f"wall {time.perf_counter() - started:.0f} s",
              "", "| split (micro-batch x accumulation) | estimated ms | measured ms | estimate / measured |",
              "|---|---:|---:|---:|"]
     for e in experiments:
@@ -130,7 +107,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tune_ranking.md").write_text(text)
     (args.out / "tune_ranking.json").write_text(json.dumps(
-        {"estimated_ms": est, "measured_ms": meas, "by_estimate": by_estimate, "by_measurement": by_measurement,
+        {"commit": git_commit(), "estimated_ms": est, "measured_ms": meas, "by_estimate": by_estimate, "by_measurement": by_measurement,
          "kendall_tau": tau, "swapped": swapped, "extremes_right": extremes_right,
          "measured": {e.name: e.measured for e in experiments}}, indent=1))
     return 0 if extremes_right else 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -235,40 +234,14 @@ def test_bad_arguments_are_one_line_errors(tmp_path, argv, message):
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
-# A torchrun-style script whose micro-batch size and accumulation come from its arguments.
-SCRIPT = textwrap.dedent("""
-    import argparse, datetime, sys
-    import torch, torch.distributed as dist
-    import zerocompile
-    sys.path.insert(0, {tests!r})
-    from models import make_batch, make_model
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch", type=int)
-    parser.add_argument("--accum", type=int)
-    parser.add_argument("--steps", type=int, default=6)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    torch.manual_seed(0)
-    model = torch.compile(make_model("gpt"), backend="zero", options={{"stage": 3, "inner_compiler": "eager"}})
-    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
-    for step in range(args.steps):
-        for micro in range(args.accum):
-            x, y = make_batch("gpt", step * args.accum + micro, args.batch)
-            (model(x, y) / args.accum).backward()
-        opt.step()
-        opt.zero_grad()
-    dist.barrier()
-    dist.destroy_process_group()
-""").format(tests=str(REPO / "tests"))
+# a torchrun-style script whose micro-batch size and accumulation come from its arguments
+SCRIPT = REPO / "benchmarks" / "tune_train.py"
 
 
 def test_verify_from_the_command_line(tmp_path):
     """``--verify 1``: the best planned configuration runs for real on 2 ranks and its measured
     step time and peak come back beside the estimate (in --json and summary.txt)."""
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script = SCRIPT
     # one experiment (the baseline, so the best): the search itself is tested above; 4 steps, the
     # fewest --verify's measurement takes
     done = run_cli(["tune", "--world-size", "2", "--hardware", "cpu", "--memory-limit-gb", "4", "--micro-batch", "4",
