@@ -320,6 +320,10 @@ def rank_main(rank: int, world: int, args, spec: dict) -> dict:
     device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
     example = load_example()
     disabled, note, pass_error = harness.listed_passes()
+    # every compiled system compiles the same model code (GPT.forward), one more version each:
+    # past Dynamo's recompile limit (8) the next would silently run uncompiled, so the limit is
+    # raised above the number of systems
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(args.systems))
     torch.manual_seed(args.seed)
     psi = sum(p.numel() for p in make_model(spec, example).parameters())
     ds_reason = deepspeed_missing() if any(n.startswith("ds-") for n in args.systems) else None
