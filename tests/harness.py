@@ -164,3 +164,25 @@ def assert_matches(result: dict, ref: dict, atol: float = 1e-5, rtol: float = 1e
         got = result["state"][key]
         assert got.dtype == value.dtype, f"{key}: dtype {got.dtype} != {value.dtype}"
         torch.testing.assert_close(got, value, atol=atol, rtol=rtol, msg=lambda m: f"{key}: {m}")
+
+
+def runs_apart(rank: int, world: int, runs) -> dict:
+    """Several runs in one group of ranks (one start, one process group): ``runs`` gives
+    ``(key, fn, args)`` and each ``fn(rank, world, *args)`` runs in turn; a run that raises is
+    recorded as its traceback, so only the tests that read it (through ``ranks_of``) fail."""
+    import traceback
+
+    out = {}
+    for key, fn, args in runs:
+        try:
+            out[key] = fn(rank, world, *args)
+        except Exception:  # noqa: BLE001 - reported by the tests that read it
+            out[key] = traceback.format_exc()
+    return out
+
+
+def ranks_of(results: list, key) -> list:
+    """Every rank's result of the run ``key`` of ``runs_apart``; fails with a rank's traceback."""
+    for r in results:
+        assert not isinstance(r[key], str), r[key]
+    return [r[key] for r in results]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dist_utils import run_ranks
-from harness import Run, assert_matches, reference, zero_train_many
+from harness import Run, assert_matches, ranks_of, reference, runs_apart, zero_train_many
 
 
 # stage 2 with its reduce-scatters made all-reduces (passes/all_reduce_gradients.py): the
@@ -19,19 +19,10 @@ BF16_RUNS = {stage: Run(model="gpt", stage=stage, opt="adamw", steps=3, param_dt
 
 
 def _all_runs(rank, world):
-    """Every 2-rank run of this module in one group of ranks (one start, one process group); a
-    run that raises is recorded as its traceback, so only the test that reads it fails."""
-    import traceback
-
-    out = {}
-    for key, fn, args in (("tied", zero_train_many, (TIED_RUNS,)),
-                          *((("bf16", stage), zero_train_many, ([run],)) for stage, run in BF16_RUNS.items()),
-                          ("peak", _gathered_peak, ())):
-        try:
-            out[key] = fn(rank, world, *args)
-        except Exception:  # noqa: BLE001 - reported by the test that reads it
-            out[key] = traceback.format_exc()
-    return out
+    """Every 2-rank run of this module in one group of ranks (``harness.runs_apart``)."""
+    return runs_apart(rank, world, (("tied", zero_train_many, (TIED_RUNS,)),
+                                    *((("bf16", stage), zero_train_many, ([run],)) for stage, run in BF16_RUNS.items()),
+                                    ("peak", _gathered_peak, ())))
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +31,7 @@ def inductor_results(once_per_run):
 
 
 def _rank0(results, key):
-    for r in results:
-        assert not isinstance(r[key], str), r[key]
-    return results[0][key]
+    return ranks_of(results, key)[0]
 
 
 def test_inductor_stage2_and_stage3_with_tied_weights_and_graph_break(inductor_results):

@@ -17,7 +17,7 @@ import torch
 import zerocompile
 from census import AllToAlls, CollectiveCounter, GatherGroupSizes
 from dist_utils import run_ranks
-from harness import built_or_skipped
+from harness import built_or_skipped, ranks_of, runs_apart
 from models import make_batch, make_model
 from zerocompile.config import ZeroConfig, ZeroConfigError
 from zerocompile.runtime import comm, cpu_extension, quantization as Q
@@ -250,30 +250,15 @@ def _runs(rank, world):
 
 
 def _two_rank_runs(rank, world):
-    """Every 2-rank training run of this module in one group of ranks (one start, one process
-    group): the test GPT's quantized runs, the HF Llama's and the inductor runs. A run that
-    raises is recorded as its traceback, so only the tests that use it fail."""
-    import traceback
-
-    out = {}
-    for key, fn, args in (("gpt", _runs, ()), ("llama", _llama_runs, (LLAMA_STEPS,)),
-                          ("inductor", _inductor_runs, ())):
-        try:
-            out[key] = fn(rank, world, *args)
-        except Exception:  # noqa: BLE001 - reported by the tests that read it
-            out[key] = traceback.format_exc()
-    return out
+    """Every 2-rank training run of this module in one group of ranks (``harness.runs_apart``):
+    the test GPT's quantized runs, the HF Llama's and the inductor runs."""
+    return runs_apart(rank, world, (("gpt", _runs, ()), ("llama", _llama_runs, (LLAMA_STEPS,)),
+                                    ("inductor", _inductor_runs, ())))
 
 
 @pytest.fixture(scope="module")
 def two_rank_results(once_per_run):
     return once_per_run("test_zeropp.two_rank_results", lambda: run_ranks(_two_rank_runs, 2))
-
-
-def _ranks_of(results, key):
-    for r in results:
-        assert not isinstance(r[key], str), r[key]
-    return [r[key] for r in results]
 
 
 def test_quantized_collectives_train_like_the_unquantized_run_with_a_quarter_of_the_bytes(two_rank_results):
@@ -285,7 +270,7 @@ def test_quantized_collectives_train_like_the_unquantized_run_with_a_quarter_of_
     carry the same (N-1)/N); qgZ alone replaces every reduce-scatter by an all-to-all of at most
     0.27x its bytes. The master weights stay full precision (not their own quantize-dequantize
     round trip)."""
-    results = _ranks_of(two_rank_results, "gpt")
+    results = ranks_of(two_rank_results, "gpt")
     for r in results:
         psi = r["fp32"]["psi"]
         for quantized, base in (("fp32 qwZ", "fp32"), ("fp32 qwZ+qgZ unbucketed", "fp32"), ("fp32 qgZ stage 2", "fp32"),
@@ -353,7 +338,7 @@ def test_an_hf_llama_trains_with_quantized_collectives_within_two_percent(two_ra
     """HF Llama, 2 gloo ranks, 25 steps at stage 3: with qwZ + qgZ every step's loss is within
     2% of the unquantized run's, differs from it, and falls."""
     pytest.importorskip("transformers")
-    for result in _ranks_of(two_rank_results, "llama"):
+    for result in ranks_of(two_rank_results, "llama"):
         plain, quantized = result["plain"], result["qwZ+qgZ"]
         assert quantized != plain
         for step, (a, b) in enumerate(zip(quantized, plain)):
@@ -370,7 +355,7 @@ def test_quantized_collectives_under_inductor(two_rank_results):
     """With the inductor inner compiler (the ops run as extern kernels in its generated code):
     3 steps within 2% of the unquantized run, and all-gathers plus all-to-alls under 0.27x the
     float32 all-gathers plus reduce-scatters."""
-    for r in _ranks_of(two_rank_results, "inductor"):
+    for r in ranks_of(two_rank_results, "inductor"):
         plain, quantized = r["plain"], r["qwZ+qgZ"]
         assert quantized["losses"] != plain["losses"]
         for a, b in zip(quantized["losses"], plain["losses"]):
