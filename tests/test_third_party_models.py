@@ -9,6 +9,7 @@ import torch
 
 import zerocompile
 from dist_utils import run_ranks
+from harness import ranks_of, runs_apart
 
 transformers = pytest.importorskip("transformers")
 
@@ -174,17 +175,8 @@ CASES = {
 
 
 def worker_all(rank, world):
-    """Every case in one group of 2 ranks (one start, one process group); a case that raises is
-    recorded as its traceback, so only its own test fails."""
-    import traceback
-
-    out = {}
-    for case, (name, stages) in CASES.items():
-        try:
-            out[case] = worker(rank, world, name, stages)
-        except Exception:  # noqa: BLE001 - reported by the case's test
-            out[case] = traceback.format_exc()
-    return out
+    """Every case in one group of 2 ranks (``harness.runs_apart``)."""
+    return runs_apart(rank, world, ((case, worker, (name, stages)) for case, (name, stages) in CASES.items()))
 
 
 @pytest.fixture(scope="module")
@@ -206,9 +198,11 @@ def reference_of(name: str):
 def test_hf_model_matches_reference(all_results, case):
     name, stages = CASES[case]
     ref_losses, ref_state = reference_of(name)
-    rank0 = all_results[0][case]
-    assert not isinstance(rank0, str), rank0
+    rank0, *others = ranks_of(all_results, case)
     assert set(rank0) == {repr(entry) for entry in stages}
+    for other in others:        # every rank saw the same global losses; full_state_dict is rank 0's
+        assert {k: losses for k, (losses, _) in other.items()} == {k: losses for k, (losses, _) in rank0.items()}
+        assert all(state == {} for _, state in other.values())
     for stage, (losses, state) in rank0.items():
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-5)
         assert set(state) == set(ref_state)
