@@ -244,13 +244,15 @@ def write_results(out: Path, benchmark: str, result: dict, title: str, lines: li
 
 
 def git_commit() -> str:
-    """The checkout's commit, with ``+dirty`` when tracked files differ from it; ``unknown``
-    outside a git checkout."""
+    """The checkout's commit, with ``+dirty`` when tracked files other than the result files
+    (``benchmarks/results/``, which a run rewrites) differ from it; ``unknown`` outside a git
+    checkout."""
     repo = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/results"], capture_output=True,
                                text=True, cwd=repo).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
