@@ -507,7 +507,7 @@ def _gradient_reduction(cfg: ZeroConfig, group: CommGroup, plans: list, frame: s
     reduction = "reduce_scatter" if cfg.stage == 3 and cfg.gradient_reduction == "all_reduce" else \
         cfg.gradient_reduction
     choice = gradient_reduction(reduction, group, _frame_device(plans), cfg.parameter_gather,
-                                saved=compile_cache.saved_choices(cfg.inner_compiler),
+                                saved=compile_cache.saved_choices(),
                                 stage=cfg.stage)
     if cfg.stage == 3:
         choice = choice.without_all_reduce()
