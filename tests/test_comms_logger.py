@@ -133,8 +133,8 @@ def _check_rows(rows: list) -> None:
 
 
 @pytest.fixture(scope="module")
-def plain():
-    return run_ranks(_run, 2, {"stage": 3, "inner_compiler": "eager"})
+def plain(once_per_run):
+    return once_per_run("test_comms_logger.plain", lambda: run_ranks(_run, 2, {"stage": 3, "inner_compiler": "eager"}))
 
 
 @pytest.mark.parametrize("stage,inner,logger,eager_parts", [

@@ -140,22 +140,19 @@ _PEAK_CONFIGS = [
     ("capped", True, {**_BASE, "prefetch_mb": _CAP_MB}),
     ("wide", True, {**_BASE, "prefetch_mb": 100}),
 ]
-_PEAKS = []
-
-
-def _peaks():
-    """The five stage-3 gathered-bytes runs, in one spawned group of 2 ranks (once per process)."""
-    if not _PEAKS:
-        _PEAKS.append(run_ranks(_gathered_peaks, 2, _PEAK_CONFIGS))
-    return _PEAKS[0]
+@pytest.fixture(scope="module")
+def peaks(once_per_run):
+    """The five stage-3 gathered-bytes runs, in one group of 2 ranks, once per pytest run
+    (the tests reading them may run on either xdist worker)."""
+    return once_per_run("test_memory_and_comm.peaks", lambda: run_ranks(_gathered_peaks, 2, _PEAK_CONFIGS))
 
 
 @pytest.mark.parametrize("reshard", [True, False])
-def test_stage3_frees_each_gathered_parameter_after_its_last_use(reshard):
+def test_stage3_frees_each_gathered_parameter_after_its_last_use(peaks, reshard):
     """With resharding, at most about one block's parameters (plus the embeddings, which the
     tied head uses again at the end) are gathered at any time; without it, the forward keeps
     every gathered parameter for backward. (No prefetch here: it gathers ahead on purpose.)"""
-    for rank, ranks in enumerate(_peaks()):
+    for rank, ranks in enumerate(peaks):
         res = ranks["reshard" if reshard else "no reshard"]
         if reshard:
             assert res["peak"] < 0.5 * res["total"], (rank, res)
@@ -163,12 +160,12 @@ def test_stage3_frees_each_gathered_parameter_after_its_last_use(reshard):
             assert res["peak"] > 0.9 * res["total"], (rank, res)
 
 
-def test_prefetch_keeps_gathered_bytes_in_flight_within_prefetch_mb():
+def test_prefetch_keeps_gathered_bytes_in_flight_within_prefetch_mb(peaks):
     """Prefetching gathers ahead by at most ``prefetch_mb`` (bytes started but not yet waited
     for, counted in the order the ops run), unless a single all-gather is larger; a larger
     ``prefetch_mb`` lets more overlap; gathered bytes alive stay far below the model."""
     cap_mb = _CAP_MB
-    for ranks in _peaks():
+    for ranks in peaks:
         r_off, r_cap, r_wide = ranks["off"], ranks["capped"], ranks["wide"]
         # without prefetch, one gather at a time
         assert r_off["overlapped"] == 0 and r_off["inflight_peak"] == r_off["largest"], r_off

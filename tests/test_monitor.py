@@ -79,10 +79,11 @@ def _ds_options(path: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    path = tmp_path_factory.mktemp("monitor")
-    ranks = run_ranks(_train, 2, str(path), _ds_options(path))
-    return path, ranks
+def run(tmp_path_factory, once_per_run):
+    def compute():
+        path = tmp_path_factory.mktemp("monitor")       # kept until the run ends
+        return path, run_ranks(_train, 2, str(path), _ds_options(path))
+    return once_per_run("test_monitor.run", compute)
 
 
 def _csv(path: Path, tag: str) -> list:

@@ -50,11 +50,13 @@ def _group_worker(rank, world, root):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    root = tmp_path_factory.mktemp("offload")
-    for name in ("memory", "bitwise1", "bitwise3", "hf"):
-        (root / name).mkdir()
-    return root, run_ranks(_group_worker, 2, str(root))
+def two_ranks(tmp_path_factory, once_per_run):
+    def compute():
+        root = tmp_path_factory.mktemp("offload")       # kept until the run ends
+        for name in ("memory", "bitwise1", "bitwise3", "hf"):
+            (root / name).mkdir()
+        return root, run_ranks(_group_worker, 2, str(root))
+    return once_per_run("test_offload.two_ranks", compute)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -205,8 +205,8 @@ def _training_worker(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trained():
-    return run_ranks(_training_worker, 2)
+def trained(once_per_run):
+    return once_per_run("test_onebit_adam.trained", lambda: run_ranks(_training_worker, 2))
 
 
 def _reference(steps: int) -> list:

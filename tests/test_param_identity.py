@@ -113,8 +113,7 @@ _CACHE = {}
 
 
 def _cached(key, make):
-    """Computed once per test process: the spawned runs of every parametrization together, and
-    each model's single-process reference."""
+    """Each model's single-process reference, computed once per test process."""
     if key not in _CACHE:
         _CACHE[key] = make()
     return _CACHE[key]
@@ -124,14 +123,19 @@ def _ref(name):
     return _cached(("reference", name), lambda: reference(name))
 
 
-def _zoo_results(inner):
-    cases = ZOO_CASES if inner == "eager" else INDUCTOR_CASES
-    return _cached(inner, lambda: run_ranks(train_cases, 2, cases, inner))
+@pytest.fixture(scope="module")
+def zoo_results(once_per_run):
+    """``zoo_results(inner)``: the spawned runs of every parametrization together, once per
+    pytest run (the parametrizations may run on either xdist worker)."""
+    def results(inner):
+        cases = ZOO_CASES if inner == "eager" else INDUCTOR_CASES
+        return once_per_run(f"test_param_identity.zoo_{inner}", lambda: run_ranks(train_cases, 2, cases, inner))
+    return results
 
 
 @pytest.mark.parametrize("stage,names", ZOO_CASES)
-def test_zoo_matches_single_process(stage, names):
-    results = _zoo_results("eager")
+def test_zoo_matches_single_process(zoo_results, stage, names):
+    results = zoo_results("eager")
     for rank, ranks in enumerate(results):
         for name in names:
             assert_same(ranks[(name, stage)], _ref(name), f"{name} stage {stage} rank {rank}")
@@ -140,8 +144,8 @@ def test_zoo_matches_single_process(stage, names):
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_zoo_with_inductor(stage):
-    results = _zoo_results("inductor")
+def test_zoo_with_inductor(zoo_results, stage):
+    results = zoo_results("inductor")
     (names,) = [names for st, names in INDUCTOR_CASES if st == stage]
     for rank, ranks in enumerate(results):
         for name in names:

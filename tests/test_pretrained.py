@@ -161,10 +161,13 @@ LAYOUTS = ["save_pretrained", "torch.save"]
 
 
 @pytest.fixture(scope="module")
-def gpt_loaded(tmp_path_factory):
+def gpt_loaded(tmp_path_factory, once_per_run):
     """Both layouts written in one process, loaded and trained in one group of 2 ranks; the
-    single-process reference on the whole batch, computed once."""
-    folder = tmp_path_factory.mktemp("gpt_layouts")
+    single-process reference on the whole batch, computed once per pytest run."""
+    return once_per_run("test_pretrained.gpt_loaded", lambda: _gpt_loaded(tmp_path_factory.mktemp("gpt_layouts")))
+
+
+def _gpt_loaded(folder):
     model = make_model("gpt")
     paths = {"save_pretrained": str(folder / "gpt"), "torch.save": str(folder / "gpt.pt")}
     zerocompile.save_pretrained(model, paths["save_pretrained"])

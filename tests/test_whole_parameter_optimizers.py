@@ -140,11 +140,12 @@ def _misc_worker(rank, world, root):
 
 
 @pytest.fixture(scope="module")
-def misc(tmp_path_factory):
-    root = tmp_path_factory.mktemp("whole_parameter")
-    (root / "offload").mkdir()
-    results = run_ranks(_misc_worker, 2, str(root))
-    return root, results
+def misc(tmp_path_factory, once_per_run):
+    def compute():
+        root = tmp_path_factory.mktemp("whole_parameter")   # kept until the run ends
+        (root / "offload").mkdir()
+        return root, run_ranks(_misc_worker, 2, str(root))
+    return once_per_run("test_whole_parameter_optimizers.misc", compute)
 
 
 def _misc(misc, key):
