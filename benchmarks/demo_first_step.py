@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_harness import git_commit
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -44,7 +46,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="zerocompile-demo-cache-") as cache:
         cold = run_demo(cache)
         warm = run_demo(cache)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    commit = git_commit()
     lines = ["# `make demo`'s first step, cold and on a restart", "",
              f"`python benchmarks/demo_first_step.py` at `{commit}`, {time.strftime('%Y-%m-%d %H:%M')}, "
              f"{os.cpu_count()} CPUs, load average before {load:.1f}", "",
