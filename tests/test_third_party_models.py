@@ -18,14 +18,6 @@ STEPS, BATCH, SEQ, VOCAB = 3, 4, 16, 128
 
 def build(name: str):
     torch.manual_seed(0)
-    if name == "llama_checkpointed":
-        cfg = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
-        model = transformers.LlamaForCausalLM(cfg)
-        # transformers 5 renamed gradient_checkpointing_enable
-        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-        return model
     if name == "bert":
         return transformers.BertForMaskedLM(transformers.BertConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
@@ -41,15 +33,6 @@ def build(name: str):
         return model_cls(cls(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False))
-    if name == "llama_hook_breaks":
-        # a forward hook on every decoder layer breaks the graph: Dynamo compiles one layer
-        # frame and runs it for the other layer with its own parameters
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False))
-        for layer in model.model.layers:
-            layer.register_forward_hook(_break_graph)
-        return model
     if name == "llama":
         cfg = transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -59,11 +42,6 @@ def build(name: str):
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return transformers.GPT2LMHeadModel(cfg)
-
-
-def _break_graph(module, args, output):
-    torch._dynamo.graph_break()
-    return output
 
 
 def make_optimizer(name, params, cls=torch.optim):
@@ -149,7 +127,10 @@ def worker(rank, world, name, stages):
 # gathered in the graph, every gradient reduce-scattered in the backward). So:
 # - stages 0, 1 and 3 on the tied Llama; stage 2 on Qwen2 (the Llama family's code with
 #   attention biases) and on GPT-2 (with the stress options below, with stage 3);
-# - stage 3 on every other model (bert, t5, mistral, checkpointed Llama, Llama with graph breaks);
+# - stage 3 on every other model (bert, t5, mistral);
+# - HF gradient checkpointing on the Llama (reentrant and not, stages 0-3) is
+#   test_gradient_checkpointing.py's; a forward hook breaking the graph in every decoder layer of
+#   a (tied) Llama at stage 3 is test_tied_weights_across_frames.py's "llama_post_hooks";
 # - stage 1 is stage 0's graph (the replica stands where the parameter stood, no collective in
 #   the graph), with the gradient reduced in the step: on the Llama only;
 # - stage 0 with graph breaks in the layer loop is the zoo's hook_breaks at stage 0
@@ -157,8 +138,7 @@ def worker(rank, world, name, stages):
 # Every stage also runs on the test zoo in test_equivalence / test_param_identity.
 CASES = {
     "llama": ("llama", (0, 1, 3)),
-    # activation checkpointing, an encoder with buffers (position ids, token types), encoder-decoder
-    "llama_checkpointed": ("llama_checkpointed", (3,)),
+    # an encoder with buffers (position ids, token types), encoder-decoder
     "bert": ("bert", (3,)),
     "t5": ("t5", (3,)),
     # grouped-query attention configs of other families; graph breaks inside the layer loop
@@ -166,7 +146,6 @@ CASES = {
     # an nn.Embedding it calls, runs eagerly and stays whole: allowed here)
     "mistral": ("mistral", (3,)),
     "qwen2": ("qwen2", (2,)),
-    "llama_hook_breaks": ("llama_hook_breaks", ((3, {"allow_unsharded": True}),)),
     # the optional passes pushed hard: tiny buckets, some parameters kept gathered, recompute
     "llama_stress": ("llama", ((3, {"bucket_mb": 0.01, "unshard_budget_mb": 0.05, "recompute": "full"}),)),
     "gpt2_stress": ("gpt2", ((3, {"recompute": {"memory_budget_mb": 0.05}, "prefetch_mb": 0.01}),
