@@ -507,12 +507,13 @@ def test_what_inductor_saves_in_place_of_a_planned_tensor_is_offloaded(tmp_path)
     """Inductor decomposes the loss's log-softmax; its partitioner then saves ``exp`` of the
     planned output (the backward's first op, moved into the forward) instead of the output: that
     tensor is offloaded in its place, so what stays in memory is at most the plan's estimate."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         planned = _train({"offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0,
                                                   "budget_mb": 0}}, inner="inductor", steps=1, accum=1)
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)      # the worker's own count, which later tests compare under
     results = planned[2]["results"]
     plan, moved = results["plan_activations"], results["offload_activations"]["offloaded_bytes"]
     assert plan["offloaded_outside_blocks"] and moved > 0
