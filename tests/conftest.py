@@ -68,3 +68,21 @@ def once_per_run(tmp_path_factory):
             return result
 
     return shared
+
+
+@pytest.fixture(scope="session")
+def ranks_in_folder(once_per_run, tmp_path_factory):
+    """``ranks_in_folder(key, worker, *subfolders)``: ``(root, run_ranks(worker, 2, str(root)))``,
+    once per pytest run (``once_per_run``), ``root`` a fresh folder with ``subfolders`` made in it,
+    kept until the run ends (the tests read the files the ranks left there)."""
+    from dist_utils import run_ranks
+
+    def run(key: str, worker, *subfolders: str):
+        def compute():
+            root = tmp_path_factory.mktemp(key.replace(".", "_"))
+            for name in subfolders:
+                (root / name).mkdir()
+            return root, run_ranks(worker, 2, str(root))
+        return once_per_run(key, compute)
+
+    return run

@@ -18,7 +18,6 @@ import torch
 
 import zerocompile
 from census import StorageCensus
-from dist_utils import run_ranks
 from harness import Run, assert_matches, reference, zero_train_many
 from models import make_batch, make_model
 
@@ -50,13 +49,8 @@ def _group_worker(rank, world, root):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, once_per_run):
-    def compute():
-        root = tmp_path_factory.mktemp("offload")       # kept until the run ends
-        for name in ("memory", "bitwise1", "bitwise3", "hf"):
-            (root / name).mkdir()
-        return root, run_ranks(_group_worker, 2, str(root))
-    return once_per_run("test_offload.two_ranks", compute)
+def two_ranks(ranks_in_folder):
+    return ranks_in_folder("test_offload.two_ranks", _group_worker, "memory", "bitwise1", "bitwise3", "hf")
 
 
 @pytest.mark.parametrize("stage", [1, 3])

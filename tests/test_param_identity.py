@@ -8,6 +8,8 @@ parameters of the block the frame was traced with (issue 8, problem 1). Each mod
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -109,18 +111,12 @@ ZOO_CASES = [
     (1, ["loop_break_between", "shared_across_blocks", "eager_block", "called_twice"]),
     (2, ["loop_break_every", "hook_breaks", "shared_across_blocks", "nested_lists", "param_view_across_break"])]
 INDUCTOR_CASES = [(stage, ["loop_break_between", "hook_breaks", "shared_across_blocks"]) for stage in (0, 3)]
-_CACHE = {}
 
 
-def _cached(key, make):
-    """Each model's single-process reference, computed once per test process."""
-    if key not in _CACHE:
-        _CACHE[key] = make()
-    return _CACHE[key]
-
-
+@functools.cache
 def _ref(name):
-    return _cached(("reference", name), lambda: reference(name))
+    """Each model's single-process reference, computed once per test process."""
+    return reference(name)
 
 
 @pytest.fixture(scope="module")

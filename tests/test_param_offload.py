@@ -52,13 +52,8 @@ def _group_worker(rank, world, root):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, once_per_run):
-    def compute():
-        root = tmp_path_factory.mktemp("param_offload")     # kept until the run ends
-        for name in ("memory", "zoo", "read_order"):
-            (root / name).mkdir()
-        return root, run_ranks(_group_worker, 2, str(root))
-    return once_per_run("test_param_offload.two_ranks", compute)
+def two_ranks(ranks_in_folder):
+    return ranks_in_folder("test_param_offload.two_ranks", _group_worker, "memory", "zoo", "read_order")
 
 
 def test_param_offload_is_bitwise_stage_three_on_two_ranks(tmp_path):

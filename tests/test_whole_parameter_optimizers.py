@@ -140,12 +140,8 @@ def _misc_worker(rank, world, root):
 
 
 @pytest.fixture(scope="module")
-def misc(tmp_path_factory, once_per_run):
-    def compute():
-        root = tmp_path_factory.mktemp("whole_parameter")   # kept until the run ends
-        (root / "offload").mkdir()
-        return root, run_ranks(_misc_worker, 2, str(root))
-    return once_per_run("test_whole_parameter_optimizers.misc", compute)
+def misc(ranks_in_folder):
+    return ranks_in_folder("test_whole_parameter_optimizers.misc", _misc_worker, "offload")
 
 
 def _misc(misc, key):
