@@ -327,6 +327,36 @@ def test_a_saved_choice_round_trips_and_a_damaged_one_is_ignored(tmp_path):
     assert saved.load(2, "gloo", "cpu") is None
 
 
+def _one_step_choice(rank, world):
+    """One step of the test GPT at stage 3 with the eager inner compiler: the frame's gradient
+    reduction choice (where it came from, what it chose) and the loss."""
+    import zerocompile
+    from models import make_batch, make_model
+
+    torch._dynamo.reset()
+    model = torch.compile(make_model("gpt"), backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    x, y = make_batch("gpt", 0, 4)
+    loss = model(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2])
+    loss.backward()
+    opt.step()
+    (choice,) = [r["results"]["gradient_reduction"] for r in zerocompile.frame_reports()]   # the one frame
+    return {"choice": choice, "loss": loss.item()}
+
+
+def test_an_eager_restart_takes_the_saved_choice_without_timing(tmp_path, monkeypatch):
+    """With the eager inner compiler too, the first process times ``"auto"`` and saves the
+    choice beside the compile caches; a restart takes it ("measured (saved)": no timing) and runs
+    the same collectives, so the same loss bit for bit."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    first = run_ranks(_one_step_choice, 2)
+    again = run_ranks(_one_step_choice, 2)
+    assert os.listdir(tmp_path / "cache" / "zerocompile" / "choices")
+    for a, b in zip(first, again):
+        assert a["choice"]["source"] == "measured" and b["choice"]["source"] == "measured (saved)", (a, b)
+        assert a["choice"]["kinds"] == b["choice"]["kinds"] and a["loss"] == b["loss"]
+
+
 def _overwrite_while_in_flight(rank, world, shared_memory):
     from zerocompile.runtime import bucket_ops, point_to_point  # noqa: F401  (register the ops)
     from zerocompile.runtime.comm import resolve_group
