@@ -33,8 +33,8 @@ budget a warning gives the numbers.
 ``budget_mb="auto"``: the budget is ``memory_limit_mb`` minus what the simulated step holds
 besides the saved activations (the joint graph's simulated peak less the saved bytes).
 
-Recomputed blocks get the ``recompute`` pass's tags. Offloaded storages get the tag
-``offload_activation``, which the ``offload_activations`` pass reads, and (unless tagged
+Recomputed blocks get the ``recompute`` pass's tags. Every saved storage it chose among gets
+the tag ``plan_saw_saved``; offloaded storages get the tag ``offload_activation``, which the ``offload_activations`` pass reads, and (unless tagged
 already) ``CheckpointPolicy.MUST_SAVE``: the partitioner must save that very tensor, not
 recompute it from an input it would save instead, which nothing would offload. The decision is
 in ``ctx.results["plan_activations"]`` (``budget_bytes``, ``estimated_saved_bytes`` before and
@@ -89,7 +89,8 @@ def _rate(freed: int, seconds: float) -> float:
 def choose(graph: torch.fx.Graph, budget_bytes: float, cost: CostModel, min_bytes: float,
            overlap: bool = True) -> dict:
     """The plan (see the module docstring): ``{"recomputed": block orders, "offloaded": saved roots,
-    "blocks", "first_id", "per_block", "baseline", "estimate", "outside"}``."""
+    "blocks", "first_id", "per_block", "baseline", "estimate", "outside", "candidates": the saved
+    roots it chose among}``."""
     index = {n: i for i, n in enumerate(graph.nodes)}
     blocks = find_blocks(graph)
     first_id = first_block_id(graph)
@@ -169,7 +170,7 @@ def choose(graph: torch.fx.Graph, budget_bytes: float, cost: CostModel, min_byte
                           if r not in moved)
     return {"recomputed": recomputed, "offloaded": offloaded, "blocks": blocks, "first_id": first_id,
             "per_block": figures, "baseline": baseline, "estimate": current,
-            "outside": [r for r in offloaded if r not in block_of]}
+            "outside": [r for r in offloaded if r not in block_of], "candidates": roots}
 
 
 def auto_budget(graph: torch.fx.Graph, memory_limit_mb: float) -> float:
@@ -195,6 +196,10 @@ def plan_activations(gm: torch.fx.GraphModule, ctx: PassContext, *, settings, **
     for node, (policy, ac_id) in plan_tags(plan["blocks"], plan["recomputed"], plan["first_id"]).items():
         node.meta["recompute"] = policy
         node.meta["ac_graph_id"] = ac_id
+    for node in plan["candidates"]:
+        # what the plan saw saved: kept unless chosen (what the partitioner saves in the place of
+        # chosen tensors, which the plan never saw, follows them; see chosen_by_plan)
+        set_tag(node, plan_saw_saved=True)
     for node in plan["offloaded"]:
         set_tag(node, offload_activation=True)
         if node.meta.get("recompute") is None:

@@ -177,6 +177,9 @@ def _wandb_run(path: Path):
     runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     history = [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
                for r in records if r.WhichOneof("record_type") == "history"]
+    # once (1 in ~60 full runs, not reproduced since) the log held no run record: say what it held
+    assert len(runs) == 1, (f"{files[0]}: {len(data)} bytes, {len(runs)} run records among "
+                            f"{[r.WhichOneof('record_type') for r in records]}")
     return runs[0], history
 
 
