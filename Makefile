@@ -36,13 +36,14 @@ demo: $(STAMP)
 	$(PY) examples/train_gpt.py --stage 3
 
 # two pytest workers (pytest-xdist): most tests are one process on one core, so the suite takes
-# about 15% less wall time on 2 cores (3 workers took 25% more than 2: the ranks contend);
-# TEST_WORKERS=0 runs it in one process. loadfile without reordering: each module runs whole on
-# one worker, the slowest first (tests/conftest.py's SLOWEST_FIRST). The 25 slowest tests are
-# listed at the end, to keep the suite near its 15-minute budget.
+# about 15% less wall time on 2 cores; TEST_WORKERS=0 runs it in one process. Measured worse
+# (fresh clones, 2026-12-06): 3 workers (1265 s of pytest against 1008 s), and --dist loadfile
+# with the slowest modules first (1516 s: the multi-rank modules then ran side by side, 4 ranks
+# on 2 cores, each up to 4x slower than alone). The 25 slowest
+# tests are listed at the end, to keep the suite near its 15-minute budget.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25 tests
 
 # DeepSpeed is optional: if the extra does not install, the rest of it is tried alone and the
 # benchmark reports the DeepSpeed rows as skipped

@@ -17,34 +17,6 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     torch.set_num_threads(1)
 
 
-SLOWEST_FIRST = ["test_zeropp.py", "test_activation_offload.py", "test_offload.py", "test_integrations.py",
-                 "test_collective_watch.py", "test_eager_regions.py", "test_memory_and_comm.py", "test_api.py",
-                 "test_gradient_checkpointing.py", "test_pass_pipeline.py", "test_inductor.py",
-                 "test_whole_parameter_optimizers.py", "test_plan_worker.py", "test_third_party_models.py",
-                 "test_compile_cache.py", "test_plan.py", "test_comms_logger.py", "test_tune.py",
-                 "test_equivalence.py", "test_param_identity.py", "test_flops.py", "test_param_offload.py",
-                 "test_fused_adam.py", "test_mixed_precision.py", "test_checkpoint.py", "test_logging.py",
-                 "test_optimizer_rules.py", "test_tied_weights_across_frames.py", "test_monitor.py",
-                 "test_pretrained.py"]
-"""The 30 slowest modules, slowest first (pytest's ``--durations=0`` summed per module: 180 s to
-25 s, the other 32 modules 320 s together). ``make test`` runs pytest-xdist's ``--dist loadfile
---no-loadscope-reorder``: a module runs whole on one worker, and a free worker takes the next
-module in this order, so the long ones start first and the short ones fill the end (longest
-first: near the best split of ~60 modules over 2 workers). A module's tests share its fixtures
-and cached references: with ``worksteal``, which gave each worker a contiguous half of the
-files and split modules between them, a worker waited on a lock for a fixture the other
-computed (36 s for test_gradient_checkpointing's) or computed a cached reference again, and
-test_zeropp's 4-rank fixture (100 s) came last. (``loadgroup`` could group only the modules
-with shared fixtures, but pytest 9.2 ignores the group that pytest-xdist 3.8 writes into the
-node ids.) A module missing here runs after these, in file order; a new slow one belongs here."""
-
-
-def pytest_collection_modifyitems(config, items):
-    """``SLOWEST_FIRST`` first, in that order; every module's tests stay together and in order."""
-    first = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))
-
-
 @pytest.fixture
 def fake_world():
     """torch's fake process group of 4 ranks (rank 0): graphs for 4 ranks in one process;

@@ -64,15 +64,3 @@ def test_ranks_start_from_the_preloaded_fork_server():
         assert got["modules"] == sorted(dist_utils._PRELOAD), got["modules"]
         assert got["frozen"] > 100_000, got["frozen"]
         assert got["traced_files"] >= 16, got["traced_files"]        # warm_imports.TRACED
-
-
-def test_the_slowest_first_order_names_modules_that_exist():
-    """conftest's ``SLOWEST_FIRST`` (the order ``make test`` hands modules to its workers) names
-    test modules of this folder, each once: a renamed module would silently run last."""
-    from pathlib import Path
-
-    from conftest import SLOWEST_FIRST
-
-    here = Path(__file__).parent
-    assert len(set(SLOWEST_FIRST)) == len(SLOWEST_FIRST)
-    assert [name for name in SLOWEST_FIRST if not (here / name).is_file()] == []
