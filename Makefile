@@ -36,10 +36,10 @@ demo: $(STAMP)
 	$(PY) examples/train_gpt.py --stage 3
 
 # two pytest workers (pytest-xdist): most tests are one process on one core, so the suite takes
-# about 15% less wall time on 2 cores; TEST_WORKERS=0 runs it in one process. Measured worse
-# (fresh clones, 2026-12-06): 3 workers (1265 s of pytest against 1008 s), and --dist loadfile
-# with the slowest modules first (1516 s: the multi-rank modules then ran side by side, 4 ranks
-# on 2 cores, each up to 4x slower than alone). The 25 slowest
+# about 15% less wall time on 2 cores; TEST_WORKERS=0 runs it in one process. Measured in fresh
+# clones on 2026-12-06, the same hour: 3 workers took as long as 2 (1265 s of pytest against
+# 1264 s), --dist loadfile with the slowest modules first longer (1516 s: the multi-rank modules
+# ran side by side). The 25 slowest
 # tests are listed at the end, to keep the suite near its 15-minute budget.
 TEST_WORKERS ?= 2
 test: $(STAMP)
