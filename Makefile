@@ -39,7 +39,8 @@ demo: $(STAMP)
 # about 15% less wall time on 2 cores; TEST_WORKERS=0 runs it in one process. Measured in fresh
 # clones on 2026-12-06, the same hour: 3 workers took as long as 2 (1265 s of pytest against
 # 1264 s), --dist loadfile with the slowest modules first longer (1516 s: the multi-rank modules
-# ran side by side). The 25 slowest
+# ran side by side); one group of ranks at a time across the workers (a file lock) as long (1274 s:
+# the waiting worker idled). The 25 slowest
 # tests are listed at the end, to keep the suite near its 15-minute budget.
 TEST_WORKERS ?= 2
 test: $(STAMP)

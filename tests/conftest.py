@@ -13,12 +13,8 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     # ``make test`` runs one pytest worker per core, and most tests start ranks of one thread
     # each: a second intra-op thread in a worker only competes with the other worker's ranks
     # for the same cores (8% of the wall time of the single-process tests, measured). A test
-    # that is about threads sets its own count. The processes the tests start (``python -c``
-    # subprocesses, the CLI and scripts run as children of the fork server) get one thread too:
-    # with two, each one's OpenMP threads waited for each other at every parallel op while the
-    # other worker's processes held the cores (test_demo: 12 s alone, 46-54 s in make test).
+    # that is about threads sets its own count.
     torch.set_num_threads(1)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture

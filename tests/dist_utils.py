@@ -11,10 +11,8 @@ server instead of new interpreters."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import faulthandler
-import fcntl
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -63,26 +61,6 @@ def _adopt(environ: dict, cwd: str) -> None:
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
-    threads = environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))    # as a new interpreter reads it when torch starts
-
-
-@contextlib.contextmanager
-def one_group_at_a_time():
-    """Hold this machine's lock for a group of ranks (a file lock in the temporary folder, shared
-    by the pytest-xdist workers): one group of ranks runs at a time, so a worker whose test starts
-    ranks waits while the other's run (on 2 cores the ranks of one group keep both busy), and the
-    single-process tests still run beside them. ``make test`` with the multi-rank modules of the
-    two workers side by side (``--dist loadfile``, slowest modules first) took 1516 s of pytest
-    against 1264 s the same day in file order."""
-    path = os.path.join(tempfile.gettempdir(), f"zerocompile-test-ranks-{os.getuid()}.lock")
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def free_port() -> int:
@@ -134,7 +112,7 @@ def run_ranks(fn, world: int, *args) -> list:
 
 def _run_ranks_once(fn, world: int, args: tuple) -> list:
     _ensure_fork_server()
-    with tempfile.TemporaryDirectory() as outdir, one_group_at_a_time():
+    with tempfile.TemporaryDirectory() as outdir:
         try:
             mp.start_processes(_entry, args=(world, free_port(), fn, args, outdir, dict(os.environ), os.getcwd()),
                                nprocs=world, join=True, start_method="forkserver")
@@ -236,8 +214,8 @@ def run_script_ranks(script, args: list, world: int, cwd, environ: dict | None =
     script creates its own process group from them. The exit code is the first failing rank's
     (0 when all succeed); stdout and stderr are the ranks' in rank order."""
     base = dict(os.environ if environ is None else environ)
-    with tempfile.TemporaryDirectory() as folder, one_group_at_a_time():
-        port = free_port()
+    port = free_port()
+    with tempfile.TemporaryDirectory() as folder:
         procs, outputs = [], []
         for rank in range(world):
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
@@ -275,7 +253,7 @@ def run_parting_ranks(fn, world: int, *args, group_timeout_s: float = 60, deadli
     (it died, or was still running at ``deadline_s`` and was killed)."""
     _ensure_fork_server()
     ctx = multiprocessing.get_context("forkserver")
-    with tempfile.TemporaryDirectory() as outdir, one_group_at_a_time():
+    with tempfile.TemporaryDirectory() as outdir:
         port = free_port()
         procs = [ctx.Process(target=_parting_entry, args=(r, world, port, fn, args, outdir, dict(os.environ),
                                                           os.getcwd(), group_timeout_s)) for r in range(world)]
