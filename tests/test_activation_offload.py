@@ -254,27 +254,38 @@ def test_the_graphs_hold_the_offload_nodes_and_the_numbers_are_bitwise(tmp_path)
     assert stats.activation_buffer_bytes == sum(s.buffer_bytes() for s in activation_offload.stores.all())
 
 
-def test_reloads_start_half_way_through_the_next_blocks_backward_and_wait_at_the_first_use():
+def _reload_chain(reads: list, groups: dict) -> tuple:
+    """A backward graph that multiplies the gradient by each saved storage in ``reads`` order (4x4
+    each; ``groups``: each storage's reload group), passed through ``reload_saved``: the groups in
+    reload order, each call's ``role:saved`` (or ``name:``) in graph order, and the placeholders."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from zerocompile.passes.offload_activations import reload_saved
 
     graph = torch.fx.Graph()
-    a, b1, b2, c, g = (graph.placeholder(n) for n in ("a", "b1", "b2", "c", "g"))
+    saved = {name: graph.placeholder(name) for name in groups}
+    g = graph.placeholder("g")
     with FakeTensorMode():
-        for node in (a, b1, b2, c, g):
+        for node in (*saved.values(), g):
             node.meta["val"] = torch.empty(4, 4)
     h = g
-    for saved in (c, b1, b2, a):              # the head's backward, then block 1's (two reads), then block 0's
-        h = graph.call_function(torch.ops.aten.mul.Tensor, (h, saved))
+    for name in reads:
+        h = graph.call_function(torch.ops.aten.mul.Tensor, (h, saved[name]))
         h.meta["val"] = g.meta["val"]
     graph.output((h,))
-    groups = {"a": "blocks.0", "b1": "blocks.1", "b2": "blocks.1", "c": "#c"}
-    entries = [{"root": n, "group": groups[n], "root_layout": ([4, 4], [4, 1]), "view": None}
-               for n in ("a", "b1", "b2", "c")]
-    assert reload_saved(graph, [a, b1, b2, c], entries, "nvme", "/unused") == [["c"], ["b1", "b2"], ["a"]]
-    order = [n.meta.get("zerocompile", {}).get("role", n.name) + ":" + n.meta.get("zerocompile", {}).get("saved", "")
+    entries = [{"root": n, "group": groups[n], "root_layout": ([4, 4], [4, 1]), "view": None} for n in groups]
+    order = reload_saved(graph, list(saved.values()), entries, "nvme", "/unused")
+    graph.lint()
+    calls = [n.meta.get("zerocompile", {}).get("role", n.name) + ":" + n.meta.get("zerocompile", {}).get("saved", "")
              for n in graph.nodes if n.op == "call_function"]
+    return order, calls, saved
+
+
+def test_reloads_start_half_way_through_the_next_blocks_backward_and_wait_at_the_first_use():
+    # the head's backward, then block 1's (two reads), then block 0's
+    groups, order, saved = _reload_chain(["c", "b1", "b2", "a"],
+                                         {"a": "blocks.0", "b1": "blocks.1", "b2": "blocks.1", "c": "#c"})
+    assert groups == [["c"], ["b1", "b2"], ["a"]]
     # the head's and block 1's reloads start first thing; block 0's half way through block 1's
     # backward (at its second read), so they overlap that compute; each wait comes right
     # before the first use
@@ -282,7 +293,7 @@ def test_reloads_start_half_way_through_the_next_blocks_backward_and_wait_at_the
     assert order.index("mul_tensor_1:") < order.index("activation_reload:a") < order.index("mul_tensor_2:")
     assert order.index("activation_reload_wait:a") == order.index("mul_tensor_3:") - 1
     assert order.index("mul_tensor_1:") < order.index("activation_reload_wait:b2") < order.index("mul_tensor_2:")
-    assert a.meta["val"].dtype == torch.int64 and a.meta["zerocompile"]["role"] == "activation_token"
+    assert saved["a"].meta["val"].dtype == torch.int64 and saved["a"].meta["zerocompile"]["role"] == "activation_token"
 
 
 def test_a_storage_used_before_its_groups_start_is_reloaded_before_that_use():
@@ -290,27 +301,9 @@ def test_a_storage_used_before_its_groups_start_is_reloaded_before_that_use():
     first read between block 1's first and middle reads, before the point where block 0's group
     would start. Its reload goes right before that read, and the graph is in order (a reload
     after its wait failed the graph's lint in 2 of 15 runs of an inductor GPT test)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from zerocompile.passes.offload_activations import reload_saved
-
-    graph = torch.fx.Graph()
-    a, b1, b2, b3, g = (graph.placeholder(n) for n in ("a", "b1", "b2", "b3", "g"))
-    with FakeTensorMode():
-        for node in (a, b1, b2, b3, g):
-            node.meta["val"] = torch.empty(4, 4)
-    h = g
-    for saved in (b1, a, b2, b3):             # block 0's storage read between block 1's reads
-        h = graph.call_function(torch.ops.aten.mul.Tensor, (h, saved))
-        h.meta["val"] = g.meta["val"]
-    graph.output((h,))
-    groups = {"a": "blocks.0", "b1": "blocks.1", "b2": "blocks.1", "b3": "blocks.1"}
-    entries = [{"root": n, "group": groups[n], "root_layout": ([4, 4], [4, 1]), "view": None}
-               for n in ("a", "b1", "b2", "b3")]
-    assert reload_saved(graph, [a, b1, b2, b3], entries, "nvme", "/unused") == [["b1", "b2", "b3"], ["a"]]
-    graph.lint()
-    order = [n.meta.get("zerocompile", {}).get("role", n.name) + ":" + n.meta.get("zerocompile", {}).get("saved", "")
-             for n in graph.nodes if n.op == "call_function"]
+    groups, order, _ = _reload_chain(["b1", "a", "b2", "b3"],      # block 0's storage between block 1's reads
+                                     {"a": "blocks.0", "b1": "blocks.1", "b2": "blocks.1", "b3": "blocks.1"})
+    assert groups == [["b1", "b2", "b3"], ["a"]]
     assert order.index("mul_tensor:") < order.index("activation_reload:a") < order.index("activation_reload_wait:a")
     assert order.index("activation_reload_wait:a") == order.index("mul_tensor_1:") - 1
 
