@@ -24,8 +24,8 @@ exist anyway), not among the forward's real outputs (the caller holds those), of
 CPU or a CUDA device; a saved view of one must lie inside it. Without a budget every such
 storage is offloaded. With one, only those the ``plan_activations`` pass chose (they carry the
 tag ``offload_activation``), or what the partitioner saves in their place: an op computed
-from chosen tensors only, of the backward it moved into the forward or of the forward
-(``chosen_by_plan``).
+from chosen tensors only that the plan did not see saved (no ``plan_saw_saved`` tag), of the
+backward it moved into the forward or of the forward (``chosen_by_plan``).
 
 **When reloads start.** Storages are grouped by the numbered block whose backward reads them
 first: the last block of the forward that read them (a block's output belongs to the next
