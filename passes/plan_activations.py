@@ -35,8 +35,9 @@ besides the saved activations (the joint graph's simulated peak less the saved b
 
 Recomputed blocks get the ``recompute`` pass's tags. Every saved storage it chose among gets
 the tag ``plan_saw_saved``; offloaded storages get the tag ``offload_activation``, which the
-``offload_activations`` pass reads, and (unless tagged already) ``CheckpointPolicy.MUST_SAVE``: the partitioner must save that very tensor, not
-recompute it from an input it would save instead, which nothing would offload. The decision is
+``offload_activations`` pass reads, and (unless tagged already) ``CheckpointPolicy.MUST_SAVE``:
+the partitioner must save that very tensor, not recompute it from an input it would save
+instead, which nothing would offload. The decision is
 in ``ctx.results["plan_activations"]`` (``budget_bytes``, ``estimated_saved_bytes`` before and
 after, ``recomputed`` and ``offloaded`` block names, ``offloaded_tensors``,
 ``offloaded_outside_blocks``, ``per_block``: each block's figures and choice, ``offload_gbps``,
