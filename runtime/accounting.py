@@ -13,20 +13,14 @@ all-reduce. A ring algorithm over a group of ``g`` ranks sends and receives
 that figure over the collectives, each with its own group (with ZeRO++ hpZ and qgZ some run
 over groups smaller than the world).
 
-``stats()`` is process-wide by definition (like ``torch.cuda.memory_stats()``), so
-the counters live in the one ``ACCOUNTING`` instance below; it holds only weak
-references to the shard states and optimizers it measures.
+This module holds the figures' types only; each model's counters are its session's
+(``runtime/session.py``), and ``zerocompile.stats()`` sums the sessions of the process.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
-from zerocompile.runtime import activation_offload
-from zerocompile.runtime.collective_watch import CollectiveWatch
-from zerocompile.runtime.comms_log import CommsLog
-from zerocompile.runtime.module_times import ModuleTimes
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 COMPRESSED_KINDS = ("compressed_all_to_all", "compressed_all_gather")
@@ -62,7 +56,7 @@ def ring_wire_bytes(kind: str, nbytes: int, group_size: int) -> float:
 
 @dataclass
 class ZeroStats:
-    """A snapshot returned by ``zerocompile.stats()`` (per rank)."""
+    """A snapshot returned by ``zerocompile.stats()`` (per rank; every model of the process, or one)."""
 
     all_gather: CollectiveTotals
     reduce_scatter: CollectiveTotals
@@ -73,7 +67,7 @@ class ZeroStats:
     grad_bytes: int
     """Bytes of gradient storage alive on shards, replicas and parameters zerocompile manages."""
     optimizer_state_bytes: int
-    """Bytes of optimizer state (all ZeroOptimizer instances alive in this process) held on the
+    """Bytes of optimizer state (the ZeroOptimizers of the models counted) held on the
     model's device; offloaded state is in ``offloaded_bytes``."""
     offloaded_bytes: int = 0
     """Bytes of optimizer state offloaded to host memory or swap files (``offload_optimizer``)."""
@@ -156,183 +150,3 @@ class CollectiveSummary:
     def __str__(self) -> str:
         parts = [f"{k}={v.count}x/{v.bytes}B" for k, v in self.totals.items() if v.count]
         return ", ".join(parts) or "no collectives"
-
-
-class Accounting:
-    """Process-wide counters; see the module docstring."""
-
-    def __init__(self) -> None:
-        self.comm = {k: CollectiveTotals() for k in COLLECTIVE_KINDS + COMPRESSED_KINDS}
-        self.world_size = 1
-        self.states: "weakref.WeakSet" = weakref.WeakSet()
-        self.optimizers: "weakref.WeakSet" = weakref.WeakSet()
-        self.frames: "weakref.WeakSet" = weakref.WeakSet()
-        """Compiled frames alive (their reports: ``frame_reports()``)."""
-        self.pending_metrics: dict = {}
-        """``zerocompile.log_metrics``' values waiting for the next ``ZeroOptimizer.step()``."""
-        self.channels: "weakref.WeakSet" = weakref.WeakSet()
-        """Shared-memory channels alive (``runtime/shared_memory.py``): their segments' bytes."""
-        self.flops = {"flops": 0, "recompute": 0}
-        """FLOPs the compiled graphs ran since the last optimizer step ended."""
-        self.step_flops = {"flops": 0, "recompute": 0}
-        """The same, of the last step (``end_step_flops``)."""
-        self.calls: dict = {}
-        """Forward and backward runs per compiled frame (by ``FrameRunner.order``) since the last step."""
-        self.eager_modules: dict = {}
-        """FLOPs of eager code since the last step, ``{(module path, type): [forward, backward]}``
-        (``runtime/eager_flops.py``); included in ``flops``."""
-        self.step_eager_modules: dict = {}
-        """The same, of the last step."""
-        self.step_calls: dict = {}
-        """The same, of the last step."""
-        self.comms = CommsLog()
-        """The comms logger's settings, call sites and timings (``comms_logger`` option)."""
-        self.compile_seconds = 0.0
-        """Seconds spent in ``compile_frame`` since the last reset."""
-        self.last_stepped = 0
-        """``id`` of the optimizer whose step ended last (``end_step_flops``)."""
-        self.module_times = ModuleTimes()
-        """The flops profiler's per-module latencies (``flops_profiler`` option)."""
-        self.watch = CollectiveWatch()
-        """The collective watchdog (``collective_timeout_s`` option): this rank's position."""
-        self.watch.board.counts = self.calls_since_step
-
-    def record(self, kind: str, nbytes: int, count: int = 1) -> None:
-        """``count`` eager collectives of ``kind`` over the data-parallel group, ``nbytes`` in all."""
-        self.comm[kind].count += count
-        self.comm[kind].bytes += nbytes
-        self.comm[kind].wire_bytes += ring_wire_bytes(kind, nbytes, self.world_size)
-        self.comms.counted(kind, nbytes, self.world_size)
-
-    def record_summary(self, summary: CollectiveSummary) -> None:
-        for kind, tot in summary.totals.items():
-            self.comm[kind].add(tot)
-
-    def record_flops(self, flops: int, recompute: int = 0, frame: int | None = None, backward: bool = False) -> None:
-        """A compiled graph's run: its FLOPs, of which ``recompute`` recomputed forward ops;
-        ``frame`` (its ``FrameRunner.order``) counts the run among that frame's forward or
-        backward runs of the step (the flops profiler's per-module figures)."""
-        self.flops["flops"] += flops
-        self.flops["recompute"] += recompute
-        if frame is not None:
-            self.calls.setdefault(frame, [0, 0])[int(backward)] += 1
-
-    def record_eager_flops(self, module: tuple, flops: int, backward: bool) -> None:
-        """FLOPs of an eager op (``runtime/eager_flops.py``) run for ``module`` (``(path, type)``),
-        in its forward or its backward."""
-        self.flops["flops"] += flops
-        self.eager_modules.setdefault(module, [0, 0])[int(backward)] += flops
-
-    def end_step_flops(self, optimizer: int = 0) -> None:
-        """An optimizer step ended (``optimizer``: its ``id``): what ran since the last one is the
-        step's. Another optimizer stepping right after (no compiled graph ran in between: Muon for
-        the matrices and AdamW beside it) ends the same training step, which keeps its figures."""
-        if not self.calls and optimizer != self.last_stepped:
-            self.last_stepped = optimizer
-            return
-        self.last_stepped = optimizer
-        self.step_flops, self.flops = self.flops, {"flops": 0, "recompute": 0}
-        self.step_calls, self.calls = self.calls, {}
-        self.step_eager_modules, self.eager_modules = self.eager_modules, {}
-        self.module_times.step_ended()
-        self.watch.step_ended()
-
-    def calls_since_step(self) -> dict:
-        """A copy of ``calls`` (read by the collective watchdog's responder thread)."""
-        return self.calls.copy()
-
-    def reset(self) -> None:
-        self.comm = {k: CollectiveTotals() for k in COLLECTIVE_KINDS + COMPRESSED_KINDS}
-        self.flops = {"flops": 0, "recompute": 0}
-        self.step_flops = {"flops": 0, "recompute": 0}
-        self.calls, self.step_calls = {}, {}
-        self.eager_modules, self.step_eager_modules = {}, {}
-        self.comms.reset()
-        self.compile_seconds = 0.0
-
-    def snapshot(self) -> ZeroStats:
-        params: dict[int, int] = {}
-        grads: dict[int, int] = {}
-        offloaded_params = 0
-        for state in list(self.states):
-            p, g = state.storages()
-            params.update(p)
-            grads.update(g)
-            if state.shard_file is not None:
-                offloaded_params += state.shard_file.nbytes
-        optimizers = list(self.optimizers)
-        opt_bytes = sum(opt.state_bytes() for opt in optimizers)
-        offloaded = sum(opt.offloaded_bytes() for opt in optimizers)
-        buffers = sum(opt.offload_buffer_bytes() for opt in optimizers)
-        return ZeroStats(
-            **{k: CollectiveTotals(v.count, v.bytes, v.wire_bytes) for k, v in self.comm.items()},
-            world_size=self.world_size,
-            param_bytes=sum(params.values()),
-            grad_bytes=sum(grads.values()),
-            optimizer_state_bytes=opt_bytes,
-            offloaded_bytes=offloaded,
-            offloaded_param_bytes=offloaded_params,
-            offload_buffer_bytes=buffers,
-            shared_memory_bytes=sum(channel.nbytes for channel in list(self.channels)),
-            offloaded_activation_bytes=sum(store.held_bytes() for store in activation_offload.stores.all()),
-            activation_buffer_bytes=sum(store.buffer_bytes() for store in activation_offload.stores.all()),
-            flops_per_step=self.step_flops["flops"],
-            recompute_flops_per_step=self.step_flops["recompute"],
-            compile_seconds=self.compile_seconds,
-            comm_latency=self.comms.rows(),
-        )
-
-
-ACCOUNTING = Accounting()
-
-
-def stats() -> ZeroStats:
-    """Collectives since the last ``reset_stats()`` and bytes held now, for this rank."""
-    return ACCOUNTING.snapshot()
-
-
-def reset_stats() -> None:
-    """Zero the collective counters (memory figures are always current)."""
-    ACCOUNTING.reset()
-
-
-def frame_reports() -> list[dict]:
-    """What the pass pipeline decided for each compiled frame still alive in this process:
-    ``{"frame", "compiled_at_ns" (``time.monotonic_ns()`` at compile), "stage", "results",
-    "forward", "backward"}`` where ``results`` holds each
-    pass's report (buckets formed, parameters kept gathered, blocks recomputed, bytes
-    saved for backward...) and ``forward`` / ``backward`` the collectives per run."""
-    out = []
-    for runner in sorted(ACCOUNTING.frames, key=lambda r: r.order):
-        out.append(runner.report())
-    return out
-
-
-def frame_roots() -> list:
-    """The modules each compiled frame alive was reached from (``FrameRunner.roots``), frame
-    by frame; a module several frames share comes once per frame."""
-    return [root for runner in list(ACCOUNTING.frames) for root in runner.roots]
-
-
-def newest_frame_order() -> int:
-    """The compile order (``FrameRunner.order``) of the newest compiled frame alive, 0 if none."""
-    return max((runner.order for runner in list(ACCOUNTING.frames)), default=0)
-
-
-def simulated_peak_bytes(states) -> int:
-    """The largest simulated transient peak of the compiled frames alive that use any of the
-    shard states ``states`` (their reports' ``simulated_peak_bytes``), 0 if none."""
-    ids = {id(sp) for sp in states}
-    frames = [r for r in list(ACCOUNTING.frames) if any(id(sp) in ids for sp in r.plans if sp is not None)]
-    return max((r.report()["results"].get("simulated_peak_bytes", 0) for r in frames), default=0)
-
-
-def comm_counts() -> dict:
-    """``{kind: (count, bytes)}`` of every collective kind counted so far (eager and graphs)."""
-    return {k: (v.count, v.bytes) for k, v in ACCOUNTING.comm.items()}
-
-
-def dump_roots() -> list:
-    """The dump directories of the compiled frames alive (``options={"dump": DIR}`` or
-    ``ZEROCOMPILE_DUMP``), each once."""
-    return sorted({root for r in list(ACCOUNTING.frames) if (root := getattr(r, "dump_root", None))})

@@ -51,6 +51,7 @@ import weakref
 import torch
 
 from zerocompile import _torch_compat
+from zerocompile.runtime.session import PROCESS
 from zerocompile.runtime.swap_file import SwapFile, aligned_empty, round_up
 
 IN_FLIGHT_BYTES = 16 << 20
@@ -294,8 +295,9 @@ class HostStore:
         return 0
 
 
-class _Stores:
-    """This process's stores, by what the ops name them with (``("nvme", path)`` or ``("cpu", "")``)."""
+class Stores:
+    """This process's stores, by what the ops name them with (``("nvme", path)`` or ``("cpu", "")``):
+    one per process (``stores()``, ``PROCESS.service``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -313,9 +315,16 @@ class _Stores:
         with self._lock:
             return list(self._by_key.values())
 
+    def process_figures(self) -> dict:
+        """``zerocompile.stats()``' activation figures: what the stores hold now, and their buffers."""
+        held = self.all()
+        return {"offloaded_activation_bytes": sum(s.held_bytes() for s in held),
+                "activation_buffer_bytes": sum(s.buffer_bytes() for s in held)}
 
-stores = _Stores()
-"""The stores of this process (the ops' only state; files are deleted at exit by ``SwapFile``)."""
+
+def stores() -> Stores:
+    """The stores of this process (the ops' only state; files are deleted at exit by ``SwapFile``)."""
+    return PROCESS.service(Stores)
 
 
 def _release_later(token: torch.Tensor, store, slot: int) -> None:
@@ -326,7 +335,7 @@ def _release_later(token: torch.Tensor, store, slot: int) -> None:
 @torch.library.custom_op("zerocompile::offload_activation", mutates_args=())
 def offload_activation(t: torch.Tensor, device: str, nvme_path: str) -> torch.Tensor:
     """Copy ``t`` out (see the module docstring); the token naming the copy."""
-    store = stores.get(device, nvme_path)
+    store = stores().get(device, nvme_path)
     slot = store.offload(t)
     token = torch.tensor([slot], dtype=torch.int64)
     _release_later(token, store, slot)
@@ -343,7 +352,7 @@ def reload_activation(token: torch.Tensor, device: str, nvme_path: str, size: li
                       dtype: torch.dtype, target: torch.device) -> torch.Tensor:
     """Start reading the copy ``token`` names back into a new tensor of ``size``/``stride``/``dtype``
     on ``target``; ``_c10d_functional.wait_tensor`` of the result waits for it."""
-    store = stores.get(device, nvme_path)
+    store = stores().get(device, nvme_path)
     slot = int(token.item())
     return store.reload(slot, size, stride, dtype, target)
 
@@ -353,4 +362,4 @@ def _reload_activation_fake(token, device, nvme_path, size, stride, dtype, targe
     return torch.empty_strided(size, stride, dtype=dtype, device=target)
 
 
-__all__ = ["FileStore", "HostStore", "dense_span", "offload_activation", "reload_activation", "stores"]
+__all__ = ["FileStore", "HostStore", "Stores", "dense_span", "offload_activation", "reload_activation", "stores"]

@@ -61,7 +61,7 @@ class RankBoard:
         """The site of the last zerocompile collective that finished."""
         self.last_at = 0.0
         self.steps = 0
-        """Optimizer steps taken (``Accounting.end_step_flops``)."""
+        """Training steps taken (``Process.step_ended``, ``runtime/session.py``)."""
         self.scopes: list[str] = []
         """Labels of the eager code running now (``CollectiveWatch.scope``), innermost last."""
         self.inflight: list = []
@@ -73,7 +73,7 @@ class RankBoard:
 
 
 class CollectiveWatch:
-    """The watchdog's settings and this rank's board; one per process (``ACCOUNTING.watch``)."""
+    """The watchdog's settings and this rank's board; one per process (``PROCESS.watch``, ``runtime/session.py``)."""
 
     def __init__(self) -> None:
         self.timeout_s: float | None = None

@@ -35,7 +35,7 @@ import torch.fx
 from zerocompile import _torch_compat
 from zerocompile.errors import ZeroConfigError
 from zerocompile.runtime import watched_collectives  # noqa: F401  (registers the zerocompile::watched_* ops)
-from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime.session import PROCESS
 
 _c10d = torch.ops._c10d_functional
 
@@ -144,7 +144,7 @@ def watched(kind: str, x: torch.Tensor, group_name: str, *, world: int = 1, labe
     one: the caller then issues the functional collective. ``label``: the call site in its
     report (default: the innermost ``CollectiveWatch.scope``); ``kwargs``: as
     ``CollectiveWatch.start``'s."""
-    watch = ACCOUNTING.watch
+    watch = PROCESS.watch
     if not watch.on or _torch_compat.is_graph_value(x) or \
             _torch_compat.collective_backend(group_name, x.device) in (None, "fake"):
         return None

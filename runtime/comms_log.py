@@ -48,6 +48,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -166,13 +167,16 @@ def _seconds(start, end) -> float:
 
 
 class CommsLog:
-    """The process's comms logger (kept in ``ACCOUNTING.comms``, like every ``stats()`` figure):
-    the call sites the compiled graphs registered, the collectives in flight and the latencies."""
+    """One model's comms logger (its session's, ``runtime/session.py``): the call sites its
+    compiled graphs registered, the collectives in flight and the latencies. ``new_site``
+    numbers a new call site (unique in the process, so a timer op finds its log by it; by
+    default numbered from 0 in this log)."""
 
-    def __init__(self) -> None:
+    def __init__(self, new_site: Callable[[], int] | None = None) -> None:
         self.settings: CommsLoggerSettings | None = None
-        """What the newest compiled frame asked for; None: off."""
-        self.sites: list[_Site] = []
+        """What the model's newest compiled frame asked for; None: off."""
+        self.sites: dict[int, _Site] = {}
+        self._new_site = new_site if new_site is not None else (lambda: len(self.sites))
         self.started: dict = {}
         """Site index -> (start stamp, bytes) of a graph collective in flight."""
         self.totals: dict = {}
@@ -199,8 +203,9 @@ class CommsLog:
     # graph collectives (passes/comm_timers.py)
 
     def site(self, kind: str, group_size: int, label: str, out_factor: int) -> int:
-        self.sites.append(_Site(kind, group_size, label, out_factor))
-        return len(self.sites) - 1
+        index = self._new_site()
+        self.sites[index] = _Site(kind, group_size, label, out_factor)
+        return index
 
     def start(self, index: int, x: torch.Tensor) -> None:
         site = self.sites[index]
@@ -213,7 +218,7 @@ class CommsLog:
         site = self.sites[index]
         self._add(site.kind, site.label, begun[1], site.group_size, begun[0], _stamp(device))
 
-    # eager collectives (counted with ``ACCOUNTING.record`` right before they are issued)
+    # eager collectives (counted with ``ModelSession.record`` right before they are issued)
 
     @contextlib.contextmanager
     def capturing(self, device: torch.device):

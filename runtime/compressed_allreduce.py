@@ -13,7 +13,7 @@ float32 buffer, sent as signs and scales with error feedback, in two phases.
 
 Per call a rank sends about ``2 * padded / 8`` bytes plus ``8 * world`` bytes of scales,
 instead of the ``4 * n`` of a float32 all-reduce: 1/16 of it, plus padding and scales.
-``ACCOUNTING`` records the all-to-all as ``compressed_all_to_all`` and the all-gather as
+The model's session records the all-to-all as ``compressed_all_to_all`` and the all-gather as
 ``compressed_all_gather`` (full buffers, as for the other kinds), so ``zerocompile.stats()``
 lists them. At world size 1 there is nothing to average: the buffer comes back unchanged and
 the errors stay as they are (as in DeepSpeed).
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup, start_all_gather_flat, start_all_to_all
 from zerocompile.runtime.sign_compression import scale_of, sign_pack, sign_unpack
 
@@ -84,11 +83,12 @@ def decompress(gathered: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def compressed_allreduce(x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                         group: CommGroup) -> torch.Tensor:
+                         group: CommGroup, session) -> torch.Tensor:
     """The compressed average over ``group`` of the float32 ``x`` (any shape): a new tensor of
     ``x``'s shape, the same on every rank. ``worker_error`` (``padded_size(x.numel(), world)``
     elements) and ``server_error`` (``1 / world`` of that) are this rank's error-feedback
-    buffers, updated in place."""
+    buffers, updated in place. ``session``: the model's ``ModelSession``, which counts the
+    collectives."""
     world = group.world
     if world == 1:
         return x.clone()
@@ -97,10 +97,10 @@ def compressed_allreduce(x: torch.Tensor, worker_error: torch.Tensor, server_err
                          f"elements for a buffer of {x.numel()} at world size {world}")
     send = worker_compress(x.to(torch.float32), worker_error, world)
     row = send.shape[1]
-    ACCOUNTING.record("compressed_all_to_all", send.numel())
+    session.record("compressed_all_to_all", send.numel())
     received = _c10d.wait_tensor(start_all_to_all(send.reshape(-1), [row] * world, [row] * world,
                                                   group.name)).view(world, row)
     mine = server_compress(received, server_error)
-    ACCOUNTING.record("compressed_all_gather", world * mine.numel())
+    session.record("compressed_all_gather", world * mine.numel())
     gathered = _c10d.wait_tensor(start_all_gather_flat(mine, world, group.name)).view(world, row)
     return decompress(gathered, x.numel()).view(x.shape).to(x.dtype)

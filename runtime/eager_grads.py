@@ -31,7 +31,7 @@ from collections import defaultdict
 
 import torch
 
-from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime.session import PROCESS
 from zerocompile.runtime.comm import all_reduce, is_fake_group
 from zerocompile.runtime.raw_grad import raw_grad, set_raw_grad
 from zerocompile.runtime.sharded_param import ShardedParam
@@ -106,8 +106,9 @@ class EagerGradients:
                                  [not (id(sp) in self.ended and id(sp) not in self.missed) for sp in states],
                                  [id(sp) in self.seen for sp in states]], dtype=torch.uint8, device=states[0].device)
             if group.world > 1 and not is_fake_group(group) and states[0].device.type != "meta":
-                with ACCOUNTING.comms.timed(rows.device, _LABEL):
-                    ACCOUNTING.record("all_reduce", rows.numel())
+                session = states[0].session or PROCESS.outside
+                with session.comms.timed(rows.device, _LABEL):
+                    session.record("all_reduce", rows.numel())
                     rows = all_reduce(rows, "max", group.name)
             leftover, late, anywhere = rows.tolist()
             items = []
@@ -141,7 +142,8 @@ def _reduce_into_shards(items: list) -> list:
         choice = next((sp.gradient_reduction for sp, _ in pairs if sp.gradient_reduction is not None), None)
         bucket = int(min(sp.bucket_mb for sp, _ in pairs) * 2**20)     # 0: one tensor per collective
         shards = reduce_scatter_mean([(g, sp.padded_numel) for sp, g in pairs], group, bucket, reduce_dtype,
-                                     choice.kind_for if choice is not None else None, label=_LABEL)
+                                     choice.kind_for if choice is not None else None, label=_LABEL,
+                                     session=pairs[0][0].session or PROCESS.outside)
         with torch.no_grad():
             for (sp, grad), shard_grad in zip(pairs, shards):
                 shard_grad = shard_grad.to(sp.dtype)

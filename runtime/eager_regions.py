@@ -45,7 +45,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from zerocompile import _torch_compat
 from zerocompile.errors import CollectiveMismatchError
-from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime.session import PROCESS
 from zerocompile.runtime.comm import all_gather_flat, is_fake_group
 from zerocompile.runtime.eager_flops import EagerFlops
 from zerocompile.runtime.eager_grads import EagerGradients
@@ -132,10 +132,24 @@ class EagerRegions:
         self.needs_flush = False
         """An eager unit ran a forward with autograd on since the last flush: the next backward
         ends with the agreement and reduction, on every rank."""
-        self.flops = EagerFlops(_record_flops)
+        self.flops = EagerFlops(self._record_flops)
         """Counts the FLOPs of the eager forwards (``runtime/eager_flops.py``), entered while
         one runs (``counting``)."""
         self.counting = False
+        self._session = None
+
+    def session(self):
+        """The model's ``ModelSession`` (``runtime/session.py``; given when the regions are
+        installed, else its parameters' shard states'): it counts and times what the eager units
+        gather and the FLOPs they run. ``PROCESS.outside`` before any has one."""
+        if self._session is None:
+            self._session = next((sp.session for unit in self.units for sp in unit.states()
+                                  if sp.session is not None), None)
+        return self._session or PROCESS.outside
+
+    def _record_flops(self, module: tuple, flops: int, backward: bool) -> None:
+        """``EagerFlops``' counts go where the compiled graphs' do (the model's session)."""
+        self.session().record_eager_flops(module, flops, backward)
 
     # -- forward --------------------------------------------------------------------------
     def enter(self, unit: EagerUnit, args, kwargs) -> None:
@@ -144,7 +158,7 @@ class EagerRegions:
         call.states = unit.states()
         freed = [sp for sp in call.states if sp.values_freed()]
         if freed and freed[0].group.world > 1:
-            with ACCOUNTING.comms.timed(freed[0].device, "eager forward gather"):
+            with self.session().comms.timed(freed[0].device, "eager forward gather"):
                 self.check_position(unit.index, freed[0].group, freed[0].device)
                 _hold(call.states)
         else:
@@ -183,7 +197,7 @@ class EagerRegions:
         if is_fake_group(group) or device.type == "meta":
             return      # zerocompile plan: no rank to disagree with
         every = all_gather_flat(torch.tensor([position], dtype=torch.int64, device=device), group.world, group.name)
-        ACCOUNTING.record("all_gather", every.numel() * every.element_size())
+        self.session().record("all_gather", every.numel() * every.element_size())
         ids = every.tolist()
         if len(set(ids)) == 1:
             return
@@ -283,7 +297,7 @@ class EagerRegions:
         if not self.active:
             return False
         call = self.active[-1]
-        with ACCOUNTING.comms.timed(sp.device, "eager forward gather"):
+        with self.session().comms.timed(sp.device, "eager forward gather"):
             _hold([sp])
         call.borrowed.append(sp)
         return True
@@ -295,7 +309,7 @@ class EagerRegions:
             return
         call.in_backward = True
         needed = call.needed()
-        with ACCOUNTING.comms.timed(needed[0].device if needed else torch.device("cpu"), "eager backward gather"):
+        with self.session().comms.timed(needed[0].device if needed else torch.device("cpu"), "eager backward gather"):
             _hold(needed)
         self.open_backward.append(call)
         self.queue_end_of_backward()
@@ -348,13 +362,8 @@ def _hold(states) -> None:
     """``hold`` each state, counting the all-gathers that gathers for ``zerocompile.stats()``."""
     for sp in states:
         if sp.values_freed() and sp.group.world > 1:
-            ACCOUNTING.record("all_gather", sp.padded_numel * sp.param.element_size())
+            (sp.session or PROCESS.outside).record("all_gather", sp.padded_numel * sp.param.element_size())
         sp.hold()
-
-
-def _record_flops(module: tuple, flops: int, backward: bool) -> None:
-    """``EagerFlops``' counts go where the compiled graphs' do (``zerocompile.stats()``)."""
-    ACCOUNTING.record_eager_flops(module, flops, backward)
 
 
 def _tensors_needing_grad(tree) -> list[torch.Tensor]:
@@ -391,14 +400,17 @@ def _gradient_accumulated(param: torch.Tensor) -> None:
         sp.eager_regions.gradient_accumulated(sp)
 
 
-def install_eager_regions(roots) -> None:
+def install_eager_regions(roots, session=None) -> None:
     """Give every module under ``roots`` that owns a sharded parameter the eager unit hooks
     (once per module), and every stage-2/3 parameter the gradient hook (once per parameter).
-    The units of all ``roots`` share one ``EagerRegions`` (the first root's, or a new one)."""
+    The units of all ``roots`` share one ``EagerRegions`` (the first root's, or a new one), which
+    counts in ``session`` (the model's ``ModelSession``) where it has none yet."""
     roots = list(roots)
     if not roots:
         return
     regions = regions_of(roots) or EagerRegions()
+    if regions._session is None:
+        regions._session = session
     for root in outermost_first(roots):
         if getattr(root, _REGIONS, None) is None:
             object.__setattr__(root, _REGIONS, regions)

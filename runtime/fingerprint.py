@@ -15,7 +15,8 @@ import hashlib
 
 import torch
 
-from zerocompile.runtime.accounting import ACCOUNTING, COLLECTIVE_KINDS
+from zerocompile.runtime.accounting import COLLECTIVE_KINDS
+from zerocompile.runtime.session import PROCESS
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, is_fake_group
 
 _DTYPES = ("", "float32", "bfloat16", "float16", "float64", "int64", "int32", "int8", "uint8", "bool")
@@ -63,15 +64,16 @@ def first_difference(per_rank: list[list[int]], graph_names) -> str:
 
 
 def check_same_on_all_ranks(value: int, group: CommGroup, what: str, sequences=None,
-                            graph_names=("forward", "backward"), device=None) -> None:
+                            graph_names=("forward", "backward"), device=None, session=None) -> None:
     """All-gather ``value`` over ``group``; raise, naming the first differing collective
     of ``sequences`` when given, if any rank holds another one. ``device``: where the
-    group's collectives run (the parameters' device; CPU for gloo)."""
+    group's collectives run (the parameters' device; CPU for gloo); ``session``: the model's
+    ``ModelSession`` that counts the all-gather (None: counted outside any model)."""
     if group.world == 1 or is_fake_group(group):
         return
     mine = torch.tensor([value], dtype=torch.int64, device=device)
     values = all_gather_flat(mine, group.world, group.name).tolist()
-    ACCOUNTING.record("all_gather", 8 * group.world)
+    (session or PROCESS.outside).record("all_gather", 8 * group.world)
     differing = [rank for rank, v in enumerate(values) if v != values[0]]
     if not differing:
         return

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import torch
 
-from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, all_reduce, is_fake_group
 
 _c10d = torch.ops._c10d_functional
@@ -62,7 +61,7 @@ class Holder:
         return int(self.has_grad) | (self.layout << 1)
 
 
-def compare_holders(holders: list[Holder], group: CommGroup, device) -> list[list[int]] | None:
+def compare_holders(holders: list[Holder], group: CommGroup, device, session) -> list[list[int]] | None:
     """Every rank's ``code()`` of each holder (a ``world x len(holders)`` list), or None when
     all ranks have the same codes.
 
@@ -70,15 +69,16 @@ def compare_holders(holders: list[Holder], group: CommGroup, device) -> list[lis
     codes and its negation, which gives the largest and the smallest hash at once. Only where
     they differ, an all-gather of one int32 per holder and rank. No communication on one rank;
     on a fake group (``zerocompile plan``) and for a model on the meta device the all-reduce
-    is issued (and counted) like on a real one and reads as agreed."""
+    is issued (and counted) like on a real one and reads as agreed. ``session``: the model's
+    ``ModelSession``, which counts and times them."""
     if group.world == 1:
         return None
     codes = [h.code() for h in holders]
     digest = hashlib.sha256(repr(codes).encode()).digest()
     value = int.from_bytes(digest[:8], "little") >> 2       # fits an int64, and so does -value
     pair = torch.tensor([value, -value], dtype=torch.int64, device=device)
-    with ACCOUNTING.comms.timed(pair.device, "gradient participation check"):
-        ACCOUNTING.record("all_reduce", pair.numel() * pair.element_size())
+    with session.comms.timed(pair.device, "gradient participation check"):
+        session.record("all_reduce", pair.numel() * pair.element_size())
         reduced = all_reduce(pair, "max", group.name)
     if is_fake_group(group) or reduced.is_meta:
         return None         # one process stands for every rank, and a meta tensor holds no value
@@ -88,13 +88,13 @@ def compare_holders(holders: list[Holder], group: CommGroup, device) -> list[lis
     # the hashes differ: so may the number of holders, if the ranks' models differ
     count = torch.tensor([len(codes)], dtype=torch.int64, device=device)
     counts = all_gather_flat(count, group.world, group.name).tolist()
-    ACCOUNTING.record("all_gather", 8 * group.world)
+    session.record("all_gather", 8 * group.world)
     if len(set(counts)) > 1:
         raise RuntimeError(
             f"zerocompile: ZeroOptimizer holds {counts} gradient holders on ranks 0..{group.world - 1}: the "
             "ranks' optimizers were built over different parameters. Build it over the same model on every rank")
     mine = torch.tensor(codes, dtype=torch.int32, device=device)
-    ACCOUNTING.record("all_gather", mine.numel() * mine.element_size() * group.world)
+    session.record("all_gather", mine.numel() * mine.element_size() * group.world)
     return all_gather_flat(mine, group.world, group.name).view(group.world, -1).tolist()
 
 

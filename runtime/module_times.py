@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -32,14 +33,17 @@ class _Site:
 
 
 class ModuleTimes:
-    """The process's per-module latencies (kept in ``ACCOUNTING.module_times``)."""
+    """One model's per-module latencies (its session's, ``runtime/session.py``). ``new_site``
+    numbers a new mark site (unique in the process, so a mark finds its owner by it; by default
+    numbered from 0 here)."""
 
-    def __init__(self) -> None:
-        self.sites: list[_Site] = []
+    def __init__(self, new_site: Callable[[], int] | None = None) -> None:
+        self.sites: dict[int, _Site] = {}
+        self._new_site = new_site if new_site is not None else (lambda: len(self.sites))
         self.active = False
         """Whether the marks stamp: in the profiled step only (``arm``)."""
         self.steps_done = 0
-        """Training steps ended so far (``Accounting.end_step_flops``: an optimizer step after compiled
+        """Training steps ended so far (``ModelSession.end_step``: an optimizer step after compiled
         graphs ran, or a step of the same optimizer again; a second optimizer's step right after the
         first one ends no new step)."""
         self.last = None
@@ -64,8 +68,9 @@ class ModuleTimes:
         self.last = None
 
     def site(self, kind: str, path: str | None, cls: str = "") -> int:
-        self.sites.append(_Site(kind, path, cls))
-        return len(self.sites) - 1
+        index = self._new_site()
+        self.sites[index] = _Site(kind, path, cls)
+        return index
 
     def mark(self, index: int, device: torch.device) -> None:
         if not self.active:

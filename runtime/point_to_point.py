@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from zerocompile import _torch_compat
-from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime.session import PROCESS
 from zerocompile.runtime.shared_memory import channel_of
 
 KINDS = ("point_to_point", "shared_memory")
@@ -125,7 +125,7 @@ def _start_into(x: torch.Tensor, world: int, group_name: str, out: torch.Tensor,
                 shared_memory: bool = False) -> None:
     group = _torch_compat.process_group_named(group_name)
     works = start_point_to_point_gather(x, dist.get_rank(group), world, group, out, copy_input, shared_memory)
-    ACCOUNTING.watch.register(out, works, nbytes=out.numel() * out.element_size())
+    PROCESS.watch.register(out, works, nbytes=out.numel() * out.element_size())
 
 
 @torch.library.custom_op("zerocompile::all_gather_point_to_point", mutates_args=())
@@ -186,7 +186,7 @@ def all_gather_point_to_point_unpacked(x: torch.Tensor, world: int, group_name: 
     outs = [x.new_empty(world * chunk) for chunk in chunks]
     works = start_point_to_point_gather_unpacked(x, chunks, dist.get_rank(group), world, group, outs, copy_input,
                                                  shared_memory)
-    ACCOUNTING.watch.register(outs, works, nbytes=sum(o.numel() * o.element_size() for o in outs))
+    PROCESS.watch.register(outs, works, nbytes=sum(o.numel() * o.element_size() for o in outs))
     return outs
 
 
@@ -208,7 +208,7 @@ def reduce_scatter_point_to_point(x: torch.Tensor, reduce_op: str, world: int, g
     works, parts = start_point_to_point_reduce_scatter(x, dist.get_rank(group), world, group, copy_input,
                                                        shared_memory)
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-    ACCOUNTING.watch.register(out, works, then=lambda: sum_in_rank_order(parts, out.view(-1)), kind="reduce_scatter",
+    PROCESS.watch.register(out, works, then=lambda: sum_in_rank_order(parts, out.view(-1)), kind="reduce_scatter",
                               nbytes=x.numel() * x.element_size())
     return out
 
@@ -273,7 +273,7 @@ def _start_many(start, xs: list, outs: list, world: int, group_name: str, shared
     works, then = start(xs, outs, dist.get_rank(group), world, group, shared_memory)
     if outs:
         gathers = start is start_point_to_point_gather_into
-        ACCOUNTING.watch.register(outs[0], works, then=then, kind="all_gather" if gathers else "reduce_scatter",
+        PROCESS.watch.register(outs[0], works, then=then, kind="all_gather" if gathers else "reduce_scatter",
                                   nbytes=sum(t.numel() * t.element_size() for t in (outs if gathers else xs)))
 
 

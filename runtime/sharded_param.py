@@ -108,6 +108,9 @@ class ShardedParam:
         self.gradient_reduction = None
         """Stages 1/2: the ``ReductionChoice`` of the frame that sharded it
         (``runtime/reduction_choice.py``): which collective reduces its gradient's bucket."""
+        self.session = None
+        """The ``ModelSession`` of the model this parameter belongs to (``runtime/session.py``), set
+        when the session takes it (``ModelSession.add_state``)."""
         self.storage_freed = False
         self.materialized = False
         self.eager_holds = 0

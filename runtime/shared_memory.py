@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from zerocompile import _torch_compat
-from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime.session import PROCESS
 
 __all__ = ["CAPACITY", "CHUNK", "SharedMemoryChannel", "SharedMemoryUnavailable", "host_identity", "make_channel",
            "channel_of", "open_channel", "release_channel", "unavailable_reason"]
@@ -315,9 +315,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------- the segment
 
 
-class _OpenChannels:
+class OpenChannels:
     """The channel each process group has open in this process (keyed by the group object: a
-    group destroyed and made anew gets a new segment)."""
+    group destroyed and made anew gets a new segment); one per process (``PROCESS.service``)."""
 
     def __init__(self) -> None:
         self._by_group: dict[int, tuple[object, SharedMemoryChannel]] = {}
@@ -327,7 +327,7 @@ class _OpenChannels:
         if entry is None or entry[0] is not process_group:
             channel = make_channel(process_group, group_name, dist.get_rank(process_group),
                                    dist.get_world_size(process_group))
-            ACCOUNTING.channels.add(channel)           # zerocompile.stats().shared_memory_bytes
+            PROCESS.channels.add(channel)           # zerocompile.stats().shared_memory_bytes
             entry = self._by_group[id(process_group)] = (process_group, channel)
         return entry[1]
 
@@ -337,7 +337,6 @@ class _OpenChannels:
             del self._by_group[id(process_group)]      # its segment is unmapped once nothing holds it
 
 
-_OPEN = _OpenChannels()
 
 
 def make_channel(process_group, group_name: str, rank: int, world: int, capacity: int = CAPACITY,
@@ -416,11 +415,11 @@ def open_channel(group_name: str) -> SharedMemoryChannel:
 
 def channel_of(process_group) -> SharedMemoryChannel:
     """``open_channel`` for the ``ProcessGroup`` itself (the transfers hold it already)."""
-    return _OPEN.get(process_group, process_group.group_name)
+    return PROCESS.service(OpenChannels).get(process_group, process_group.group_name)
 
 
 def release_channel(group_name: str) -> None:
     """Drop the group's channel unless a choice of collectives needs it (``SharedMemoryChannel.needed``):
     the probe's segment, when nothing chose it, is not kept for the process's life. Every rank
     calls it at the same point (a later transfer would make a new segment, a collective)."""
-    _OPEN.release(_torch_compat.process_group_named(group_name))
+    PROCESS.service(OpenChannels).release(_torch_compat.process_group_named(group_name))

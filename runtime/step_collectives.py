@@ -2,7 +2,8 @@
 
 Tensors are grouped in order into buckets of at most ``bucket_bytes`` (a tensor larger
 than the cap gets a bucket of its own); each bucket is one collective. Every
-collective is recorded for ``zerocompile.stats()``.
+collective is recorded for ``zerocompile.stats()`` in the ``session`` given (the model's
+``ModelSession``, ``runtime/session.py``), and timed by its comms logger.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from typing import Callable
 
 import torch
 
-from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime import point_to_point  # registers the zerocompile:: point-to-point ops
 from zerocompile.runtime import comm
 from zerocompile.runtime.comm import CommGroup, pad_flat, start_all_gather_flat, start_reduce_scatter, watched
@@ -35,7 +35,7 @@ def bucket_indices(sizes: list[int], cap: int, breaks: list[bool] | None = None)
 
 
 def _two_in_flight(buckets: list[list[int]], start: Callable, finish: Callable, device: torch.device,
-                   label: str = "optimizer step") -> None:
+                   session, label: str = "optimizer step") -> None:
     """For each bucket ``k``, ``start(k, bucket)`` (fill buffer ``k % 2``, issue the collective,
     return a handle), then ``finish(handle)`` of the bucket before it: the next bucket travels
     while the previous one is read out, and a buffer is refilled only after its bucket finished.
@@ -43,7 +43,7 @@ def _two_in_flight(buckets: list[list[int]], start: Callable, finish: Callable, 
     The handle's last item is the tensor ``finish`` waits for. With the comms logger on
     (``runtime/comms_log.py``), each collective ``start`` counts is timed until that wait returns;
     with its ``blocking`` setting, each bucket finishes before the next one starts."""
-    comms = ACCOUNTING.comms
+    comms = session.comms
     blocking = comms.settings is not None and comms.settings.blocking
     pending = None
     for k, bucket in enumerate([*buckets, None]):
@@ -69,9 +69,9 @@ def _slots(count: int, numel: int, like: torch.Tensor, dtype: torch.dtype | None
 
 def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup, bucket_bytes: int,
                         reduce_dtype: torch.dtype, choose: Callable[[int], str] | None = None,
-                        label: str = "optimizer step") -> list[torch.Tensor]:
+                        label: str = "optimizer step", *, session) -> list[torch.Tensor]:
     """Average over ranks each ``(gradient, padded_numel)``; return this rank's chunks
-    (``label``: the comms logger's call site).
+    (``label``: the comms logger's call site; ``session``: the model's, which counts them).
 
     Each gradient is cast to ``reduce_dtype`` and zero-padded to ``padded_numel`` (a multiple
     of the world size) into a bucket buffer: two buffers, allocated once per call, take turns,
@@ -100,7 +100,7 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
         shared_memory = kind == "shared_memory"
         if kind in point_to_point.KINDS and all(_sendable(*grads[i], reduce_dtype) for i in bucket):
             # each gradient's rows sent from its own memory, summed into its own chunk
-            ACCOUNTING.record("reduce_scatter", n * elem)
+            session.record("reduce_scatter", n * elem)
             outs = [grads[i][0].new_empty(grads[i][1] // world) for i in bucket]
             torch.ops.zerocompile.reduce_scatter_point_to_point_into([grads[i][0].reshape(-1) for i in bucket], outs,
                                                                      world, group.name, shared_memory)
@@ -118,10 +118,10 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
             rows[:, offset : offset + chunk].copy_(g.view(world, chunk))   # casts to reduce_dtype
             offset += chunk
         if kind == "all_reduce":
-            ACCOUNTING.record("all_reduce", n * elem)
+            session.record("all_reduce", n * elem)
             started = watched("all_reduce", rows, group.name, reduce_op="sum", out=rows)
             return bucket, rows, started if started is not None else _c10d.all_reduce_(rows, "sum", group.name)
-        ACCOUNTING.record("reduce_scatter", n * elem)
+        session.record("reduce_scatter", n * elem)
         if kind in point_to_point.KINDS:
             # the buffer stays as it is until the wait: sent without a copy
             return bucket, None, torch.ops.zerocompile.reduce_scatter_point_to_point(
@@ -144,7 +144,7 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
             results[i] = mine[offset : offset + chunk]
             offset += chunk
 
-    _two_in_flight(buckets, start, finish, grads[0][0].device, label)
+    _two_in_flight(buckets, start, finish, grads[0][0].device, session, label)
     return results
 
 
@@ -158,7 +158,7 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
                       write: Callable[[int, torch.Tensor], None],
                       prepare: Callable[[list[int]], None] | None = None,
                       choose: Callable[[int], str] | None = None,
-                      places: list[torch.Tensor | None] | None = None) -> None:
+                      places: list[torch.Tensor | None] | None = None, *, session) -> None:
     """All-gather each shard; call ``write(i, rows)`` with shard ``i`` of every rank as a
     ``(world, numel_i)`` view, rank order (read it inside the call: the buffer is reused).
     ``prepare(indices)``, called for each bucket right before its shards are read, may still
@@ -195,7 +195,7 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
         nbytes = world * sum(shards[i].numel() for i in bucket) * first.element_size()
         kind = "all_gather" if choose is None else choose(nbytes)
         if places is not None and all(places[i] is not None for i in bucket) and kind in point_to_point.KINDS:
-            ACCOUNTING.record("all_gather", nbytes)
+            session.record("all_gather", nbytes)
             outs = [places[i] for i in bucket]
             torch.ops.zerocompile.all_gather_point_to_point_into([shards[i] for i in bucket], outs, world, group.name,
                                                                  kind == "shared_memory")
@@ -205,7 +205,7 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
             gathers.extend(_slots(len(buckets), world * cap, first))
         n = sum(shards[i].numel() for i in bucket)
         mine = torch.cat([shards[i].reshape(-1) for i in bucket], out=mines[k % len(mines)][:n])
-        ACCOUNTING.record("all_gather", nbytes)
+        session.record("all_gather", nbytes)
         out = gathers[k % len(gathers)][: world * n]
         if kind in point_to_point.KINDS:
             torch.ops.zerocompile.all_gather_point_to_point_out(mine, world, group.name, out, copy_input=False,
@@ -226,11 +226,11 @@ def all_gather_concat(shards: list[torch.Tensor], group: CommGroup, bucket_bytes
             write(i, rows[:, offset : offset + chunk])
             offset += chunk
 
-    _two_in_flight(buckets, start, finish, first.device)
+    _two_in_flight(buckets, start, finish, first.device, session)
 
 
 def all_reduce_mean_(tensors: list[torch.Tensor], group: CommGroup, bucket_bytes: int,
-                     reduce_dtype: torch.dtype) -> None:
+                     reduce_dtype: torch.dtype, *, session) -> None:
     """Average each tensor over ranks, in place, reducing in ``reduce_dtype``: buckets go through
     two buffers allocated once per call, reduced in place, the next one in flight while the
     previous one is copied back."""
@@ -250,7 +250,7 @@ def all_reduce_mean_(tensors: list[torch.Tensor], group: CommGroup, bucket_bytes
         for i in bucket:
             flat[offset : offset + tensors[i].numel()].copy_(tensors[i].reshape(-1))   # casts
             offset += tensors[i].numel()
-        ACCOUNTING.record("all_reduce", n * flat.element_size())
+        session.record("all_reduce", n * flat.element_size())
         return bucket, _c10d.all_reduce_(flat, "sum", group.name)
 
     def finish(bucket, out):
@@ -261,20 +261,20 @@ def all_reduce_mean_(tensors: list[torch.Tensor], group: CommGroup, bucket_bytes
             tensors[i].copy_(total[offset : offset + n].view_as(tensors[i]))
             offset += n
 
-    _two_in_flight(buckets, start, finish, tensors[0].device)
+    _two_in_flight(buckets, start, finish, tensors[0].device, session)
 
 
 def start_all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int],
-                     group: CommGroup) -> torch.Tensor:
+                     group: CommGroup, *, session) -> torch.Tensor:
     """Start an all-to-all of the flat ``send``: ``send_counts[r]`` elements to rank ``r`` (in
     rank order), ``recv_counts[r]`` from it; returns the received flat tensor, to be read after
     ``finish_all_to_all``. Recorded as the bytes this rank sends to the other ranks."""
     if group.world == 1:
         return send
     elem = send.element_size()
-    comms = ACCOUNTING.comms
+    comms = session.comms
     with comms.capturing(send.device) as issued:         # nothing without the comms logger
-        ACCOUNTING.record("all_to_all", (sum(send_counts) - send_counts[group.rank]) * elem)
+        session.record("all_to_all", (sum(send_counts) - send_counts[group.rank]) * elem)
         received = comm.start_all_to_all(send, list(recv_counts), list(send_counts), group.name)
     if issued and comms.settings.blocking:     # waited for here: finish_all_to_all's wait returns at once
         _c10d.wait_tensor(received)
@@ -284,8 +284,9 @@ def start_all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: li
     return received
 
 
-def finish_all_to_all(received: torch.Tensor) -> torch.Tensor:
-    """Wait for an all-to-all ``start_all_to_all`` started; return the received tensor."""
+def finish_all_to_all(received: torch.Tensor, *, session) -> torch.Tensor:
+    """Wait for an all-to-all ``start_all_to_all`` started (with the same ``session``); return
+    the received tensor."""
     out = _c10d.wait_tensor(received)
-    ACCOUNTING.comms.done(ACCOUNTING.comms.unhold(received), "optimizer step")
+    session.comms.done(session.comms.unhold(received), "optimizer step")
     return out

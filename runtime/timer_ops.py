@@ -1,6 +1,8 @@
 """The timer ops the comms logger and the flops profiler put into compiled graphs
-(``passes/comm_timers.py``, ``passes/module_timers.py``): each stamps the time in the process's
-accounting (``runtime/comms_log.py``, ``runtime/module_times.py``) and changes no value.
+(``passes/comm_timers.py``, ``passes/module_timers.py``): each stamps the time in the comms
+logger or flops profiler of the model whose graph it is in (``runtime/comms_log.py``,
+``runtime/module_times.py``; its site number names it, ``runtime/session.py``'s ``TimerSites``)
+and changes no value.
 
 - ``zerocompile::comm_timer_start(Tensor(a!) x, int site)``: right before a collective whose input is ``x``;
 - ``zerocompile::comm_timer_end(Tensor(a!)[] xs, int site)``: right after its waits, ``xs`` their results;
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime.session import PROCESS
 
 # the registration handle of these ops' definitions: it must live as long as the process does
 _LIBRARY = torch.library.Library("zerocompile", "FRAGMENT")
@@ -31,15 +33,21 @@ _LIBRARY.define("module_mark(Tensor(a!)[] xs, int site) -> ()")
 
 
 def _comm_timer_start(x: torch.Tensor, site: int) -> None:
-    ACCOUNTING.comms.start(site, x)
+    log = PROCESS.sites.owner(site)
+    if log is not None:
+        log.start(site, x)
 
 
 def _comm_timer_end(xs: list[torch.Tensor], site: int) -> None:
-    ACCOUNTING.comms.end(site, xs[0].device)
+    log = PROCESS.sites.owner(site)
+    if log is not None:
+        log.end(site, xs[0].device)
 
 
 def _module_mark(xs: list[torch.Tensor], site: int) -> None:
-    ACCOUNTING.module_times.mark(site, xs[0].device)
+    times = PROCESS.sites.owner(site)
+    if times is not None:
+        times.mark(site, xs[0].device)
 
 
 def _nothing(*_args) -> None:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime.session import PROCESS
 
 
 @torch.library.custom_op("zerocompile::watched_all_gather", mutates_args=())
 def watched_all_gather(x: torch.Tensor, world: int, group_name: str, site: str) -> torch.Tensor:
     """``all_gather_into_tensor(x, world, group_name)``, watched."""
-    return ACCOUNTING.watch.start("all_gather", x, group_name, site, world=world)
+    return PROCESS.watch.start("all_gather", x, group_name, site, world=world)
 
 
 @watched_all_gather.register_fake
@@ -29,7 +29,7 @@ def _all_gather_fake(x, world, group_name, site):
 @torch.library.custom_op("zerocompile::watched_reduce_scatter", mutates_args=())
 def watched_reduce_scatter(x: torch.Tensor, reduce_op: str, world: int, group_name: str, site: str) -> torch.Tensor:
     """``reduce_scatter_tensor(x, reduce_op, world, group_name)``, watched."""
-    return ACCOUNTING.watch.start("reduce_scatter", x, group_name, site, world=world, reduce_op=reduce_op)
+    return PROCESS.watch.start("reduce_scatter", x, group_name, site, world=world, reduce_op=reduce_op)
 
 
 @watched_reduce_scatter.register_fake
@@ -40,7 +40,7 @@ def _reduce_scatter_fake(x, reduce_op, world, group_name, site):
 @torch.library.custom_op("zerocompile::watched_all_reduce", mutates_args=())
 def watched_all_reduce(x: torch.Tensor, reduce_op: str, group_name: str, site: str) -> torch.Tensor:
     """``all_reduce(x, reduce_op, group_name)``, watched."""
-    return ACCOUNTING.watch.start("all_reduce", x, group_name, site, reduce_op=reduce_op)
+    return PROCESS.watch.start("all_reduce", x, group_name, site, reduce_op=reduce_op)
 
 
 @watched_all_reduce.register_fake
@@ -52,7 +52,7 @@ def _all_reduce_fake(x, reduce_op, group_name, site):
 def watched_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str,
                        site: str) -> torch.Tensor:
     """``all_to_all_single(x, out_splits, in_splits, group_name)``, watched."""
-    return ACCOUNTING.watch.start("all_to_all", x, group_name, site, out_splits=out_splits, in_splits=in_splits)
+    return PROCESS.watch.start("all_to_all", x, group_name, site, out_splits=out_splits, in_splits=in_splits)
 
 
 @watched_all_to_all.register_fake
@@ -63,7 +63,7 @@ def _all_to_all_fake(x, out_splits, in_splits, group_name, site):
 @torch.library.custom_op("zerocompile::watched_all_gather_into", mutates_args=("out",))
 def watched_all_gather_into(x: torch.Tensor, world: int, group_name: str, site: str, out: torch.Tensor) -> None:
     """``all_gather_into_tensor_out(x, world, group_name, out=out)``, watched (eager only)."""
-    ACCOUNTING.watch.start("all_gather", x, group_name, site, world=world, out=out)
+    PROCESS.watch.start("all_gather", x, group_name, site, world=world, out=out)
 
 
 @watched_all_gather_into.register_fake
@@ -74,7 +74,7 @@ def _all_gather_into_fake(x, world, group_name, site, out):
 @torch.library.custom_op("zerocompile::watched_all_reduce_", mutates_args=("x",))
 def watched_all_reduce_(x: torch.Tensor, reduce_op: str, group_name: str, site: str) -> None:
     """``all_reduce_(x, reduce_op, group_name)`` in place, watched (eager only)."""
-    ACCOUNTING.watch.start("all_reduce", x, group_name, site, reduce_op=reduce_op, out=x)
+    PROCESS.watch.start("all_reduce", x, group_name, site, reduce_op=reduce_op, out=x)
 
 
 @watched_all_reduce_.register_fake

@@ -85,7 +85,7 @@ def test_dense_span():
 def test_a_copy_reloads_bitwise_in_its_own_strides_and_its_region_is_reused(tmp_path, dtype):
     t = (torch.randn(5, 300, 7) * 100).to(dtype).transpose(0, 2)        # dense, not contiguous
     token = offload_activation(t, "nvme", str(tmp_path))
-    store = activation_offload.stores.get("nvme", str(tmp_path))
+    store = activation_offload.stores().get("nvme", str(tmp_path))
     size = store.file.size
     out = reload_activation(token, "nvme", str(tmp_path), list(t.shape), list(t.stride()), t.dtype, t.device)
     out = _WAIT(out)
@@ -245,13 +245,13 @@ def test_the_graphs_hold_the_offload_nodes_and_the_numbers_are_bitwise(tmp_path)
     assert result["offloaded_bytes"] >= 0.5 * offloaded[2]["results"]["saved_activation_bytes"]
     # the strided q, k and v views of one projection move too: as views of their storage
     assert {k["why"] for k in result["kept"]} <= {"a graph input or a view of one", "a forward output"}
-    store = activation_offload.stores.get("nvme", str(tmp_path))
+    store = activation_offload.stores().get("nvme", str(tmp_path))
     assert store.live_slots() == 0                   # every copy read back and released
     assert store.held_bytes() == 0                   # between steps nothing waits for a backward
     assert store.buffer_bytes() == 0                 # the staging buffers freed when the backward began
     stats = zerocompile.stats()                      # every store of the process (other tests' too)
-    assert stats.offloaded_activation_bytes == sum(s.held_bytes() for s in activation_offload.stores.all())
-    assert stats.activation_buffer_bytes == sum(s.buffer_bytes() for s in activation_offload.stores.all())
+    assert stats.offloaded_activation_bytes == sum(s.held_bytes() for s in activation_offload.stores().all())
+    assert stats.activation_buffer_bytes == sum(s.buffer_bytes() for s in activation_offload.stores().all())
 
 
 def _reload_chain(reads: list, groups: dict) -> tuple:
@@ -595,7 +595,7 @@ def test_a_second_backward_reads_the_copies_again(tmp_path):
     plain = grads({})
     twice = grads({"offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0}})
     assert all(torch.equal(a, b) for a, b in zip(plain, twice))
-    assert activation_offload.stores.get("nvme", str(tmp_path)).live_slots() == 0
+    assert activation_offload.stores().get("nvme", str(tmp_path)).live_slots() == 0
 
 
 def test_cpu_on_a_cpu_model_is_a_logged_no_op(caplog):
@@ -636,7 +636,7 @@ def _ranks_worker(rank, world, path):
         out.append({"plain": (plain["losses"], plain["state"]), "offloaded": (offloaded["losses"], offloaded["state"]),
                     "moved": sum(r["results"].get("offload_activations", {}).get("offloaded_bytes", 0)
                                  for r in offloaded["reports"])})
-    out.append({"live_slots": [s.live_slots() for s in activation_offload.stores.all()]})
+    out.append({"live_slots": [s.live_slots() for s in activation_offload.stores().all()]})
     return out
 
 

@@ -161,3 +161,84 @@ def test_no_warnings_filter_is_installed_at_import():
                     and "filterwarnings" in ast.unparse(node.value.func):
                 installed.append(name)
     assert not installed, f"modules that change the warnings filters when imported: {installed}"
+
+
+SESSION_MODULE = "zerocompile.runtime.session"
+_CONTAINERS = {"dict", "list", "set", "defaultdict", "collections.defaultdict", "OrderedDict",
+               "collections.OrderedDict", "deque", "collections.deque", "weakref.WeakSet",
+               "weakref.WeakKeyDictionary", "weakref.WeakValueDictionary"}
+_MUTATORS = {"add", "append", "extend", "insert", "update", "setdefault", "pop", "popitem", "clear", "discard",
+             "remove", "appendleft"}
+STATELESS = {"zerocompile.runtime.stages._STAGE3_OFFLOAD": "a stage's rules: methods only, no attributes",
+             "zerocompile.runtime.timer_ops._LIBRARY": "torch.library's registration handle of the timer ops",
+             "zerocompile.backend._OVERRIDE": "a ContextVar: options overridden in one context, not process-wide",
+             "zerocompile.plan.HARDWARE": "a read-only mapping (MappingProxyType) of hardware presets"}
+"""Module-level instances that hold no state of the process's training, with why."""
+
+
+def _module_level_objects(tree: ast.Module) -> dict:
+    """``{name: (line, what)}`` of the module-level names bound to a container or to an instance
+    (a call of a capitalised name: ``Process()``, ``OpenChannels()``)."""
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            target, value = node.targets[0].id, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None and isinstance(node.target, ast.Name):
+            target, value = node.target.id, node.value
+        else:
+            continue
+        if target == "__all__":
+            continue
+        if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)):
+            out[target] = (node.lineno, "container")
+        elif isinstance(value, ast.Call):
+            func = ast.unparse(value.func)
+            if func in _CONTAINERS:
+                out[target] = (node.lineno, "container")
+            elif func.rpartition(".")[2].lstrip("_")[:1].isupper():
+                out[target] = (node.lineno, "instance")
+    return out
+
+
+def _mutated_names(trees: dict) -> set:
+    """Names the package mutates anywhere: ``NAME.add(...)`` (and the other mutating methods),
+    ``NAME[...] = ...``, ``del NAME[...]``, ``NAME.attr = ...``."""
+    out = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS \
+                    and isinstance(node.func.value, ast.Name):
+                out.add(node.func.value.id)
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                if isinstance(t, (ast.Subscript, ast.Attribute)) and isinstance(t.value, ast.Name):
+                    out.add(t.value.id)
+    return out
+
+
+def test_the_only_module_level_registry_is_the_session_modules():
+    """Process-wide state lives in ``runtime/session.py`` (``PROCESS``: the sessions, the watchdog,
+    the registries custom ops reach); elsewhere a module-level container the package mutates, or a
+    module-level instance of a class, is a registry that couples models to each other."""
+    trees = {name: ast.parse(path.read_text()) for name, path in modules().items()}
+    mutated = _mutated_names(trees)
+    found = []
+    for name, tree in trees.items():
+        for target, (line, what) in _module_level_objects(tree).items():
+            key = f"{name}.{target}"
+            if name == SESSION_MODULE or key in STATELESS:
+                continue
+            if what == "instance" or target in mutated:
+                found.append(f"{key} (line {line}, {what})")
+    assert not found, "module-level mutable state outside runtime/session.py (make it a session's, or " \
+        "PROCESS.service(...) for what custom ops reach):\n" + "\n".join(found)
+
+
+def test_the_registry_check_catches_one():
+    """The check above on a made-up module: a registry it must report, and constants it must not."""
+    tree = ast.parse("REG = {}\nTABLE = {'a': 1}\nHOLDER = _Holder()\ndef f(x):\n    REG[x] = 1\n")
+    objects = _module_level_objects(tree)
+    assert set(objects) == {"REG", "TABLE", "HOLDER"} and objects["HOLDER"][1] == "instance"
+    assert _mutated_names({"m": tree}) == {"REG"}
+

@@ -297,7 +297,7 @@ def test_a_rank_killed_mid_step_is_reported():
 
 # ------------------------------------------------------------------ on or off, the same numbers
 def _train_on_or_off(rank: int, world: int, timeout, inner: str) -> dict:
-    from zerocompile.runtime.accounting import ACCOUNTING
+    from zerocompile.runtime.session import PROCESS
 
     torch._dynamo.reset()
     model = make_model(MODEL)
@@ -306,7 +306,7 @@ def _train_on_or_off(rank: int, world: int, timeout, inner: str) -> dict:
     opt = zerocompile.ZeroOptimizer(compiled.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
     losses = [_train_step(compiled, opt, rank, world, step, micro=2) for step in range(3)]
     return {"losses": losses, "state": zerocompile.full_state_dict(compiled, rank0_only=False),
-            "watched": ACCOUNTING.watch.board.last}
+            "watched": PROCESS.watch.board.last}
 
 
 def _train_off_then_on(rank: int, world: int, inner: str) -> tuple:

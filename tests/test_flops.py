@@ -145,7 +145,7 @@ def test_a_dynamic_batch_is_counted_at_each_calls_size_without_recompiling():
 
 def _profiled(rank: int, world: int, out: str) -> dict:
     from zerocompile.flops_profiler import step_modules
-    from zerocompile.runtime.accounting import ACCOUNTING
+    from zerocompile.runtime.session import PROCESS
 
     torch.manual_seed(0)
     model = make_model("gpt")
@@ -168,10 +168,11 @@ def _profiled(rank: int, world: int, out: str) -> dict:
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        measured.append(ACCOUNTING.module_times.by_module())
+        session = PROCESS.session_of_model(model)
+        measured.append(session.module_times.by_module())
         if step == 1:        # the profiled step
-            flops = zerocompile.stats().flops_per_step
-            modules = step_modules(list(ACCOUNTING.frames), ACCOUNTING.step_calls)
+            flops = zerocompile.stats(model).flops_per_step
+            modules = step_modules(list(session.frames), session.step_calls)
             batch = (x, y)
     # a second training in the same process (another model, its own optimizer) gets its own
     # profile, of its own first step
@@ -186,9 +187,10 @@ def _profiled(rank: int, world: int, out: str) -> dict:
         opt.step()
         opt.zero_grad()
         if step == 0:
-            second_latency = ACCOUNTING.module_times.by_module()
+            second_latency = PROCESS.session_of_model(second).module_times.by_module()
     return {"flops": flops, "modules": modules, "batch": batch, "measured": measured, "walls": walls,
-            "second": second_latency, "after_second": ACCOUNTING.module_times.by_module()}
+            "second": second_latency, "after_second": PROCESS.session_of_model(second).module_times.by_module(),
+            "first_after_second": PROCESS.session_of_model(model).module_times.by_module()}
 
 
 def test_the_flops_profiler_reports_each_modules_flops_at_its_step(tmp_path):
@@ -244,6 +246,7 @@ def test_the_flops_profiler_reports_each_modules_flops_at_its_step(tmp_path):
     second = (tmp_path / "profile.txt.second").read_text()
     assert "profile step:                           1" in second and "blocks.0" not in second
     assert got["second"] and not set(got["second"]) & set(latency) and got["after_second"] == got["second"]
+    assert got["first_after_second"] == latency     # each model's profiler is its own (its session's)
 
 
 def _eager_parts_model(kind: str):
@@ -270,7 +273,7 @@ def test_eager_parts_count_what_flop_counter_mode_counts(kind, stage):
     from test_eager_regions import MoE
 
     from zerocompile.flops_profiler import step_modules
-    from zerocompile.runtime.accounting import ACCOUNTING
+    from zerocompile.runtime.session import PROCESS
 
     model, batch = _eager_parts_model(kind)
     reference = copy.deepcopy(model)
@@ -292,11 +295,12 @@ def test_eager_parts_count_what_flop_counter_mode_counts(kind, stage):
         opt.step()
         opt.zero_grad()
         flops = zerocompile.stats().flops_per_step
-        rows = step_modules(list(ACCOUNTING.frames), ACCOUNTING.step_calls, ACCOUNTING.step_eager_modules)
+        session = PROCESS.session_of_model(model)
+        rows = step_modules(list(session.frames), session.step_calls, session.step_eager_modules)
     assert flops == counter.get_total_flops() > 0
     assert sum(m["forward"] + m["backward"] for m in rows.values()) == flops
     if (kind, stage) != ("break", 3):       # there Dynamo compiles the code after the loop as a frame
-        assert ACCOUNTING.step_eager_modules, "the eager parts counted nothing"
+        assert session.step_eager_modules, "the eager parts counted nothing"
     if kind == "moe":
         by_module = counter.get_flop_counts()
         for i in range(len(model.layers)):

@@ -117,6 +117,7 @@ def test_auto_is_measured_once_and_the_same_on_every_rank():
 def _gather_both_ways(rank, world):
     from census import CollectiveCounter
     from zerocompile.runtime.comm import resolve_group
+    from zerocompile.runtime.session import PROCESS
     from zerocompile.runtime.step_collectives import all_gather_concat
 
     group = resolve_group()
@@ -137,7 +138,7 @@ def _gather_both_ways(rank, world):
             # 64 KiB buckets: several buckets, two in flight at a time
             all_gather_concat(shards, group, 65536, lambda i, r: rows.__setitem__(i, r.clone()),
                               choose=lambda nbytes: kind,
-                              places=replicas if how.endswith("in place") else None)
+                              places=replicas if how.endswith("in place") else None, session=PROCESS.outside)
         out[how] = (rows, dict(counter.count), counter.point_to_point,
                     [r.clone() for r in replicas] if how.endswith("in place") else None)
     return out, [s.clone() for s in shards]

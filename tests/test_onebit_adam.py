@@ -28,6 +28,7 @@ from zerocompile.runtime import cpu_extension, sign_compression as S
 from zerocompile.runtime.comm import resolve_group
 from zerocompile.runtime.compressed_allreduce import compressed_allreduce, padded_size
 from zerocompile.runtime.raw_grad import raw_grad
+from zerocompile.runtime.session import PROCESS
 from zerocompile.runtime.sharded_param import get_state
 
 STEPS, FREEZE, BATCH, LR = 20, 4, 8, 2e-3
@@ -141,7 +142,7 @@ def _allreduce_worker(rank: int, world: int) -> dict:
     for step in range(3):
         xs = [torch.randn(n, generator=g) for _ in range(world)]
         xs[0][:4] = 0.0
-        got = compressed_allreduce(xs[rank].view(17, 59), mine_w, mine_s, group)
+        got = compressed_allreduce(xs[rank].view(17, 59), mine_w, mine_s, group, PROCESS.outside)
         want = _simulate(xs, worker, server)
         rounds.append(torch.equal(got.reshape(-1), want) and torch.equal(mine_w, worker[rank])
                       and torch.equal(mine_s, server[rank]))

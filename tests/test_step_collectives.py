@@ -20,20 +20,22 @@ def _tensors(rank: int, dtype: torch.dtype) -> list[torch.Tensor]:
 
 def _worker(rank, world):
     from zerocompile.runtime.comm import resolve_group
+    from zerocompile.runtime.session import PROCESS
     from zerocompile.runtime.step_collectives import all_gather_concat, all_reduce_mean_, reduce_scatter_mean
 
     group = resolve_group(dist.group.WORLD)
+    session = PROCESS.outside      # what counts them: no model here
     out = {}
     for cap in (1, 40 * 4, 10**9):                     # bytes: one tensor per bucket, several, one bucket
         grads = _tensors(rank, torch.bfloat16)
         padded = [-(-n // world) * world for n in SIZES]
-        out[("rs", cap)] = reduce_scatter_mean(list(zip(grads, padded)), group, cap, torch.float32)
+        out[("rs", cap)] = reduce_scatter_mean(list(zip(grads, padded)), group, cap, torch.float32, session=session)
         shards = [torch.full((n // world,), float(rank * 100 + i)) for i, n in enumerate(padded)]
         seen = {}
-        all_gather_concat(shards, group, cap, lambda i, rows: seen.__setitem__(i, rows.clone()))
+        all_gather_concat(shards, group, cap, lambda i, rows: seen.__setitem__(i, rows.clone()), session=session)
         out[("ag", cap)] = [seen[i] for i in range(len(shards))]
         full = _tensors(rank, torch.float32)
-        all_reduce_mean_(full, group, cap, torch.float32)
+        all_reduce_mean_(full, group, cap, torch.float32, session=session)
         out[("ar", cap)] = full
     return out
 
@@ -63,6 +65,7 @@ P2P_SIZES = [3 * 20000, 6, 3 * 9000, 7, 3 * 40000, 3]
 def _p2p_worker(rank, world):
     from census import CollectiveCounter
     from zerocompile.runtime.comm import resolve_group
+    from zerocompile.runtime.session import PROCESS
     from zerocompile.runtime.step_collectives import reduce_scatter_mean
 
     group = resolve_group(dist.group.WORLD)
@@ -75,7 +78,7 @@ def _p2p_worker(rank, world):
         for cap in (1, 200 * 1024, 10**9):
             with CollectiveCounter() as counter:
                 chunks = reduce_scatter_mean(list(zip(grads, padded)), group, cap, torch.float32,
-                                             choose=lambda nbytes: kind)
+                                             choose=lambda nbytes: kind, session=PROCESS.outside)
             out[(kind, cap)] = (chunks, counter.point_to_point, dict(counter.count), dict(counter.bytes))
     return out, all(torch.equal(a, b) for a, b in zip(grads, kept))
 

@@ -18,7 +18,8 @@ from zerocompile.optim.onebit_adam import OneBitAdam          # DeepSpeed's 1-bi
 from zerocompile.optim.zero_one_adam import ZeroOneAdam       # DeepSpeed's 0/1 Adam (stage 0)
 from zerocompile.pretrained import load_pretrained, materialize, save_pretrained
 from zerocompile.runtime.leaf_modules import set_leaf_modules
-from zerocompile.runtime.accounting import ZeroStats, frame_reports, reset_stats, stats
+from zerocompile.runtime.accounting import ZeroStats
+from zerocompile.runtime.session import frame_reports, reset_stats, stats
 from zerocompile.state_dict import full_state_dict, gathered_parameters
 
 __all__ = [

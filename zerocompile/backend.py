@@ -12,7 +12,7 @@ from zerocompile import _torch_compat, env
 from zerocompile.capture import compile_frame
 from zerocompile.config import ZeroConfig, options_needing_a_new_trace
 from zerocompile.errors import CollectiveMismatchError, ZeroConfigError
-from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime.session import PROCESS
 
 log = logging.getLogger("zerocompile")
 
@@ -63,7 +63,7 @@ def recompile_with_overriding_options(options: dict) -> int:
     option sets on one trace of a script with it."""
     if _OVERRIDE.get() is None:
         raise RuntimeError("recompile_with_overriding_options needs an enclosing overriding_options()")
-    runners = sorted(ACCOUNTING.frames, key=lambda r: r.order)
+    runners = PROCESS.frames()
     configs = []
     for runner in runners:
         cfg = ZeroConfig.from_options(_merged(runner.script_options, options))

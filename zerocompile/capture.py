@@ -37,7 +37,8 @@ from zerocompile.passes.flop_count import evaluate, size_symbols
 from zerocompile.passes.manager import pipeline, run_passes
 from zerocompile.passes.module_timers import insert_module_marks
 from zerocompile.passes.watch_collectives import watch_collectives
-from zerocompile.runtime.accounting import ACCOUNTING, CollectiveSummary
+from zerocompile.runtime.accounting import CollectiveSummary
+from zerocompile.runtime.session import PROCESS, ModelSession
 from zerocompile.runtime.comm import CommGroup, is_fake_group, resolve_group
 from zerocompile.runtime.reduction_choice import gradient_reduction
 from zerocompile.runtime.eager_regions import (eager_only_parameters, install_eager_regions, outermost_first,
@@ -54,6 +55,8 @@ class FrameRunner:
 
     def __init__(self, compiled, plans: list, partitioner: ZeroPartitioner, frame: str,
                  roots: list, source: "_TracedFrame"):
+        self.session: ModelSession = source.session
+        """The model's session: it counts this frame's collectives and FLOPs."""
         self.compiled = compiled
         self.plans = plans
         self.partitioner = partitioner
@@ -78,7 +81,7 @@ class FrameRunner:
         self.order = time.monotonic_ns()  # compile order, for frame_reports()
         self.dump_root = partitioner.ctx.config.dump or env.dump_dir()
         """Where this frame's graphs are dumped (None: no dump); the optimizer step records there too."""
-        ACCOUNTING.frames.add(self)
+        self.session.frames.add(self)
 
     @property
     def roots(self) -> list:
@@ -143,7 +146,7 @@ class FrameRunner:
         return self._flops_cache[key]
 
     def _first_run(self) -> None:
-        install_eager_regions(self._roots_without_hooks)
+        install_eager_regions(self._roots_without_hooks, self.session)
         self._roots_without_hooks = []
         summaries = [self._forward_summary(),
                      self.partitioner.backward_summary]
@@ -162,7 +165,7 @@ class FrameRunner:
         # met): checking it would be the collective that does
         if any(len(seq) for seq in sequences):
             check_same_on_all_ranks(fingerprint(sequences), self.partitioner.ctx.group, self.frame, sequences,
-                                    device=_frame_device(self.plans))
+                                    device=_frame_device(self.plans), session=self.session)
         self._checked = True
 
     def _state_of(self, arg, plan: ShardedParam) -> ShardedParam:
@@ -197,7 +200,7 @@ class FrameRunner:
         regions, position = self._position
         if regions.in_eager_forward:
             device = _frame_device(self.plans)
-            with ACCOUNTING.comms.timed(device, "eager position check"):
+            with self.session.comms.timed(device, "eager position check"):
                 regions.check_position(position, self.partitioner.ctx.group, device)
 
     def __call__(self, *args):
@@ -220,12 +223,12 @@ class FrameRunner:
         if self._new_states:
             # parameters first met now (another block run through this frame's code) were
             # freed just now: their modules get the eager unit hooks as the first run's did
-            install_eager_regions(self._hook_roots)
+            install_eager_regions(self._hook_roots, self.session)
             self._new_states = False
         regions = self._regions
         if regions is not None:
             regions.frame_runs(True)        # its ops are the frame's FLOPs, not the eager code's
-        ACCOUNTING.watch.running(self.frame, "forward" if grad_mode else "inference")
+        PROCESS.watch.running(self.frame, "forward" if grad_mode else "inference")
         try:
             out = self.compiled(*new_args)
         finally:
@@ -233,9 +236,9 @@ class FrameRunner:
                 regions.frame_runs(False)
         if grad_mode and self._loss_scale is not None:
             loss_scale.install_frame_scaling(out, args, states, self._loss_scale, self.frame)
-        ACCOUNTING.record_summary(self._forward_summary())
+        self.session.record_summary(self._forward_summary())
         flops = self._flops(args)
-        ACCOUNTING.record_flops(flops.get("forward", 0), frame=self.order)
+        self.session.record_flops(flops.get("forward", 0), frame=self.order)
         bw = self.partitioner.backward_summary
         if any(t.count for t in bw.totals.values()) or flops.get("backward"):
             tensors = [t for t in (out if isinstance(out, (list, tuple)) else [out])
@@ -243,7 +246,7 @@ class FrameRunner:
             stop = {id(a.grad_fn) for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
             node = _torch_compat.compiled_backward_node(tensors, stop)
             if node is not None:
-                node.register_prehook(functools.partial(_backward_ran, bw, flops.get("backward", 0),
+                node.register_prehook(functools.partial(_backward_ran, self.session, bw, flops.get("backward", 0),
                                                         flops.get("recompute", 0), self.order, self.frame))
             elif tensors:
                 log.warning("[%s] backward node not found: its collectives and FLOPs are missing from "
@@ -251,11 +254,12 @@ class FrameRunner:
         return out
 
 
-def _backward_ran(summary: CollectiveSummary, flops: int, recompute: int, frame: int, name: str, grads) -> None:
-    """A compiled backward is about to run: its collectives and FLOPs count."""
-    ACCOUNTING.watch.running(name, "backward")
-    ACCOUNTING.record_summary(summary)
-    ACCOUNTING.record_flops(flops, recompute, frame=frame, backward=True)
+def _backward_ran(session: ModelSession, summary: CollectiveSummary, flops: int, recompute: int, frame: int,
+                  name: str, grads) -> None:
+    """A compiled backward is about to run: its collectives and FLOPs count in the model's session."""
+    PROCESS.watch.running(name, "backward")
+    session.record_summary(summary)
+    session.record_flops(flops, recompute, frame=frame, backward=True)
 
 
 def _frame_name(gm: torch.fx.GraphModule) -> str:
@@ -265,8 +269,9 @@ def _frame_name(gm: torch.fx.GraphModule) -> str:
 
 def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group: CommGroup):
     """The shard state of each placeholder (None for non-parameters), the root modules the
-    frame's parameters were reached from, and the ids of the parameters under those roots
-    that eager-only modules own (kept full: see runtime/eager_regions.py)."""
+    frame's parameters were reached from, the ids of the parameters under those roots
+    that eager-only modules own (kept full: see runtime/eager_regions.py), and the model's
+    session (``runtime/session.py``: the one of its roots or parameters, else a new one)."""
     roots = {}
     for source in sources:
         root = _torch_compat.root_module(source) if source is not None else None
@@ -277,6 +282,8 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
     eager_owned = set()
     for root in roots.values():
         eager_owned |= eager_only_parameters(root)
+    session = PROCESS.session_for(outermost_first(roots.values()),
+                                  [get_state(ex) for ex in example_inputs if isinstance(ex, torch.nn.Parameter)], cfg)
     plans = []
     for node, source, ex in zip(placeholders, sources, example_inputs):
         if not isinstance(ex, torch.nn.Parameter):
@@ -285,18 +292,18 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
         name = (source is not None and _torch_compat.param_fqn(source)) or node.name
         state = get_state(ex)
         if state is not None and state.provisional:
-            state = _adopt_provisional(ex, state, cfg, group, keep_full=id(ex) in eager_owned)
+            state = _adopt_provisional(ex, state, cfg, group, keep_full=id(ex) in eager_owned, session=session)
         if state is None:
-            state = _shard_parameter(ex, name, cfg, group, keep_full=id(ex) in eager_owned)
+            state = _shard_parameter(ex, name, cfg, group, keep_full=id(ex) in eager_owned, session=session)
         else:
             _check_compatible(state, cfg, group, name)
         loss_scale.register(ex, cfg.loss_scale, name)
         plans.append(state)
-    _shard_model_parameters(roots.values(), cfg, group, eager_owned)
-    return plans, list(roots.values()), eager_owned
+    _shard_model_parameters(roots.values(), cfg, group, eager_owned, session)
+    return plans, list(roots.values()), eager_owned, session
 
 
-def _shard_model_parameters(roots, cfg: ZeroConfig, group: CommGroup, eager_owned: set) -> None:
+def _shard_model_parameters(roots, cfg: ZeroConfig, group: CommGroup, eager_owned: set, session: ModelSession) -> None:
     """Shard every other parameter of the modules under ``roots`` (the frame's model and the
     modules whose ``forward`` called it), frozen ones included: those that eager code uses (the
     model's own forward when a graph break in its layer loop leaves it to eager, an eager root
@@ -308,25 +315,26 @@ def _shard_model_parameters(roots, cfg: ZeroConfig, group: CommGroup, eager_owne
     for root in outermost_first(roots):
         for name, param in root.named_parameters():
             if get_state(param) is None:
-                _shard_parameter(param, name, cfg, group, keep_full=id(param) in eager_owned)
+                _shard_parameter(param, name, cfg, group, keep_full=id(param) in eager_owned, session=session)
                 loss_scale.register(param, cfg.loss_scale, name)
 
 
-def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_full: bool) -> ShardedParam:
-    """Create ``param``'s shard state (once per parameter, by the first frame that uses it)."""
+def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_full: bool,
+                     session: ModelSession) -> ShardedParam:
+    """Create ``param``'s shard state (once per parameter, by the first frame that uses it), one
+    of ``session``'s."""
     compute = cfg.param_dtype if cfg.param_dtype is not None and param.is_floating_point() else param.dtype
     state = ShardedParam(param, name, cfg.stage, group, compute, cfg.reduce_dtype, cfg.bucket_mb,
                          keep_full=keep_full, offload_optimizer=cfg.offload_optimizer,
                          offload_param=cfg.offload_param, gradient_clipping=cfg.gradient_clipping,
                          allow_unsharded=cfg.allow_unsharded, eager_grads_in_step=cfg.loss_scale is not None)
     attach_state(param, state)
-    ACCOUNTING.states.add(state)
-    ACCOUNTING.world_size = group.world
+    session.add_state(state, group.world)
     return state
 
 
 def _adopt_provisional(param, state: ShardedParam, cfg: ZeroConfig, group: CommGroup,
-                       keep_full: bool) -> ShardedParam | None:
+                       keep_full: bool, session: ModelSession) -> ShardedParam | None:
     """The first frame to use a parameter ``zerocompile.materialize`` sharded: where this
     frame shards it the same way (stage 3 over the same group, its shards in memory, not kept
     whole for an eager module) the state takes the frame's options; otherwise the full value is
@@ -344,9 +352,14 @@ def _adopt_provisional(param, state: ShardedParam, cfg: ZeroConfig, group: CommG
         state.gradient_clipping = cfg.gradient_clipping
         state.allow_unsharded = cfg.allow_unsharded
         state.provisional = False
+        if state.session is not session:
+            if state.session is not None:
+                state.session.discard_state(state)
+            session.add_state(state, group.world)
         return state
     full = state.full_from_shards()
-    ACCOUNTING.states.discard(state)
+    if state.session is not None:
+        state.session.discard_state(state)
     detach_state(param)
     with _torch_compat.plain_tensor_ops(), torch.no_grad():
         param.untyped_storage().resize_(state.numel * param.element_size())
@@ -379,10 +392,10 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     frame = _frame_name(gm)
     if _watched(cfg, group):
         # before the compile's own collectives: those of a frame compiled on some ranks only are watched too
-        ACCOUNTING.watch.configure(cfg.collective_timeout_s, cfg.collective_busy_limit_s)
-    with ACCOUNTING.watch.scope(f"compiling {frame}"):    # its collectives' label in a mismatch report
+        PROCESS.watch.configure(cfg.collective_timeout_s, cfg.collective_busy_limit_s)
+    with PROCESS.watch.scope(f"compiling {frame}"):    # its collectives' label in a mismatch report
         runner = _compile_frame(gm, example_inputs, cfg, group, frame)
-    ACCOUNTING.compile_seconds += time.perf_counter() - started
+    runner.session.compile_seconds += time.perf_counter() - started
     return runner
 
 
@@ -395,7 +408,7 @@ def _compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig, gr
     traced = _copy_graph_module(gm)
     placeholders = list(traced.graph.find_nodes(op="placeholder"))
     sources = [_torch_compat.placeholder_source(node) for node in placeholders]
-    plans, roots, eager_owned = _param_states(placeholders, sources, example_inputs, cfg, group)
+    plans, roots, eager_owned, session = _param_states(placeholders, sources, example_inputs, cfg, group)
     if cfg.offload_param.device == "cpu" and any(sp is not None and sp.device.type == "cpu" for sp in plans):
         log.info("[%s] offload_param device 'cpu': the parameters are on the CPU, so their shards already "
                  "live in host memory; nothing to offload", frame)
@@ -405,7 +418,8 @@ def _compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig, gr
         # units, the ranks check first that they all compile this frame (runtime/eager_regions.py)
         regions.check_position(regions.frame_position(fingerprint([[frame, "compile"]]), f"{frame} (compiling)"), group,
                                _frame_device(plans))
-    source = _TracedFrame(traced, sources, eager_owned, frame, torch.is_grad_enabled(), _torch_compat.dynamo_fake_mode())
+    source = _TracedFrame(traced, sources, eager_owned, frame, torch.is_grad_enabled(), session,
+                          _torch_compat.dynamo_fake_mode())
     compiled, partitioner = source.compile(cfg, plans, _gradient_reduction(cfg, group, plans, frame), example_inputs)
     _adopt_parameters(plans, roots)
     return FrameRunner(compiled, plans, partitioner, frame, roots, source)
@@ -425,8 +439,11 @@ class _TracedFrame:
     """What a frame's compile starts from: a copy of Dynamo's graph, untouched by the passes,
     and its example inputs; ``FrameRunner.recompile`` compiles it again with other pass options."""
 
-    def __init__(self, gm, sources, eager_owned: set, frame: str, grad_enabled: bool, fake_mode=None):
+    def __init__(self, gm, sources, eager_owned: set, frame: str, grad_enabled: bool, session: ModelSession,
+                 fake_mode=None):
         self.gm = gm
+        self.session = session
+        """The model's session: its comms logger and flops profiler time the graphs."""
         self.sources = sources
         self.eager_owned = eager_owned
         self.frame = frame
@@ -465,7 +482,7 @@ class _TracedFrame:
             ctx.progress = status.update
             try:
                 return _passes_and_inner_compile(_copy_graph_module(self.gm), example_inputs, self.sources,
-                                                 plans, ctx, cfg, status)
+                                                 plans, ctx, cfg, status, self.session)
             finally:
                 ctx.progress = None
 
@@ -490,7 +507,8 @@ class _TracedFrame:
         traced, with the options the frame's graphs were compiled with (``ctx``)."""
         cfg = ctx.config
         loss_scale.register(param, cfg.loss_scale, plan.name)
-        state = _shard_parameter(param, plan.name, cfg, ctx.group, keep_full=id(param) in self.eager_owned)
+        state = _shard_parameter(param, plan.name, cfg, ctx.group, keep_full=id(param) in self.eager_owned,
+                                 session=self.session)
         state.gradient_reduction = ctx.gradient_reduction
         return state
 
@@ -523,7 +541,8 @@ def _gradient_reduction(cfg: ZeroConfig, group: CommGroup, plans: list, frame: s
     return choice
 
 
-def _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx: PassContext, cfg: ZeroConfig, status):
+def _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx: PassContext, cfg: ZeroConfig, status,
+                              session: ModelSession):
     """The frame's passes (Dynamo graph, then through AOTAutograd the joint, forward and backward
     graphs) and its inner compile; returns the compiled callable and the partitioner."""
     frame, group = ctx.frame, ctx.group
@@ -549,12 +568,12 @@ def _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx: PassConte
                                          cfg.comms_logger is not None or cfg.flops_profiler is not None)
     lowerings = []
     if cfg.comms_logger is not None:
-        ACCOUNTING.comms.configure(cfg.comms_logger)
-        lowerings.append(functools.partial(insert_comm_timers, log=ACCOUNTING.comms, world=group.world, frame=frame))
+        session.comms.configure(cfg.comms_logger)
+        lowerings.append(functools.partial(insert_comm_timers, log=session.comms, world=group.world, frame=frame))
     if cfg.flops_profiler is not None:
         if cfg.flops_profiler.profile_step == 1:     # the step compiling it is the one profiled
-            ACCOUNTING.module_times.arm(True)
-        lowerings.append(functools.partial(insert_module_marks, times=ACCOUNTING.module_times))
+            session.module_times.arm(True)
+        lowerings.append(functools.partial(insert_module_marks, times=session.module_times))
     watch = functools.partial(watch_collectives, frame=frame) if _watched(cfg, group) else None
     # the timers measure what ran between them: inductor keeps the graph's order
     keep_order = (cfg.comms_logger is not None and cfg.comms_logger.blocking) or cfg.flops_profiler is not None

@@ -16,24 +16,26 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime.session import PROCESS
 
 log = logging.getLogger("zerocompile")
 
 _ROW_KEY = ("kind", "site", "group_size", "msg_bytes")
 
 
-def log_summary(show_straggler: bool = False, file=None) -> list[dict]:
+def log_summary(show_straggler: bool = False, file=None, model=None) -> list[dict]:
     """Print the comms logger's table on rank 0 and return this rank's rows (those of
     ``stats().comm_latency``, with ``straggler_ms`` when ``show_straggler``).
 
     ``show_straggler``: every rank must call it at the same point (one all-gather of the rows).
-    ``file``: where rank 0 prints (default: standard output)."""
-    comms = ACCOUNTING.comms
-    if comms.settings is None:
+    ``file``: where rank 0 prints (default: standard output). ``model``: one compiled model's
+    comms logger (default: every model's of the process, each with its own settings)."""
+    logs = [s.comms for s in PROCESS.all()] if model is None else [_session_of(model).comms]
+    on = [c for c in logs if c.settings is not None]
+    if not on:
         log.warning("zerocompile.log_summary: the comms logger is off, so there is nothing to show; turn it on "
                     "with options={'comms_logger': {'enabled': True}} (or DeepSpeed's comms_logger key)")
-    rows = comms.rows()
+    rows = [row for c in logs for row in c.rows()]
     distributed = dist.is_available() and dist.is_initialized()
     if show_straggler:
         everyone = [rows]
@@ -48,9 +50,17 @@ def log_summary(show_straggler: bool = False, file=None) -> list[dict]:
         for row in rows:
             row["straggler_ms"] = row["total_ms"] - fastest[tuple(row[k] for k in _ROW_KEY)]
     if not distributed or dist.get_rank() == 0:
-        blocking = comms.settings is None or comms.settings.blocking
+        blocking = all(c.settings.blocking for c in on)
         Console(file=file or sys.stdout, width=160).print(summary_table(rows, show_straggler, blocking))
     return rows
+
+
+def _session_of(model):
+    session = PROCESS.session_of_model(model)
+    if session is None:
+        raise ValueError(f"zerocompile.log_summary: {type(model).__name__} has no zerocompile session: compile it "
+                         "with torch.compile(model, backend='zero') and run it first")
+    return session
 
 
 def _size(n: int) -> str:

@@ -63,7 +63,7 @@ from zerocompile.optim.scaling import LossScaling, check_one_scaler
 from zerocompile.optim.state_io import StateIO
 from zerocompile.optim.step_record import StepRecord, optimizer_name
 from zerocompile.optim.monitoring import StepMonitor
-from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime.session import PROCESS
 from zerocompile.runtime.comm import CommGroup
 from zerocompile.runtime.sharded_param import get_state
 from zerocompile.runtime.zero_parameter import set_gradient_reducer
@@ -137,11 +137,14 @@ class ZeroOptimizer(Optimizer):
         self.created_ns = time.monotonic_ns()      # names it in the dump's optimizer_steps.json
         self._step_record = StepRecord()
         self._monitor = StepMonitor(self._params_view, self._params_view.layout_group)
-        ACCOUNTING.optimizers.add(self)
+        PROCESS.optimizers.add(self)
+        me = weakref.ref(self)       # the optimizer joins its model's session once its parameters are sharded
+        self._params_view.on_session.append(lambda session: session.optimizers.add(me()))
 
     # ------------------------------------------------------------------ binding and parameters
     def _bind(self) -> None:
         self._state_io.bind()
+        self._params_view.session()     # found once the first frame sharded the parameters; refuses two models'
 
     def _params(self):
         return iter(self._params_view)
@@ -303,7 +306,7 @@ class ZeroOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with ACCOUNTING.watch.scope("optimizer step"):    # its collectives' label in a mismatch report
+        with PROCESS.watch.scope("optimizer step"):    # its collectives' label in a mismatch report
             self._step(grad_scaler)
         self._monitor.after_step(self)          # the monitors' figures (the monitor option), rank 0 writes
         return loss
@@ -340,7 +343,8 @@ class ZeroOptimizer(Optimizer):
         self._end_step()
         self._collected_through = update.collect_compile_garbage(self._collected_through)
         self._step_record.end(self._step_name, self._layout_group())
-        ACCOUNTING.end_step_flops(id(self))     # what the compiled graphs ran since the last step is this step's
+        # what the model's compiled graphs ran since its last step is this step's
+        PROCESS.step_ended(self._params_view.session(), id(self))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients wherever zerocompile keeps them (parameters, replicas, shards)."""

@@ -44,7 +44,7 @@ from zerocompile import _torch_compat
 from zerocompile.passes.collective_summary import COLLECTIVE_KINDS_BY_OP, collective_group_size
 from zerocompile.errors import ZeroConfigError
 from zerocompile.passes.cost_model import DEFAULT_RATES, CostModel
-from zerocompile.runtime import accounting
+from zerocompile.runtime import accounting, session as sessions
 from zerocompile.runtime.memory_tracker import LiveStorageTracker
 
 
@@ -269,7 +269,7 @@ class StepWatcher:
         self._handle.remove()
 
     def _hook(self, optimizer, args, kwargs) -> None:
-        if any(optimizer in z.inner_optimizers() for z in list(accounting.ACCOUNTING.optimizers)):
+        if any(optimizer in z.inner_optimizers() for z in list(sessions.PROCESS.optimizers)):
             return
         self.steps += 1
         self.on_step(self.steps)
@@ -534,7 +534,7 @@ class _PlanRun:
         self.measuring.enter_context(self.tracker)
         self.measuring.enter_context(self.timer)
         self.tracker.reset_peak()
-        accounting.reset_stats()
+        sessions.reset_stats()
         if self.replayer is not None:
             self.replayer.start_measuring(self.tracker, self.timer)
 
@@ -593,7 +593,7 @@ def track_live_tensors(tracker: LiveStorageTracker, fake_mode=None) -> None:
 
 def _record(report: PlanReport, tracker: LiveStorageTracker, timer: StepTimer, step: int) -> None:
     """The figures of the step that just ended."""
-    stats = accounting.stats()
+    stats = sessions.stats()
     report.measured_step = step
     report.peak_bytes = tracker.peak
     report.model_state_bytes = {
@@ -603,9 +603,9 @@ def _record(report: PlanReport, tracker: LiveStorageTracker, timer: StepTimer, s
     report.comm = {k: {"count": getattr(stats, k).count, "bytes": getattr(stats, k).bytes,
                        "wire_bytes": getattr(stats, k).wire_bytes} for k in accounting.COLLECTIVE_KINDS}
     report.compute_s, report.comm_s, report.step_s = timer.compute_s, timer.comm_s, timer.step_s
-    states = {id(s): s for s in list(accounting.ACCOUNTING.states)}
+    states = {id(s): s for session in sessions.PROCESS.all() for s in list(session.states)}
     report.num_params = sum(s.numel for s in states.values())
-    frames = accounting.frame_reports()
+    frames = sessions.frame_reports()
     report.frames = len(frames)
     report.stages = sorted({f["stage"] for f in frames})
     report.simulated_peak_bytes = max((f["results"].get("simulated_peak_bytes", 0) for f in frames), default=0)
@@ -643,7 +643,7 @@ def _record_unsharded(report: PlanReport) -> None:
     """The parameters every rank keeps whole (no compiled frame used them), and their bytes
     and their gradients' added to the model state."""
     whole = {}
-    for opt in list(accounting.ACCOUNTING.optimizers):
+    for opt in list(sessions.PROCESS.optimizers):
         for name, p in opt.unsharded_parameters():
             whole.setdefault(id(p), (name, p))
     params = [p for _, p in whole.values()]

@@ -36,7 +36,7 @@ import torch
 from zerocompile import _torch_compat
 from zerocompile.checkpoint.layout import param_names
 from zerocompile.progress import track
-from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime.session import PROCESS, ModelSession
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, chunk_size, resolve_group
 from zerocompile.runtime.param_offload import resident_shards
 from zerocompile.runtime.sharded_param import ShardedParam, attach_state, get_state
@@ -77,12 +77,12 @@ def _own_chunk(full: torch.Tensor, group: CommGroup) -> torch.Tensor:
     return out
 
 
-def _provisional_shard(param: torch.nn.Parameter, name: str, chunk: torch.Tensor, group: CommGroup) -> ShardedParam:
+def _provisional_shard(param: torch.nn.Parameter, name: str, chunk: torch.Tensor, group: CommGroup,
+                       session: ModelSession) -> ShardedParam:
     state = ShardedParam(param, name, 3, group, param.dtype, chunk=chunk, provisional=True)
     attach_state(param, state)
     adopt(param)
-    ACCOUNTING.states.add(state)
-    ACCOUNTING.world_size = group.world
+    session.add_state(state, group.world)
     return state
 
 
@@ -102,6 +102,7 @@ def _materialize(module, init, device, process_group, fill: bool) -> None:
     device = torch.device(device) if device is not None else _default_device()
     init = init if init is not None else default_init(module)
     names = param_names(module)
+    session = PROCESS.session_for([module], [])       # the model's, which its first compiled frame takes
     done: dict[int, torch.nn.Parameter] = {}
     checksum = torch.zeros(1, dtype=torch.float64)
     for mod_name, mod in module.named_modules():
@@ -150,7 +151,7 @@ def _materialize(module, init, device, process_group, fill: bool) -> None:
                     chunk = _own_chunk(p.detach(), group)
                 else:                  # never written: the file fills the chunk
                     chunk = torch.zeros(chunk_size(p.numel(), group.world), dtype=p.dtype, device=device)
-            _provisional_shard(p, name, chunk, group)
+            _provisional_shard(p, name, chunk, group, session)
     if group.world > 1 and fill:
         sums = all_gather_flat(checksum.to(device), group.world, group.name).cpu()
         if not torch.equal(sums, sums[:1].expand_as(sums)):

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime.session import PROCESS
 from zerocompile.runtime.sharded_param import get_state
 
 
@@ -22,7 +22,7 @@ def full_state_dict(model: torch.nn.Module, rank0_only: bool = True) -> dict:
     original dtype, e.g. fp32 under bf16 training). With ``rank0_only`` (the default) only
     global rank 0 gets the tensors; the other ranks get an empty dict.
     """
-    with ACCOUNTING.watch.scope("full_state_dict"):       # its collectives' label in a mismatch report
+    with PROCESS.watch.scope("full_state_dict"):       # its collectives' label in a mismatch report
         return _full_state_dict(_unwrap(model), rank0_only)
 
 
@@ -51,7 +51,7 @@ def gathered_parameters(model: torch.nn.Module):
     rank (e.g. a seeded init); on exit each rank keeps its own chunk of the new values.
     """
     module = _unwrap(model)
-    with ACCOUNTING.watch.scope("gathered_parameters"):   # its collectives' label in a mismatch report
+    with PROCESS.watch.scope("gathered_parameters"):   # its collectives' label in a mismatch report
         states = _materialize_all(module)
     try:
         yield module

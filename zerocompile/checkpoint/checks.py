@@ -5,7 +5,7 @@ short lists their messages (and the load checks') name."""
 from __future__ import annotations
 
 from zerocompile.optimizer import ZeroOptimizer
-from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime.session import PROCESS
 from zerocompile.runtime.comm import CommGroup, agreement_digest, every_rank_holds
 
 _MAX_LISTED = 8
@@ -31,7 +31,7 @@ def check_every_rank_called(group: CommGroup, caller: str, path: str) -> None:
     collectives, which the watchdog does not see."""
     if group.world == 1:
         return
-    with ACCOUNTING.watch.scope(caller):
+    with PROCESS.watch.scope(caller):
         same = every_rank_holds(agreement_digest(str(path)), group.world, group.name)
     if not same:
         raise ValueError(f"{caller}: the ranks gave different paths (this rank: {str(path)!r}); every rank must "

@@ -13,27 +13,26 @@ from zerocompile.deepspeed_config import warn_once
 from zerocompile.optim import local_gradients
 from zerocompile.optim.params import target_of
 from zerocompile.runtime import fused_adam
-from zerocompile.runtime.accounting import ACCOUNTING
 from zerocompile.runtime.comm import CommGroup, all_reduce_sum, resolve_group
 from zerocompile.runtime.sharded_param import get_state
 from zerocompile.runtime.zero_parameter import raw_grad
 
 
-def all_reduce_scalar(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """The sum of the 0-d ``x`` over ``group`` (counted in the accounting)."""
+def all_reduce_scalar(x: torch.Tensor, group: CommGroup, session) -> torch.Tensor:
+    """The sum of the 0-d ``x`` over ``group`` (counted and timed by ``session``, the model's)."""
     if group.world == 1:
         return x
-    with ACCOUNTING.comms.timed(x.device, "optimizer step scalars"):
-        ACCOUNTING.record("all_reduce", x.numel() * x.element_size())
+    with session.comms.timed(x.device, "optimizer step scalars"):
+        session.record("all_reduce", x.numel() * x.element_size())
         return all_reduce_sum(x.reshape(1), group.world, group.name).reshape(())
 
 
-def all_reduce_max(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """The maximum of the 0-d ``x`` over ``group`` (counted in the accounting)."""
+def all_reduce_max(x: torch.Tensor, group: CommGroup, session) -> torch.Tensor:
+    """The maximum of the 0-d ``x`` over ``group`` (counted and timed by ``session``, the model's)."""
     if group.world == 1:
         return x
-    with ACCOUNTING.comms.timed(x.device, "optimizer step scalars"):
-        ACCOUNTING.record("all_reduce", x.numel() * x.element_size())
+    with session.comms.timed(x.device, "optimizer step scalars"):
+        session.record("all_reduce", x.numel() * x.element_size())
         out = torch.ops._c10d_functional.all_reduce(x.reshape(1).contiguous(), "max", group.name)
         return torch.ops._c10d_functional.wait_tensor(out).reshape(())
 
@@ -118,10 +117,10 @@ class GradClipper:
         dev = owned[0].device if owned else (replicated[0].device if replicated else torch.device("cpu"))
         if math.isinf(norm_type):
             local = torch.maximum(norm(owned, norm_type, dev), norm(replicated, norm_type, dev))
-            total = all_reduce_max(local, group) if any_sharded else local
+            total = all_reduce_max(local, group, self.params.session()) if any_sharded else local
         else:
             part = norm(owned, norm_type, dev) ** norm_type
-            summed = all_reduce_scalar(part, group) if any_sharded else part
+            summed = all_reduce_scalar(part, group, self.params.session()) if any_sharded else part
             rep = norm(replicated, norm_type, dev) ** norm_type
             total = (summed + rep) ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 
 from zerocompile.runtime.comm import CommGroup, resolve_group
 from zerocompile.runtime.compressed_allreduce import compressed_allreduce, padded_size
+from zerocompile.runtime.session import PROCESS
 from zerocompile.runtime.raw_grad import raw_grad
 
 log = logging.getLogger("zerocompile")
@@ -77,12 +78,16 @@ class CompressedAdamBase(Optimizer):
         super().__init__(params, defaults)
         self._name = name
         self._group: CommGroup | None = None
+        self._session = None
+        """The model's ``ModelSession`` (bound with the group): it counts the compressed collectives."""
         self._warned_reset = False       # the warning about error buffers of another rank, given
 
     # ------------------------------------------------------------------ protocol
-    def bind_group(self, group: CommGroup) -> None:
-        """The data-parallel group the momentum is averaged over (``ZeroOptimizer`` binds it)."""
+    def bind_group(self, group: CommGroup, session=None) -> None:
+        """The data-parallel group the momentum is averaged over and the model's session, which
+        counts those collectives (``ZeroOptimizer`` binds them)."""
         self._group = group
+        self._session = session
 
     def comm_group(self) -> CommGroup:
         """The bound group, else the default world group (world size 1 without torch.distributed)."""
@@ -153,7 +158,7 @@ class CompressedAdamBase(Optimizer):
         """The compressed average of ``x`` over the ranks with ``p``'s error buffers, masked by the
         param group's ``exp_avg_mask`` (DeepSpeed's option for entries that stay exactly zero)."""
         worker_error, server_error = self.error_buffers(state, p)
-        out = compressed_allreduce(x, worker_error, server_error, self.comm_group())
+        out = compressed_allreduce(x, worker_error, server_error, self.comm_group(), self._session or PROCESS.outside)
         mask = group.get("exp_avg_mask")
         if mask is not None:
             out.mul_(mask.to(out.device))

@@ -12,7 +12,7 @@ import torch
 
 from zerocompile import loss_scale
 from zerocompile.errors import UnshardedParametersError
-from zerocompile.runtime.accounting import frame_roots
+from zerocompile.runtime.session import frame_roots
 from zerocompile.runtime.grad_participation import (Holder, compare_holders, fill_missing, layout_differences,
                                                     participation_error)
 from zerocompile.runtime.leaf_modules import leaf_of
@@ -109,14 +109,15 @@ class GradReducer:
         if self.local_gradients is not None and self.local_gradients():
             full.clear()         # the inner optimizer averages (compressed) what it derives from them
         for (group, rd), items in full.items():
-            all_reduce_mean_([g for _, g in items], group, bucket_bytes([s for s, _ in items]), rd)
+            all_reduce_mean_([g for _, g in items], group, bucket_bytes([s for s, _ in items]), rd,
+                             session=self.params.session())
             for sp, _ in items:
                 if sp is not None:
                     sp.grad_synced = True    # p.grad is now the averaged gradient: readable
         for (group, rd), items in to_scatter.items():
             shards = reduce_scatter_mean([(item[1], item[0].padded_numel) for item in items], group,
                                          bucket_bytes([item[0] for item in items]), rd,
-                                         _reduction_chooser([item[0] for item in items]))
+                                         _reduction_chooser([item[0] for item in items]), session=self.params.session())
             for (sp, _, accumulate, scaled), shard_grad in zip(items, shards):
                 shard_grad = shard_grad.to(sp.dtype)
                 if scaled is not None:
@@ -148,7 +149,7 @@ class GradReducer:
             layout = 0 if sp is None or not sp.rules.shards_master else 1 + sp.stage
             replica = sp.replica if sp is not None and sp.rules.reduces_in_step and sp.replica is not p else None
             holders += [Holder(p, p, layout), Holder(p, replica, 0)]
-        rows = compare_holders(holders, group, self.params.device())
+        rows = compare_holders(holders, group, self.params.device(), self.params.session())
         if rows is None:
             return
         roots = {id(m): m for m in frame_roots()}

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from zerocompile.optim import local_gradients
 from zerocompile.runtime import cpu_extension, fused_adam
-from zerocompile.runtime.accounting import simulated_peak_bytes
+from zerocompile.runtime.session import simulated_peak_bytes
 from zerocompile.runtime.offload_settings import OffloadSettings
 from zerocompile.runtime.offloaded_adam import OffloadedAdam
 

@@ -46,7 +46,7 @@ def build(optimizer_class: type, choice: str, groups: list[dict], params, defaul
     if choice == "fused":
         raise ValueError(f"ZeroOptimizer(kernel='fused'): {name} has no fused kernel; use kernel='auto' or 'torch'")
     inner = optimizer_class(groups, **defaults)
-    inner.bind_group(params.layout_group())
+    inner.bind_group(params.layout_group(), params.session())
     log.info("ZeroOptimizer: %s steps with torch's kernels and averages the momentum compressed after its "
              "warm-up (runtime/compressed_allreduce.py)", name)
     return inner

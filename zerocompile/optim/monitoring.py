@@ -40,8 +40,8 @@ import torch.distributed as dist
 from zerocompile.errors import ZeroConfigError
 from zerocompile.flops_profiler import FlopsProfilerSettings, report, step_modules, with_latency
 from zerocompile.monitor import MetricWriter, MonitorSettings
-from zerocompile.runtime import accounting
-from zerocompile.runtime.accounting import ACCOUNTING
+from zerocompile.runtime import accounting, session as sessions
+from zerocompile.runtime.session import PROCESS
 from zerocompile.runtime.comm import agreement_digest, all_reduce, every_rank_holds
 
 log = logging.getLogger("zerocompile")
@@ -68,7 +68,7 @@ def log_metrics(values: dict) -> None:
             value = value.detach()
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"zerocompile.log_metrics: '{name}' = {value!r}; give a number or a one-element tensor")
-        ACCOUNTING.pending_metrics[name] = value
+        PROCESS.pending_metrics[name] = value
 
 
 def close_monitors() -> None:
@@ -76,7 +76,7 @@ def close_monitors() -> None:
     it), then flush the monitors of every ``ZeroOptimizer`` alive, close their files and end the
     W&B runs and Comet experiments they started (done at exit otherwise, without those last values;
     a script that leaves with ``os._exit`` must call it). They write nothing more afterwards."""
-    monitors = [m for m in (getattr(o, "_monitor", None) for o in list(ACCOUNTING.optimizers)) if m is not None]
+    monitors = [m for m in (getattr(o, "_monitor", None) for o in list(PROCESS.optimizers)) if m is not None]
     for monitor in sorted(monitors, key=lambda m: m.settings is None):     # one that writes takes them
         monitor.write_pending()
     for monitor in monitors:
@@ -103,10 +103,8 @@ class StepMonitor:
         self._opened = False
 
     def _frames(self) -> list:
-        """The compiled frames alive that use this optimizer's parameters."""
-        ids = {id(s) for s in self.params.states()}
-        return [runner for runner in list(ACCOUNTING.frames)
-                if any(id(sp) in ids for sp in runner.plans if sp is not None)]
+        """The compiled frames alive that use this optimizer's parameters (its model's session's)."""
+        return self.params.session().frames_using(self.params.states())
 
     def _frame_options(self, *names: str) -> list:
         """Each option of ``names`` as the frames using this optimizer's parameters set it (None:
@@ -129,14 +127,14 @@ class StepMonitor:
         elapsed_ms, self._last_end = (now - self._last_end) * 1e3, now
         grad_norm, self.grad_norm = self.grad_norm, None
         self._steps += 1
-        newest = accounting.newest_frame_order()
+        newest = sessions.newest_frame_order()
         if newest != self._looked_through:       # a frame compiled since the last look
             self._looked_through = newest
             monitor, profiler = self._frame_options("monitor", "flops_profiler")
             self.settings = self.settings or monitor
             self.profiler = self.profiler or profiler
         if self.profiler is not None:
-            times = ACCOUNTING.module_times
+            times = self.params.session().module_times
             if self._steps == self.profiler.profile_step and times.reported_at != times.steps_done:
                 # this optimizer's profiled step just ended; with two optimizers (Muon and AdamW)
                 # stepping in one training step, the first one reports it
@@ -158,7 +156,7 @@ class StepMonitor:
             metrics[f"{TAG_PREFIX}loss_scale"] = float(optimizer.loss_scale)
             metrics[f"{TAG_PREFIX}skipped_steps"] = float(optimizer.skipped_steps)
         metrics[f"{TAG_PREFIX}step_time_ms"] = elapsed_ms
-        stats = accounting.stats()
+        stats = sessions.snapshot([self.params.session()])      # this model's figures
         counters = {f"comm_bytes_{k}": getattr(stats, k).bytes
                     for k in accounting.COLLECTIVE_KINDS + accounting.COMPRESSED_KINDS}
         counters["compile_seconds"] = stats.compile_seconds
@@ -176,7 +174,7 @@ class StepMonitor:
             metrics[f"{TAG_PREFIX}recompute_flops"] = float(stats.recompute_flops_per_step)
             metrics[f"{TAG_PREFIX}achieved_tflops"] = stats.flops_per_step / max(elapsed_ms, 1e-9) / 1e9
         states = list(self.params.states())
-        simulated = accounting.simulated_peak_bytes(states)
+        simulated = sessions.simulated_peak_bytes(states)
         if simulated:
             metrics[f"{TAG_PREFIX}simulated_peak_bytes"] = float(simulated)
         device = states[0].device if states else torch.device("cpu")     # the group's (NCCL: CUDA)
@@ -198,11 +196,13 @@ class StepMonitor:
         """The flops profile of this step, printed (or written to ``output_file``) by rank 0."""
         if self._layout_group().rank != 0:
             return
-        stats = accounting.stats()
+        session = self.params.session()
+        stats = sessions.snapshot([session])
         frames = self._frames()
         # the whole model's parameters: those of every frame, whichever optimizer holds them
         numels = {sp.name: sp.numel for runner in frames for sp in runner.plans if sp is not None}
-        modules = with_latency(step_modules(frames, ACCOUNTING.step_calls, ACCOUNTING.step_eager_modules), ACCOUNTING.module_times.by_module())
+        modules = with_latency(step_modules(frames, session.step_calls, session.step_eager_modules),
+                               session.module_times.by_module())
         text = report(self.profiler, self._steps, self._layout_group().world, stats.flops_per_step,
                       stats.recompute_flops_per_step, step_ms, modules, numels)
         if self.profiler.output_file:
@@ -240,8 +240,8 @@ class StepMonitor:
     def _user_metrics(self, group, device: torch.device) -> dict:
         """``log_metrics``' values since the last step, each the mean over the ranks (collectives on
         ``device``)."""
-        pending = dict(ACCOUNTING.pending_metrics)
-        ACCOUNTING.pending_metrics.clear()
+        pending = dict(PROCESS.pending_metrics)
+        PROCESS.pending_metrics.clear()
         names = sorted(pending)
         if group.world > 1:
             # one small all-gather of a digest of the names; their lists only to name a mismatch
@@ -261,7 +261,7 @@ class StepMonitor:
     def write_pending(self) -> None:
         """``log_metrics``' values given since the last step, written at the next step's number
         (``close_monitors``); dropped with the usual warning without a monitor."""
-        if not ACCOUNTING.pending_metrics:
+        if not PROCESS.pending_metrics:
             return
         if self.settings is None or not self._opened:
             self._drop_pending()
@@ -273,19 +273,19 @@ class StepMonitor:
             self._writer.write(metrics, (self._steps + 1) * samples if samples else self._steps + 1)
 
     def _warn_dropped_at_exit(self) -> None:
-        if ACCOUNTING.pending_metrics and self.settings is not None:
+        if PROCESS.pending_metrics and self.settings is not None:
             log.warning("zerocompile.log_metrics: %d value(s) given after the last opt.step() (%s) were not written: "
                         "call zerocompile.close_monitors() on every rank at the end of training to write them",
-                        len(ACCOUNTING.pending_metrics), ", ".join(sorted(ACCOUNTING.pending_metrics)))
-            ACCOUNTING.pending_metrics.clear()
+                        len(PROCESS.pending_metrics), ", ".join(sorted(PROCESS.pending_metrics)))
+            PROCESS.pending_metrics.clear()
 
     def _drop_pending(self) -> None:
-        if ACCOUNTING.pending_metrics and not self._warned:
+        if PROCESS.pending_metrics and not self._warned:
             self._warned = True
             log.warning("zerocompile.log_metrics: no monitor is enabled, so the values are dropped; enable one "
                         "with the 'monitor' option or a DeepSpeed config's tensorboard, csv_monitor, wandb or "
                         "comet keys")
-        ACCOUNTING.pending_metrics.clear()
+        PROCESS.pending_metrics.clear()
 
     def close(self) -> None:
         """Close the writers; the monitor writes nothing more (its figures are still gathered on

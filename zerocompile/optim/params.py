@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from zerocompile.runtime.comm import CommGroup, resolve_group
+from zerocompile.runtime.session import PROCESS
 from zerocompile.runtime.sharded_param import get_state
 
 
@@ -23,6 +24,29 @@ class OptimizerParams:
     def __init__(self, param_groups: list, default_group) -> None:
         self.param_groups = param_groups
         self.default_group = default_group
+        self._session = None
+        self.on_session: list = []
+        """Called with the session once it is found (the optimizer joins it)."""
+
+    def session(self):
+        """The ``ModelSession`` of the model these parameters belong to (``runtime/session.py``),
+        found from their shard states once the first frame has sharded them and kept from then
+        on; before that, ``PROCESS.outside`` (nothing of a model ran yet). Parameters of two
+        models (two sessions) are refused: one ``ZeroOptimizer`` per model."""
+        if self._session is not None:
+            return self._session
+        found = {id(sp.session): sp for sp in self.states() if sp.session is not None}
+        if len(found) > 1:
+            names = ", ".join(f"'{sp.session.name}' (parameter '{sp.name}')" for sp in found.values())
+            raise ValueError(f"ZeroOptimizer: its parameters belong to {len(found)} compiled models ({names}); "
+                             "one ZeroOptimizer trains one model's parameters. Make one optimizer per model, or "
+                             "compile the module that holds them all")
+        if not found:
+            return PROCESS.outside
+        self._session = next(iter(found.values())).session
+        for joined in self.on_session:
+            joined(self._session)
+        return self._session
 
     def __iter__(self):
         """Each parameter once, in param-group order."""

@@ -108,7 +108,7 @@ class LossScaling:
             flag = torch.maximum(flag, found.to(device))
         for f in earlier:
             flag = torch.maximum(flag, (f.to(device) > 0).float())
-        return all_reduce_max(flag, self.params.layout_group())
+        return all_reduce_max(flag, self.params.layout_group(), self.params.session())
 
     def unscale_with(self, grad_scaler, optimizer, reduce: Callable[[], None]) -> torch.Tensor:
         """For a ``torch.amp.GradScaler``, once per iteration: reduce the gradients (``reduce``

@@ -10,7 +10,7 @@ all-to-alls, 1-bit Adam's compressed momentum. When the compiled frames dump the
 from __future__ import annotations
 
 from zerocompile.dump import record_optimizer_step
-from zerocompile.runtime.accounting import ACCOUNTING, comm_counts, dump_roots
+from zerocompile.runtime.session import PROCESS, comm_counts, dump_roots
 
 
 class StepRecord:
@@ -43,6 +43,6 @@ class StepRecord:
 def optimizer_name(optimizer, classes: list[str]) -> str:
     """``"ZeroOptimizer k (Class+Class)"``: ``k`` its position among the optimizers alive, by
     creation (the same on every rank when every rank builds them in the same order)."""
-    alive = sorted(ACCOUNTING.optimizers, key=lambda o: o.created_ns)
+    alive = sorted(PROCESS.optimizers, key=lambda o: o.created_ns)
     k = next((i for i, o in enumerate(alive) if o is optimizer), len(alive))
     return f"ZeroOptimizer {k} ({'+'.join(classes)})"

@@ -14,7 +14,7 @@ import torch
 from zerocompile.optim.grad_reduction import bucket_bytes
 from zerocompile.optim.params import target_of
 from zerocompile.runtime import fused_adam
-from zerocompile.runtime.accounting import newest_frame_order
+from zerocompile.runtime.session import newest_frame_order
 from zerocompile.runtime.param_offload import resident_shards
 from zerocompile.runtime.sharded_param import get_state
 from zerocompile.runtime.step_collectives import all_gather_concat
@@ -146,7 +146,7 @@ def after_step(params, copies: dict, step_part=None) -> None:
             all_gather_concat(shards, group, bucket_bytes([sp for sp, _, _ in items]),
                               lambda i, rows: items[i][1](rows), prepare,
                               choose=None if choice is None else choice.gather_kind_for,
-                              places=[place for _, _, place in items])
+                              places=[place for _, _, place in items], session=params.session())
     if step_part is not None:       # the buckets' updates read them: dropped once all are stepped
         _drop_shard_gradients(dropped)
 

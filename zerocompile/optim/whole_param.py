@@ -88,6 +88,8 @@ class WholeParameterOptimizer(Optimizer):
         self.optimizer_class = optimizer_class
         self.bucket_bytes = bucket_bytes
         self.layout = params.layout_group()
+        self.session = params.session()
+        """The model's ``ModelSession``: it counts and times the all-to-alls."""
         self.entries: list[_Entry] = []
         sharded = []
         for group in self.param_groups:
@@ -226,7 +228,7 @@ class WholeParameterOptimizer(Optimizer):
         pending_in = self._start_in(buckets[0])
         pending_out = None
         for k, bucket in enumerate(buckets):
-            received = finish_all_to_all(pending_in) if world > 1 else pending_in
+            received = finish_all_to_all(pending_in, session=self.session) if world > 1 else pending_in
             if k + 1 < len(buckets):
                 pending_in = self._start_in(buckets[k + 1])
             owned = [e for e in bucket if e.owner == rank]
@@ -258,7 +260,7 @@ class WholeParameterOptimizer(Optimizer):
 
     def _finish_out(self, bucket: list, pending) -> None:
         """Write the updated pieces of ``bucket`` that came back into this rank's shards."""
-        received = finish_all_to_all(pending) if self.layout.world > 1 else pending
+        received = finish_all_to_all(pending, session=self.session) if self.layout.world > 1 else pending
         by_owner = defaultdict(list)
         for e in bucket:
             by_owner[e.owner].append(e)
@@ -290,7 +292,7 @@ class WholeParameterOptimizer(Optimizer):
         if world == 1:
             return send
         recv_counts = [sum(e.sp.chunk * (2 if e.sends_master() else 1) for e in by_owner[self.layout.rank])] * world
-        return start_all_to_all(send, counts, recv_counts, self.layout)
+        return start_all_to_all(send, counts, recv_counts, self.layout, session=self.session)
 
     def _start_out(self, bucket: list, owned: list):
         """Start the all-to-all that sends each rank its pieces of the updated parameters this
@@ -309,7 +311,7 @@ class WholeParameterOptimizer(Optimizer):
         recv_counts = [0] * world
         for e in bucket:
             recv_counts[e.owner] += e.sp.chunk
-        return start_all_to_all(send, [mine] * world, recv_counts, self.layout)
+        return start_all_to_all(send, [mine] * world, recv_counts, self.layout, session=self.session)
 
 
 def _unpack_received(received: torch.Tensor, bucket: list, rank: int, world: int) -> dict:
