@@ -5,7 +5,7 @@ launched (one process per GPU, or per CPU rank), on the machines you will train 
     torchrun --nproc-per-node 8 benchmarks/calibrate_hardware.py --out my_cluster.json
     torchrun --nproc-per-node 2 benchmarks/calibrate_hardware.py --backend gloo --out here.json
 
-Every rank measures with the cost model's probe (``zerocompile.passes.cost_model.probe``): a
+Every rank measures with the cost model's probe (``zerocompile.passes.analyses.cost_model.probe``): a
 matmul and a memory-bound copy on the rank's device, and all-gathers of two sizes on the whole
 group (latency and bandwidth solved from them); every rank takes the slowest rank's figures.
 ``--nvme-path DIR`` also times the activation offload tier there (``offload_gbps``). Rank 0
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--name", default=None)
     args = parser.parse_args()
 
-    from zerocompile.passes.cost_model import probe, probe_offload
+    from zerocompile.passes.analyses.cost_model import probe, probe_offload
     from zerocompile.runtime.comm import resolve_group
     from zerocompile.runtime.offload_settings import parse_activation_offload
 

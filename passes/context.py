@@ -37,7 +37,7 @@ class PassContext:
     device: object = None
     """The ``torch.device`` of the frame's parameters (where its collectives run)."""
     cost_model: object = None
-    """The ``CostModel`` (``zerocompile.passes.cost_model``) the passes weigh decisions with."""
+    """The ``CostModel`` (``zerocompile.passes.analyses.cost_model``) the passes weigh decisions with."""
     gradient_reduction: object = None
     """Stages 1/2: the ``ReductionChoice`` (``runtime/reduction_choice.py``) of the frame's group:
     which collective reduces a gradient bucket of each size; None at other stages."""

@@ -41,7 +41,7 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerocompile.errors import ZeroConfigError
-from zerocompile.passes import param_identity
+from zerocompile.passes.analyses import param_identity
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.graph_utils import (backward_nodes, call, is_backward_node, set_tag, stable_topological_sort,
                                             tag)

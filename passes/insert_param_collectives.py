@@ -22,7 +22,7 @@ places it and marks it. The inserted op goes right before the parameter's first 
 parameter is alive only from its first use to its last.
 
 Every inserted node is tagged ``node.meta["zerocompile"] = {"role": ..., "param": name}`` and
-carries the parameter's identity (``passes/param_identity.py``), which reaches every node
+carries the parameter's identity (``passes/analyses/param_identity.py``), which reaches every node
 AOTAutograd traces from it, forward and backward.
 """
 
@@ -33,7 +33,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from zerocompile.passes import param_identity
+from zerocompile.passes.analyses import param_identity
 from zerocompile.passes.context import PassContext
 
 _INPUT_ROLES = {"": "param", "_replica": "param_replica", "_shard": "param_shard", "_file": "param_file"}

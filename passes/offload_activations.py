@@ -56,7 +56,7 @@ import torch.fx
 
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.graph_utils import call, concrete_int, set_tag, tag, tensor_nbytes
-from zerocompile.passes.liveness import is_view, storage_root
+from zerocompile.passes.analyses.liveness import is_view, storage_root
 from zerocompile.passes.recompute import numbered_block_of
 from zerocompile.runtime import activation_offload
 

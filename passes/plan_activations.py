@@ -54,11 +54,11 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerocompile.passes.context import PassContext
-from zerocompile.passes.cost_model import CostModel
+from zerocompile.passes.analyses.cost_model import CostModel
 from zerocompile.passes.graph_utils import set_tag
-from zerocompile.passes.liveness import simulate
+from zerocompile.passes.analyses.liveness import simulate
 from zerocompile.passes.offload_activations import offloadable_roots
-from zerocompile.passes.profiler import ProfiledCostModel
+from zerocompile.passes.analyses.profiler import ProfiledCostModel
 from zerocompile.passes.reshard_after_forward import GATHER_AC_GRAPH_ID
 from zerocompile.passes.recompute import (
     _RECOMPUTE_POLICIES, SavedBytesEstimator, block_time, find_blocks, first_block_id, plan_tags)

@@ -34,7 +34,7 @@ data-parallel group are replaced (an hpZ group's are not).
 
 Runs last, after ``bucketing``, ``prefetch`` and ``all_reduce_gradients`` have placed and chosen
 every collective. The collective summaries count the new ops as the collectives they replace
-(``passes/collective_summary.py``).
+(``passes/analyses/collective_summary.py``).
 """
 
 from __future__ import annotations

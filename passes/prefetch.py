@@ -34,9 +34,9 @@ import torch
 import torch.fx
 
 from zerocompile.passes.context import PassContext
-from zerocompile.passes.cost_model import CostModel
+from zerocompile.passes.analyses.cost_model import CostModel
 from zerocompile.passes.graph_utils import stable_topological_sort, tag, tensor_nbytes
-from zerocompile.passes.liveness import simulate
+from zerocompile.passes.analyses.liveness import simulate
 from zerocompile.runtime import param_offload  # noqa: F401  (registers zerocompile::fetch_shard)
 
 _c10d = torch.ops._c10d_functional

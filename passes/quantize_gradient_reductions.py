@@ -32,7 +32,7 @@ hierarchical all-to-all, so that only ``1/k`` of the bytes cross between groups 
 The new nodes keep the roles of those they replace, with ``quantized=True`` (and ``hop``
 ``"group"`` / ``"across"`` for the two hops), so ``prefetch`` moves the waits as before.
 Byte accounting counts the all-to-all as the reduce-scatter it implements
-(passes/collective_summary.py), each hop with its own group size.
+(passes/analyses/collective_summary.py), each hop with its own group size.
 """
 
 from __future__ import annotations

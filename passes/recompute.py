@@ -54,9 +54,9 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerocompile.passes.context import PassContext
-from zerocompile.passes.cost_model import CostModel
+from zerocompile.passes.analyses.cost_model import CostModel
 from zerocompile.passes.graph_utils import backward_nodes, is_backward_node, tensor_nbytes
-from zerocompile.passes.liveness import storage_root, tensors_of
+from zerocompile.passes.analyses.liveness import storage_root, tensors_of
 from zerocompile.passes.reshard_after_forward import GATHER_AC_GRAPH_ID
 
 _MB = 2**20

@@ -1,7 +1,7 @@
 """Pass (joint graph, stage 3): gather parameters again in backward instead of saving them.
 
 Finds every parameter all-gather (by the identity ``insert_param_collectives`` gave it,
-``passes/param_identity.py``), and tags the whole chain (the cast before it, the
+``passes/analyses/param_identity.py``), and tags the whole chain (the cast before it, the
 all-gather, its wait, and every view or cast of the gathered tensor downstream)
 ``CheckpointPolicy.MUST_RECOMPUTE``. The min-cut partitioner then saves only the
 shard for backward and re-gathers there. Without the tags the partitioner saves the
@@ -18,7 +18,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerocompile.passes import param_identity
+from zerocompile.passes.analyses import param_identity
 from zerocompile.runtime import param_offload  # noqa: F401  (registers zerocompile::fetch_shard)
 from zerocompile.passes.context import PassContext
 
@@ -51,7 +51,7 @@ def is_op(node, ops) -> bool:
 
 
 def parameter_gathers(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    """The all-gathers of parameters (by their identity, ``passes/param_identity.py``), in
+    """The all-gathers of parameters (by their identity, ``passes/analyses/param_identity.py``), in
     graph order."""
     return [node for node in graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default)
             if param_identity.identity(node) is not None]

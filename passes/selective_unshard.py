@@ -28,9 +28,9 @@ import math
 import torch.fx
 
 from zerocompile.passes.context import PassContext
-from zerocompile.passes.cost_model import CostModel
+from zerocompile.passes.analyses.cost_model import CostModel
 from zerocompile.passes.graph_utils import backward_nodes, is_backward_node, set_tag, tag, tensor_nbytes
-from zerocompile.passes.liveness import simulate
+from zerocompile.passes.analyses.liveness import simulate
 from zerocompile.passes.reshard_after_forward import gather_chain
 
 _MB = 2**20

@@ -3,7 +3,7 @@
 Later passes (selective unsharding, resharding, bucketing, prefetch) find the
 collectives they work on by these tags, never by node names. Which parameter a
 collective belongs to is read from the identity ``insert_param_collectives`` gave the
-node it inserted (``passes/param_identity.py``), which AOTAutograd carried to the
+node it inserted (``passes/analyses/param_identity.py``), which AOTAutograd carried to the
 collectives traced from it, forward and backward. A collective without an identity
 (e.g. the user's own) is left alone. Each gets ``node.meta["zerocompile"]``:
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from zerocompile.passes import param_identity
+from zerocompile.passes.analyses import param_identity
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.graph_utils import set_tag
 from zerocompile.passes.reshard_after_forward import gather_chain

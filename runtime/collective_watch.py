@@ -4,7 +4,7 @@
 
 How it works, per rank:
 
-- Every collective zerocompile issues, in compiled graphs (``passes/watch_collectives.py``)
+- Every collective zerocompile issues, in compiled graphs (``passes/lowerings/watch_collectives.py``)
   and in eager code (``start`` below), is started through ``torch.distributed`` with
   ``async_op=True``; its ``Work`` is wrapped in a ``WatchedWork`` and registered for the
   result tensor in c10d's registry, so the ``wait_tensor`` that graphs and eager code already

@@ -140,7 +140,7 @@ def watched(kind: str, x: torch.Tensor, group_name: str, *, world: int = 1, labe
             **kwargs) -> torch.Tensor | None:
     """Start an eager collective through the collective watchdog (``runtime/collective_watch.py``:
     its ``wait_tensor`` waits, watched); None where the watchdog is off, ``x`` is being traced
-    into a graph (which ``passes/watch_collectives.py`` handles) or the group is torch's fake
+    into a graph (which ``passes/lowerings/watch_collectives.py`` handles) or the group is torch's fake
     one: the caller then issues the functional collective. ``label``: the call site in its
     report (default: the innermost ``CollectiveWatch.scope``); ``kwargs``: as
     ``CollectiveWatch.start``'s."""

@@ -3,7 +3,7 @@ latency and bandwidth of each collective, by kind and message size.
 
 Where it measures:
 
-- **Collectives inside compiled graphs.** ``passes/comm_timers.py`` puts a
+- **Collectives inside compiled graphs.** ``passes/lowerings/comm_timers.py`` puts a
   ``zerocompile::comm_timer_start`` right before each collective it profiles and a
   ``zerocompile::comm_timer_end`` right after the collective's last ``wait_tensor`` (the ops:
   ``runtime/timer_ops.py``). Each declares that it writes the tensors it is given (it writes
@@ -200,7 +200,7 @@ class CommsLog:
     def profiles(self, kind: str) -> bool:
         return self.settings is not None and self.settings.profiles(kind)
 
-    # graph collectives (passes/comm_timers.py)
+    # graph collectives (passes/lowerings/comm_timers.py)
 
     def site(self, kind: str, group_size: int, label: str, out_factor: int) -> int:
         index = self._new_site()

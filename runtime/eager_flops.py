@@ -1,6 +1,6 @@
 """The FLOPs of code Dynamo leaves to eager (``runtime/eager_regions.py``), counted per module.
 
-Compiled graphs are counted once per compile from their FX graphs (``passes/flop_count.py``) and
+Compiled graphs are counted once per compile from their FX graphs (``passes/analyses/flop_count.py``) and
 added at each run. Eager code has no graph to count, so while an eager unit's forward runs (the
 model's forward around a graph break in its layer loop, an eager root calling compiled blocks, a
 leaf module) a dispatch mode counts each op with torch's own FLOP formulas (the ones

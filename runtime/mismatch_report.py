@@ -6,7 +6,7 @@ A *site* names one collective: ``where|graph|index|count|kind|bytes|params``, wh
 is the frame (or, for eager code, the call's label), ``graph`` one of ``forward``,
 ``backward``, ``inference`` or ``eager``, ``index`` its place among the graph's ``count``
 collectives (-1 in eager code), and ``params`` the parameters it carries, comma-separated.
-Graph sites are fixed when the graph is compiled (``passes/watch_collectives.py``).
+Graph sites are fixed when the graph is compiled (``passes/lowerings/watch_collectives.py``).
 
 Rules, for a rank that waited past the timeout at its site:
 

@@ -1,8 +1,8 @@
 """The flops profiler's per-module latency (``flops_profiler`` option): the time each module's ops
 took in the profiled step, measured in the compiled graphs.
 
-``passes/module_timers.py`` splits each final graph into segments, each a run of consecutive ops of
-one module (the innermost module Dynamo recorded for the op, as ``passes/flop_count.py`` counts
+``passes/lowerings/module_timers.py`` splits each final graph into segments, each a run of consecutive ops of
+one module (the innermost module Dynamo recorded for the op, as ``passes/analyses/flop_count.py`` counts
 its FLOPs), and puts a ``zerocompile::module_mark`` (``runtime/timer_ops.py``) at each
 boundary. A mark stamps the time; the time from one mark to the next is the ending segment's,
 added to its module. The first mark of a graph only starts the clock.

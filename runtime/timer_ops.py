@@ -1,5 +1,5 @@
 """The timer ops the comms logger and the flops profiler put into compiled graphs
-(``passes/comm_timers.py``, ``passes/module_timers.py``): each stamps the time in the comms
+(``passes/lowerings/comm_timers.py``, ``passes/lowerings/module_timers.py``): each stamps the time in the comms
 logger or flops profiler of the model whose graph it is in (``runtime/comms_log.py``,
 ``runtime/module_times.py``; its site number names it, ``runtime/session.py``'s ``TimerSites``)
 and changes no value.

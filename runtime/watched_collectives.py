@@ -1,7 +1,7 @@
 """zerocompile's collectives as the collective watchdog runs them (``runtime/collective_watch.py``):
 ``torch.library`` ops that start the collective through ``torch.distributed`` and register its
 ``Work`` for the result, so that ``wait_tensor`` waits through the watchdog. In compiled graphs
-``passes/watch_collectives.py`` puts them in place of the functional collectives, with each one's
+``passes/lowerings/watch_collectives.py`` puts them in place of the functional collectives, with each one's
 site (each has a fake kernel of the functional collective's shape; inductor calls it as an extern
 kernel); eager code calls them through ``runtime/comm.py: watched``, so that a dispatch mode (a
 test's census) sees every collective as one op, in graphs and out. The ``_into`` and ``_``

@@ -26,7 +26,7 @@ from models import make_batch, make_model
 from zerocompile.config import ZeroConfig
 from zerocompile.deepspeed_config import translate_deepspeed
 from zerocompile.errors import SwapFileError, ZeroConfigError
-from zerocompile.passes.cost_model import CostModel
+from zerocompile.passes.analyses.cost_model import CostModel
 from zerocompile.passes.graph_utils import tensor_nbytes
 from zerocompile.runtime import activation_offload
 from zerocompile.runtime.activation_offload import FileStore, dense_span, offload_activation, reload_activation
@@ -368,7 +368,7 @@ def _joint_graph_of_gpt() -> torch.fx.Graph:
 
 
 def test_the_probe_times_the_disk_and_leaves_no_file(tmp_path):
-    from zerocompile.passes.cost_model import probe_offload
+    from zerocompile.passes.analyses.cost_model import probe_offload
     from zerocompile.runtime.comm import CommGroup
     from zerocompile.runtime.offload_settings import parse_activation_offload
 
@@ -421,7 +421,7 @@ def test_the_planner_offloads_single_tensors_until_the_budget_fits():
     hidden = choose(graph, everything["baseline"] - 1, CostModel(offload_bandwidth=1e9), 0, overlap=True)
     assert hidden["outside"] == [] and len(hidden["offloaded"]) == 1
     # measured transfer times replace the rate: a size measured as slow is offloaded last
-    from zerocompile.passes.profiler import ProfiledCostModel
+    from zerocompile.passes.analyses.profiler import ProfiledCostModel
 
     slow_largest = ProfiledCostModel(offload_bandwidth=1e9, flops_per_s=1.0, memory_bandwidth=1.0,
                                      offload_seconds={largest: 1e3})

@@ -1,4 +1,4 @@
-"""The comms logger (``runtime/comms_log.py``, ``passes/comm_timers.py``, ``zerocompile.log_summary``):
+"""The comms logger (``runtime/comms_log.py``, ``passes/lowerings/comm_timers.py``, ``zerocompile.log_summary``):
 DeepSpeed's ``comms_logger`` key. On 2 ranks every collective the step issues is timed once: the
 timed count and bytes per kind equal a dispatch-mode count of the collective ops that ran
 (``census.CollectiveCounter``, independent of zerocompile's accounting) and what ``stats()``

@@ -15,9 +15,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from zerocompile.dump import DumpRecorder, recorder_for, safe_name
 from zerocompile.env import DUMP_ENV
 from zerocompile.runtime.accounting import COLLECTIVE_KINDS
-from zerocompile.passes.collective_summary import summarize_collectives
+from zerocompile.passes.analyses.collective_summary import summarize_collectives
 from zerocompile.passes.graph_utils import set_tag
-from zerocompile.passes.liveness import simulate
+from zerocompile.passes.analyses.liveness import simulate
 from zerocompile.runtime.comm import CommGroup
 
 c10d = torch.ops._c10d_functional

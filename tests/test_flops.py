@@ -1,5 +1,5 @@
 """``zerocompile.stats().flops_per_step``: the FLOPs this rank's compiled graphs ran in the last
-optimizer step, counted per graph by torch's formulas (``passes/flop_count.py``) and added up per
+optimizer step, counted per graph by torch's formulas (``passes/analyses/flop_count.py``) and added up per
 frame call, against ``torch.utils.flop_counter.FlopCounterMode`` on an uncompiled copy of the
 model running the same batch (the issue asks for 2%; the counts are equal)."""
 

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from dist_utils import cli_child, start_cli, start_fresh
 from zerocompile.graph_replay import GraphReplay, replayable_graph
 from zerocompile.plan import StepTimer
-from zerocompile.passes.cost_model import CostModel
+from zerocompile.passes.analyses.cost_model import CostModel
 from zerocompile.runtime.memory_tracker import LiveStorageTracker
 
 REPO = Path(__file__).resolve().parent.parent

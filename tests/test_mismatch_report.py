@@ -1,5 +1,5 @@
 """The collective watchdog's judgement (``runtime/mismatch_report.py``) on made-up reports, one
-case per rule and per likely cause; the watchdog lowering (``passes/watch_collectives.py``) on a
+case per rule and per likely cause; the watchdog lowering (``passes/lowerings/watch_collectives.py``) on a
 graph; the option's checks; the watched wait's plumbing in one process (a peer's verdict ends it
 early). The multi-rank cases, with real hangs, are in ``test_collective_watch.py``."""
 
@@ -127,7 +127,7 @@ def test_the_error_is_exported():
 
 
 def test_the_lowering_puts_watched_ops_with_their_sites():
-    from zerocompile.passes.watch_collectives import watch_collectives
+    from zerocompile.passes.lowerings.watch_collectives import watch_collectives
     from zerocompile.runtime import watched_collectives  # noqa: F401
 
     c10d = torch.ops._c10d_functional

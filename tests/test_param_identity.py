@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import zerocompile
 import zoo
-from zerocompile.passes import param_identity
+from zerocompile.passes.analyses import param_identity
 from dist_utils import run_ranks
 from harness import train_on_rank_slices
 

@@ -21,10 +21,10 @@ from zerocompile.config import ZeroConfig
 from zerocompile.passes.bucketing import Member, block_of, bucket_collectives, plan_buckets
 from zerocompile.passes.cast_before_gather import cast_before_gather
 from zerocompile.passes.context import PassContext
-from zerocompile.passes.cost_model import CostModel, node_flops
+from zerocompile.passes.analyses.cost_model import CostModel, node_flops
 from zerocompile.passes.graph_utils import set_tag, stable_topological_sort, tag
 from zerocompile.passes.insert_param_collectives import insert_param_collectives
-from zerocompile.passes.liveness import saved_activation_bytes, simulate
+from zerocompile.passes.analyses.liveness import saved_activation_bytes, simulate
 from zerocompile.passes.prefetch import delay_reduce_waits, prefetch_gathers
 from zerocompile.passes.selective_unshard import choose_kept
 from zerocompile.runtime import param_ops

@@ -12,11 +12,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerocompile.config import ZeroConfig
-from zerocompile.passes.collective_summary import summarize_collectives
+from zerocompile.passes.analyses.collective_summary import summarize_collectives
 from zerocompile.passes.context import PassContext
 from zerocompile.passes.insert_param_collectives import insert_param_collectives
 from zerocompile.passes.manager import pipeline, run_passes
-from zerocompile.passes import param_identity
+from zerocompile.passes.analyses import param_identity
 from zerocompile.passes.reshard_after_forward import gather_chain, parameter_gathers, tag_parameter_gathers
 from zerocompile.runtime import param_ops
 from zerocompile.runtime.comm import CommGroup

@@ -16,7 +16,7 @@ import torch
 
 from dist_utils import run_cli, run_script_ranks
 from zerocompile.cli import main
-from zerocompile.passes.cost_model import CostModel
+from zerocompile.passes.analyses.cost_model import CostModel
 from zerocompile.plan import (HARDWARE, ScalarReadsAreZero, StepTimer, gradient_reduction_line, hardware_from,
                               node_local_groups, plan_options)
 

@@ -1,4 +1,4 @@
-"""``options={"profile": True}`` (passes/profiler.py): the cost model measured on the graph.
+"""``options={"profile": True}`` (passes/analyses/profiler.py): the cost model measured on the graph.
 
 Unit tests on small traced graphs (what is timed, what keeps its estimate, the fit, the
 random-number state left as it was, decisions that follow the measured times), and a
@@ -17,9 +17,9 @@ from test_pass_units import WORLD, _forward_inputs, _tagged, _with_compute_betwe
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from zerocompile.config import ZeroConfig, ZeroConfigError
-from zerocompile.passes.cost_model import CostModel
+from zerocompile.passes.analyses.cost_model import CostModel
 from zerocompile.passes.prefetch import prefetch_gathers
-from zerocompile.passes.profiler import (ProfiledCostModel, fit_alpha_beta, gather_sizes, op_signature,
+from zerocompile.passes.analyses.profiler import (ProfiledCostModel, fit_alpha_beta, gather_sizes, op_signature,
                                          profile_graph)
 from zerocompile.runtime.comm import CommGroup
 
@@ -181,7 +181,7 @@ def test_gathers_are_timed_the_same_number_of_times_on_every_rank(monkeypatch):
     """An op slow to warm up is timed once more, not three times; a collective never is,
     since ranks that warm up at different speeds would then issue different numbers of
     gathers and hang."""
-    from zerocompile.passes import profiler
+    from zerocompile.passes.analyses import profiler
 
     calls = []
     monkeypatch.setattr(profiler, "_SLOW_OP_S", 0.0)                   # every warm-up counts as slow

@@ -25,8 +25,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from zerocompile import _torch_compat, inner_compilers
 from zerocompile.config import ZeroConfig
 from zerocompile.passes.context import PassContext
-from zerocompile.passes.cost_model import CostModel
-from zerocompile.passes.liveness import saved_activation_bytes
+from zerocompile.passes.analyses.cost_model import CostModel
+from zerocompile.passes.analyses.liveness import saved_activation_bytes
 from zerocompile.passes.recompute import find_blocks, module_path, recompute
 from zerocompile.runtime.comm import CommGroup
 

@@ -211,7 +211,7 @@ def test_a_compile_run_again_traces_in_dynamos_fake_mode_with_the_callers_modes_
 
 
 def test_custom_node_meta_reaches_the_joint_graph_forward_and_backward():
-    """``passes/param_identity.py`` relies on AOTAutograd copying ``node.meta["custom"]`` of a
+    """``passes/analyses/param_identity.py`` relies on AOTAutograd copying ``node.meta["custom"]`` of a
     Dynamo-graph node to the nodes traced from it, and to their backward (by ``seq_nr``)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd

@@ -26,6 +26,8 @@ import torch._dynamo.funcname_cache
 import zerocompile
 import zerocompile.cli
 import zerocompile.passes
+import zerocompile.passes.analyses
+import zerocompile.passes.lowerings
 import zerocompile.runtime
 
 TORCH = ["torch._inductor.compile_fx", "torch._dynamo.backends.inductor", "torch.utils.cpp_extension",
@@ -50,7 +52,8 @@ def _import_all() -> None:
             importlib.import_module(info.name)      # what torch's backend registry loads on first use
         except ImportError:
             pass
-    for package in (zerocompile, zerocompile.cli, zerocompile.passes, zerocompile.runtime):
+    for package in (zerocompile, zerocompile.cli, zerocompile.passes, zerocompile.passes.analyses,
+                    zerocompile.passes.lowerings, zerocompile.runtime):
         for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
             if not info.name.endswith("__main__"):
                 importlib.import_module(info.name)

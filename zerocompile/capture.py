@@ -29,14 +29,14 @@ from zerocompile import _torch_compat, compile_cache, env, inner_compilers, loss
 from zerocompile.config import ZeroConfig, options_needing_a_new_trace
 from zerocompile.dump import recorder_for
 from zerocompile.progress import compile_status
-from zerocompile.passes.comm_timers import insert_comm_timers
+from zerocompile.passes.lowerings.comm_timers import insert_comm_timers
 from zerocompile.passes.context import PassContext
-from zerocompile.passes.cost_model import CostModel, cost_model_for, probe_offload
+from zerocompile.passes.analyses.cost_model import CostModel, cost_model_for, probe_offload
 from zerocompile.partitioner import ZeroPartitioner
-from zerocompile.passes.flop_count import evaluate, size_symbols
+from zerocompile.passes.analyses.flop_count import evaluate, size_symbols
 from zerocompile.passes.manager import pipeline, run_passes
-from zerocompile.passes.module_timers import insert_module_marks
-from zerocompile.passes.watch_collectives import watch_collectives
+from zerocompile.passes.lowerings.module_timers import insert_module_marks
+from zerocompile.passes.lowerings.watch_collectives import watch_collectives
 from zerocompile.runtime.accounting import CollectiveSummary
 from zerocompile.runtime.session import PROCESS, ModelSession
 from zerocompile.runtime.comm import CommGroup, is_fake_group, resolve_group

@@ -45,9 +45,9 @@ import torch.fx
 
 from zerocompile import env
 from zerocompile.env import DUMP_ENV  # noqa: F401  (re-exported)
-from zerocompile.passes.collective_summary import summarize_collectives
+from zerocompile.passes.analyses.collective_summary import summarize_collectives
 from zerocompile.passes.graph_utils import tensor_nbytes
-from zerocompile.passes.liveness import simulate
+from zerocompile.passes.analyses.liveness import simulate
 from zerocompile.runtime.accounting import COLLECTIVE_KINDS
 
 logger = logging.getLogger("zerocompile")

@@ -1,6 +1,6 @@
 """The flops profiler: DeepSpeed's ``flops_profiler`` key (or the option of that name) makes rank 0
 print, after the ``profile_step``-th ``ZeroOptimizer.step()``, what the compiled graphs ran in that
-step: FLOPs in all and per module (by torch's ``FlopCounterMode`` formulas, ``passes/flop_count.py``),
+step: FLOPs in all and per module (by torch's ``FlopCounterMode`` formulas, ``passes/analyses/flop_count.py``),
 parameters per module, the step's latency, the achieved FLOP/s and, with ``peak_tflops``, the
 model FLOPs utilization. ``zerocompile/optim/monitoring.py`` calls ``report``.
 
@@ -12,7 +12,7 @@ used: the recomputed forward ops are counted from the compiled backward graphs.
 
 Module paths are relative to the module of the compiled frame that ran the op (the model, for a
 model compiled whole). Per-module latency is measured in the compiled graphs themselves: marks at
-each module boundary stamp the time in the profiled step (``passes/module_timers.py``,
+each module boundary stamp the time in the profiled step (``passes/lowerings/module_timers.py``,
 ``runtime/module_times.py``); a module's latency is that of its own ops (those of the modules
 inside it are theirs). Inductor fuses ops of one module only with ops on the same side of a mark,
 so with the profiler on a compiled graph can run a little slower, at every step.

@@ -98,7 +98,7 @@ def runnable(gm: torch.fx.GraphModule, lowerings=(), watch=None, kind: str = "fo
     backend (``runtime/comm.py``: all-gathers on gloo), checked; what both inner compilers get.
     Each of ``lowerings(graph)`` then rewrites it (returning how many nodes it added), and last
     ``watch(graph, kind)`` (``kind``: ``forward``, ``backward`` or ``inference``) puts the
-    collective watchdog's ops in place of the collectives (``passes/watch_collectives.py``)."""
+    collective watchdog's ops in place of the collectives (``passes/lowerings/watch_collectives.py``)."""
     changed = lower_collectives_for_backend(gm.graph)
     for lowering in lowerings:
         changed += lowering(gm.graph)

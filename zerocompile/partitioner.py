@@ -13,12 +13,12 @@ import torch
 import torch.fx
 
 from zerocompile import _torch_compat, compile_cache
-from zerocompile.passes.collective_summary import summarize_collectives
+from zerocompile.passes.analyses.collective_summary import summarize_collectives
 from zerocompile.passes.context import PassContext
-from zerocompile.passes.flop_count import graph_flops
-from zerocompile.passes.liveness import saved_activation_bytes, simulate
+from zerocompile.passes.analyses.flop_count import graph_flops
+from zerocompile.passes.analyses.liveness import saved_activation_bytes, simulate
 from zerocompile.passes.manager import run_passes
-from zerocompile.passes.profiler import profile_graph
+from zerocompile.passes.analyses.profiler import profile_graph
 from zerocompile.runtime.accounting import CollectiveSummary
 
 log = logging.getLogger("zerocompile")
@@ -86,7 +86,7 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
 
     def _profile(self, graph: torch.fx.Graph) -> None:
         """With ``profile=True``: replace the estimated cost model by one measured on this
-        graph (passes/profiler.py), before any pass weighs a cost."""
+        graph (passes/analyses/profiler.py), before any pass weighs a cost."""
         ctx = self.ctx
         if not ctx.config.profile or ctx.cost_model is None:
             return
@@ -112,7 +112,8 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
 
         dirs = [Path(__file__).parent, Path(zerocompile.passes.__file__).parent,
                 Path(zerocompile.runtime.__file__).parent]
-        files = sorted(f for d in dirs for f in d.glob("*.py"))
+        # every module below them (sub-packages too: passes/analyses, _torch_compat, ...)
+        files = sorted(f for d in dirs for f in d.rglob("*.py"))
         digest = hashlib.sha256()
         for f in files:
             digest.update(f.read_bytes())

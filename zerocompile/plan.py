@@ -41,9 +41,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerocompile import _torch_compat
-from zerocompile.passes.collective_summary import COLLECTIVE_KINDS_BY_OP, collective_group_size
+from zerocompile.passes.analyses.collective_summary import COLLECTIVE_KINDS_BY_OP, collective_group_size
 from zerocompile.errors import ZeroConfigError
-from zerocompile.passes.cost_model import DEFAULT_RATES, CostModel
+from zerocompile.passes.analyses.cost_model import DEFAULT_RATES, CostModel
 from zerocompile.runtime import accounting, session as sessions
 from zerocompile.runtime.memory_tracker import LiveStorageTracker
 

@@ -26,7 +26,7 @@ import torch.fx
 from torch.utils.flop_counter import flop_registry
 
 from zerocompile.passes.graph_utils import COLLECTIVE_OPS, concrete_int, tensor_nbytes
-from zerocompile.passes.liveness import is_view, tensors_of
+from zerocompile.passes.analyses.liveness import is_view, tensors_of
 from zerocompile.runtime.comm import CommGroup, all_gather_flat, is_fake_group
 
 log = logging.getLogger("zerocompile")

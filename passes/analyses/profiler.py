@@ -51,9 +51,9 @@ import torch.distributed as dist
 import torch.fx
 
 from zerocompile import _torch_compat
-from zerocompile.passes.cost_model import CostModel, synchronize
+from zerocompile.passes.analyses.cost_model import CostModel, synchronize
 from zerocompile.passes.graph_utils import COLLECTIVE_OPS, concrete_int, tensor_nbytes
-from zerocompile.passes.liveness import is_view, tensors_of
+from zerocompile.passes.analyses.liveness import is_view, tensors_of
 from zerocompile.runtime.comm import CommGroup, is_fake_group
 from zerocompile.runtime.fingerprint import fingerprint
 

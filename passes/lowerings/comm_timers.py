@@ -24,7 +24,7 @@ import operator
 import torch
 import torch.fx
 
-from zerocompile.passes.collective_summary import COLLECTIVE_KINDS_BY_OP, collective_group_size
+from zerocompile.passes.analyses.collective_summary import COLLECTIVE_KINDS_BY_OP, collective_group_size
 from zerocompile.passes.graph_utils import tag
 from zerocompile.runtime import timer_ops  # noqa: F401  (registers the zerocompile::comm_timer ops)
 from zerocompile.runtime import comms_log

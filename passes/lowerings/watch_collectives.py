@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from zerocompile.passes.collective_summary import COLLECTIVE_KINDS_BY_OP
+from zerocompile.passes.analyses.collective_summary import COLLECTIVE_KINDS_BY_OP
 from zerocompile.passes.graph_utils import tag, tensor_nbytes
 from zerocompile.runtime import mismatch_report, watched_collectives  # noqa: F401  (registers the ops)
 

@@ -4,7 +4,7 @@ profiler measures per-module latency (``runtime/module_times.py``).
 Runs on the forward, backward and inference graphs right before an inner compiler gets them, after
 every pass (no pass sees the marks). The graph's ops are split into segments, each a run of
 consecutive ops of one module: the innermost module of the op's ``nn_module_stack`` (a backward op:
-its forward op's, ``fwd_nn_module_stack``), as ``passes/flop_count.py`` attributes FLOPs; an op
+its forward op's, ``fwd_nn_module_stack``), as ``passes/analyses/flop_count.py`` attributes FLOPs; an op
 without one (a view, a collective, a wait) joins the segment it is in. A
 ``zerocompile::module_mark(xs, site)`` goes before the first segment (``xs``: the tensors that
 segment reads, made before it) and after every segment (``xs``: what the segment made that later
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from zerocompile.passes.flop_count import module_path
+from zerocompile.passes.analyses.flop_count import module_path
 from zerocompile.runtime import timer_ops  # noqa: F401  (registers zerocompile::module_mark)
 from zerocompile.runtime import module_times
 
