@@ -10,7 +10,7 @@ between any two layouts by intersecting boxes.
 
 ``ShardView`` is a tensor of the parameter's global shape without storage; it hands DCP its
 boxes through DCP's ``_Checkpointable`` protocol (``__create_write_items__``,
-``__create_chunk_list__``, ``__get_tensor_shard__``; see ``zerocompile/_torch_compat.py``).
+``__create_chunk_list__``, ``__get_tensor_shard__``; see ``zerocompile/_torch_compat/tensors.py``).
 Each box is a view into the flat shard, so loading writes into the shard in place.
 
 ``sharded_tensor`` wraps a ``ShardView`` in a ``DTensor`` over the shard's process group: the

@@ -4,7 +4,7 @@
 op by op, as FX's generated code) both call AOTAutograd with zerocompile's partitioner, and
 both hand their graphs to ``runnable`` first (collectives lowered for their backend, checked).
 ``CheckedInterpreter`` is the eager runner of the ``debug_checks`` option. The private torch
-entry points they use are shims in ``_torch_compat.py``.
+entry points they use are shims in ``_torch_compat`` (``_torch_compat/compile.py``).
 """
 
 from __future__ import annotations
