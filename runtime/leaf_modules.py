@@ -28,7 +28,8 @@ import torch
 from zerocompile.runtime.sharded_param import get_state
 
 _LEAF = "_zerocompile_leaf"
-"""Attribute on a leaf module and on each of its parameters: the module's name in the model."""
+"""Attribute on a leaf module: its name in the model (nothing is set on its parameters:
+``leaf_parameters`` finds them from the modules)."""
 EAGER_UNIT = "_zerocompile_eager_unit"
 """Attribute on a module: its ``EagerUnit`` (``runtime/eager_regions.py``), once installed."""
 
@@ -56,9 +57,17 @@ def is_leaf(module: torch.nn.Module) -> bool:
     return getattr(module, _LEAF, None) is not None
 
 
-def leaf_of(param: torch.Tensor) -> str | None:
-    """The name of the leaf module ``param`` belongs to, None if it belongs to none."""
-    return getattr(param, _LEAF, None)
+def leaf_parameters(roots) -> dict:
+    """``{id(param): the name of its leaf module}`` for every parameter of a leaf module under
+    ``roots`` (a parameter of leaves nested in one another: the outermost one's)."""
+    out: dict = {}
+    for root in roots:
+        for module in root.modules():
+            name = getattr(module, _LEAF, None)
+            if name is not None:
+                for param in module.parameters():
+                    out.setdefault(id(param), name)
+    return out
 
 
 def _make_leaf(module: torch.nn.Module, name: str) -> None:
@@ -76,9 +85,6 @@ def _make_leaf(module: torch.nn.Module, name: str) -> None:
 
     module.forward = forward
     setattr(module, _LEAF, name)
-    for param in module.parameters():
-        if leaf_of(param) is None:          # an enclosing leaf marked first keeps its name
-            setattr(param, _LEAF, name)
 
 
 def gather_leaf_parameters(module: torch.nn.Module) -> None:

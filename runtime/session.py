@@ -235,6 +235,15 @@ class Process:
                 return session
         return None
 
+    def optimizer_of(self, param):
+        """The ``ZeroOptimizer`` that steps ``param``: the newest of those alive that hold it
+        (``holds``), or None. A read of ``param.grad`` asks it to reduce the gradients first, and
+        a compiled backward scales by its loss scaler."""
+        for optimizer in sorted(self.optimizers, key=lambda o: -o.created_ns):
+            if optimizer.holds(param):
+                return optimizer
+        return None
+
     def all(self) -> list:
         """Every session alive, oldest first, and last the collectives outside any model."""
         return sorted(self.sessions, key=lambda s: s.created_ns) + [self.outside]

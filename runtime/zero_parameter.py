@@ -17,7 +17,7 @@ identity, shape, stride, ``isinstance(p, nn.Parameter)``), but its class becomes
   writes it back into the shard; ``torch.zeros_like(p)`` and its kin read the metadata only.
 - **Gradients.** ``p.grad`` is the gradient averaged over ranks, as one process on the whole
   batch would have it. On several ranks the first read after a backward asks the
-  ``ZeroOptimizer`` that steps the parameter (``set_gradient_reducer``) to reduce every
+  ``ZeroOptimizer`` that steps the parameter (``gradient_reducer``) to reduce every
   gradient it holds, as its step would: at stages 0 and 1 that is a collective, so every rank
   must read (``torch.nn.utils.clip_grad_norm_`` does, in the same order everywhere); at stages
   2 and 3 the backward reduced them already. Then ``p.grad`` is the averaged full gradient at
@@ -46,6 +46,7 @@ from zerocompile import _torch_compat
 from zerocompile.errors import GradientNotGatheredError, ParameterNotGatheredError  # noqa: F401  (re-exported)
 from zerocompile.runtime.dcp_shards import local_part
 from zerocompile.runtime.raw_grad import raw_grad, set_raw_grad  # noqa: F401  (re-exported)
+from zerocompile.runtime.session import PROCESS
 from zerocompile.runtime.sharded_param import get_state
 
 _METADATA_METHODS = frozenset({
@@ -278,18 +279,8 @@ def adopt(param: torch.nn.Parameter) -> None:
             "cannot be sharded; use plain nn.Parameter")
 
 
-_REDUCER_ATTR = "_zerocompile_grad_reducer"
-
-
-def set_gradient_reducer(param: torch.Tensor, reduce) -> None:
-    """``reduce`` (a ``weakref.WeakMethod`` of the ``ZeroOptimizer`` that steps ``param``: its
-    gradient reduction) is what a read of ``param.grad`` calls first. The optimizer built last
-    for a parameter wins."""
-    setattr(param, _REDUCER_ATTR, reduce)
-
-
 def gradient_reducer(param: torch.Tensor):
-    """The reduction ``set_gradient_reducer`` registered for ``param`` (None: none, or its
-    optimizer is gone)."""
-    ref = getattr(param, _REDUCER_ATTR, None)
-    return ref() if ref is not None else None
+    """What a read of ``param.grad`` calls first: the gradient reduction of the ``ZeroOptimizer``
+    that steps ``param`` (``PROCESS.optimizer_of``), or None where none does."""
+    optimizer = PROCESS.optimizer_of(param)
+    return None if optimizer is None else optimizer.read_gradients

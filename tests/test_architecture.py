@@ -242,3 +242,46 @@ def test_the_registry_check_catches_one():
     assert set(objects) == {"REG", "TABLE", "HOLDER"} and objects["HOLDER"][1] == "instance"
     assert _mutated_names({"m": tree}) == {"REG"}
 
+
+
+_PARAM_NAMES = {"param", "p", "arg", "ex", "parameter", "weight"}
+ATTACHES = {("zerocompile.runtime.sharded_param", "setattr(param, _ATTR, state)"):
+            "attach_state: the shard state, the one attribute zerocompile hangs off a parameter (its options are "
+            "the session's)",
+            ("zerocompile.runtime.zero_parameter", "param.__class__"):
+            "adopt: a sharded parameter becomes a ZeroParameter (p.grad, eager ops, state_dict on shards)"}
+"""What the package may set on a parameter, ``(module, what)``, with why."""
+
+
+def _attributes_set_on_parameters(tree: ast.Module) -> list:
+    """``(line, what)`` of each attribute the code sets on a parameter: ``setattr(param, ...)``,
+    ``param.attr = ...`` or ``object.__setattr__(param, ...)``, ``param`` any of the names the
+    package gives parameters (``_PARAM_NAMES``)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("setattr", "object.__setattr__") \
+                and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in _PARAM_NAMES:
+            out.append((node.lineno, ast.unparse(node)))
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in _PARAM_NAMES \
+                        and t.attr not in ("data", "grad", "requires_grad"):
+                    out.append((node.lineno, ast.unparse(t)))
+    return out
+
+
+def test_no_option_or_state_is_set_on_the_users_parameters():
+    """Options reach the runtime through the model's session, and the optimizer that steps a
+    parameter is found through the process's optimizers (``PROCESS.optimizer_of``): nothing but
+    the shard state is set on the user's ``nn.Parameter`` (``ATTACHES``)."""
+    found = []
+    for name, path in modules().items():
+        found += [f"{name}:{line} {what}" for line, what in _attributes_set_on_parameters(ast.parse(path.read_text()))
+                  if (name, what) not in ATTACHES]
+    assert not found, "attributes set on the user's parameters (keep them in the session or the shard state):\n" + \
+        "\n".join(found)
+
+
+def test_the_parameter_attribute_check_catches_one():
+    tree = ast.parse("def f(param, p):\n    setattr(param, '_x', 1)\n    p._scale = 2\n    p.grad = None\n")
+    assert sorted(line for line, _ in _attributes_set_on_parameters(tree)) == [2, 3]

@@ -267,7 +267,7 @@ def _frame_name(gm: torch.fx.GraphModule) -> str:
     return f"frame {compile_id}" if compile_id is not None else "frame"
 
 
-def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group: CommGroup):
+def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group: CommGroup, frame: str):
     """The shard state of each placeholder (None for non-parameters), the root modules the
     frame's parameters were reached from, the ids of the parameters under those roots
     that eager-only modules own (kept full: see runtime/eager_regions.py), and the model's
@@ -284,6 +284,7 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
         eager_owned |= eager_only_parameters(root)
     session = PROCESS.session_for(outermost_first(roots.values()),
                                   [get_state(ex) for ex in example_inputs if isinstance(ex, torch.nn.Parameter)], cfg)
+    loss_scale.check_frame(session, cfg.loss_scale, frame)
     plans = []
     for node, source, ex in zip(placeholders, sources, example_inputs):
         if not isinstance(ex, torch.nn.Parameter):
@@ -297,7 +298,6 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
             state = _shard_parameter(ex, name, cfg, group, keep_full=id(ex) in eager_owned, session=session)
         else:
             _check_compatible(state, cfg, group, name)
-        loss_scale.register(ex, cfg.loss_scale, name)
         plans.append(state)
     _shard_model_parameters(roots.values(), cfg, group, eager_owned, session)
     return plans, list(roots.values()), eager_owned, session
@@ -316,7 +316,6 @@ def _shard_model_parameters(roots, cfg: ZeroConfig, group: CommGroup, eager_owne
         for name, param in root.named_parameters():
             if get_state(param) is None:
                 _shard_parameter(param, name, cfg, group, keep_full=id(param) in eager_owned, session=session)
-                loss_scale.register(param, cfg.loss_scale, name)
 
 
 def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_full: bool,
@@ -408,7 +407,7 @@ def _compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig, gr
     traced = _copy_graph_module(gm)
     placeholders = list(traced.graph.find_nodes(op="placeholder"))
     sources = [_torch_compat.placeholder_source(node) for node in placeholders]
-    plans, roots, eager_owned, session = _param_states(placeholders, sources, example_inputs, cfg, group)
+    plans, roots, eager_owned, session = _param_states(placeholders, sources, example_inputs, cfg, group, frame)
     if cfg.offload_param.device == "cpu" and any(sp is not None and sp.device.type == "cpu" for sp in plans):
         log.info("[%s] offload_param device 'cpu': the parameters are on the CPU, so their shards already "
                  "live in host memory; nothing to offload", frame)
@@ -506,7 +505,6 @@ class _TracedFrame:
         """The shard state of ``param``, first met at run time where ``plan``'s parameter was
         traced, with the options the frame's graphs were compiled with (``ctx``)."""
         cfg = ctx.config
-        loss_scale.register(param, cfg.loss_scale, plan.name)
         state = _shard_parameter(param, plan.name, cfg, ctx.group, keep_full=id(param) in self.eager_owned,
                                  session=self.session)
         state.gradient_reduction = ctx.gradient_reduction

@@ -43,6 +43,8 @@ import torch
 
 from zerocompile import _torch_compat
 from zerocompile.errors import LossScaleError
+from zerocompile.runtime.session import PROCESS
+from zerocompile.runtime.sharded_param import get_state
 
 log = logging.getLogger("zerocompile")
 
@@ -178,44 +180,37 @@ class LossScaler:
 
 
 # ---------------------------------------------------------------------- who scales what
-_OFF = "off"
-# kept on the parameter objects themselves, as their shard state is (sharded_param.attach_state)
-_SETTINGS_ATTR = "_zerocompile_loss_scale"   # LossScaleSettings | _OFF, set by the compiled frames using it
-_SCALER_ATTR = "_zerocompile_loss_scaler"    # LossScaler of the ZeroOptimizer that steps it
+# The settings are the model's (its session's options, runtime/session.py), and the scaler is
+# that of the ZeroOptimizer that steps a parameter (PROCESS.optimizer_of): nothing is set on
+# the parameters themselves.
 
 
-def register(param: torch.nn.Parameter, settings: LossScaleSettings | None, name: str) -> None:
-    """Record that a frame compiled with ``settings`` uses ``param``. Every frame that uses a
-    parameter must scale its gradients the same way: a scaled and an unscaled gradient
-    summed into one tensor could not be told apart."""
-    value = _OFF if settings is None else settings
-    previous = getattr(param, _SETTINGS_ATTR, None)
-    if previous is not None and previous != value:
-        def show(v):
-            return "None" if v == _OFF else repr(v)
+def check_frame(session, settings: LossScaleSettings | None, frame: str) -> None:
+    """A frame of ``session``'s model compiled with ``settings``: every frame of a model must
+    scale its gradients the same way (a scaled and an unscaled gradient summed into one tensor
+    could not be told apart, and one optimizer unscales them all), so ``settings`` must be the
+    model's (its first frame's)."""
+    model = session.config.loss_scale if session.config is not None else None
+    if model != settings:
         raise ValueError(
-            f"zerocompile: parameter '{name}' is used by frames compiled with different loss_scale "
-            f"options ({show(previous)} and {show(value)}); compile every model that shares "
-            "parameters with the same options")
-    setattr(param, _SETTINGS_ATTR, value)
+            f"zerocompile [{frame}]: this frame of model '{session.name}' was compiled with loss_scale "
+            f"{settings!r}, but the model's frames so far with {model!r}: its frames (and models that share "
+            "parameters) cannot use different loss_scale options; compile them all with the same options")
 
 
 def settings_of(param: torch.Tensor) -> LossScaleSettings | None:
-    """The loss scaling of the frames that use ``param`` (None: unscaled)."""
-    value = getattr(param, _SETTINGS_ATTR, None)
-    return None if value is None or value == _OFF else value
-
-
-def claim(param: torch.Tensor, scaler: LossScaler) -> None:
-    """``scaler`` (a ``ZeroOptimizer``'s) is the one that unscales ``param``'s gradients: the
-    frames that use ``param`` read its scale. The optimizer built last for a parameter wins."""
-    setattr(param, _SCALER_ATTR, scaler)
+    """The loss scaling of the model ``param`` belongs to (its session's options; None:
+    unscaled, or no compiled frame has used it)."""
+    state = get_state(param)
+    session = state.session if state is not None else None
+    return session.config.loss_scale if session is not None and session.config is not None else None
 
 
 def current_scale(params: list, settings: LossScaleSettings, frame: str) -> float:
     """The scale a frame's backward applies now: the one of the optimizer that steps its
     parameters, or the initial scale while that optimizer has none yet."""
-    owners = {id(s): s for p in params if (s := getattr(p, _SCALER_ATTR, None)) is not None}
+    owners = {id(s): s for p in params if (opt := PROCESS.optimizer_of(p)) is not None
+              and (s := opt.scaler) is not None}
     if len(owners) > 1:
         raise RuntimeError(
             f"zerocompile [{frame}]: this compiled frame uses parameters of several ZeroOptimizers "

@@ -66,7 +66,6 @@ from zerocompile.optim.monitoring import StepMonitor
 from zerocompile.runtime.session import PROCESS
 from zerocompile.runtime.comm import CommGroup
 from zerocompile.runtime.sharded_param import get_state
-from zerocompile.runtime.zero_parameter import set_gradient_reducer
 
 __all__ = ["KERNEL_CHOICES", "ParamState", "ZeroOptimizer"]
 
@@ -104,10 +103,12 @@ class ZeroOptimizer(Optimizer):
         self.skipped_steps = 0
         """Optimizer steps skipped because some rank's gradients were not finite."""
         self._collected_through = 0      # compile order of the newest frame whose garbage was collected
+        self._held: set[int] = set()
+        """``id`` of each parameter this optimizer steps (``holds``)."""
         super().__init__(params, defaults)   # add_param_group claims each group once the scaler exists
         scaler = loss_scale.LossScaler()       # the loss_scale option's, configured by the first frame
         for group in self.param_groups:
-            self._claim(group, scaler)
+            self._claim(group)
         # a meta parameter zerocompile has not sharded has no values (sharded ones are fine: a
         # model run on meta inputs end to end, as a plan does)
         meta = [tuple(p.shape) for g in self.param_groups for p in g["params"] if p.is_meta and get_state(p) is None]
@@ -152,12 +153,29 @@ class ZeroOptimizer(Optimizer):
     def _layout_group(self) -> CommGroup:
         return self._params_view.layout_group()
 
-    def _claim(self, group: dict, scaler: loss_scale.LossScaler) -> None:
-        """The frames using the group's parameters read the scale of ``scaler``; a read of their
-        ``p.grad`` reduces the gradients first."""
+    def _claim(self, group: dict) -> None:
+        """This optimizer steps the group's parameters (``holds``): the frames using them read
+        its loss scaler's scale, and a read of their ``p.grad`` reduces the gradients first."""
         for p in group["params"]:
-            loss_scale.claim(p, scaler)
-            set_gradient_reducer(p, weakref.WeakMethod(self._gradients_for_reading))
+            self._held.add(id(p))
+
+    def holds(self, param: torch.Tensor) -> bool:
+        """Whether this optimizer steps ``param`` (``PROCESS.optimizer_of``: the newest optimizer
+        that holds a parameter is the one that steps it)."""
+        return id(param) in self._held
+
+    @property
+    def scaler(self) -> loss_scale.LossScaler:
+        """The ``loss_scale`` option's scaler this optimizer unscales with (the frames using its
+        parameters scale by it)."""
+        return self._scaling.scaler
+
+    def read_gradients(self) -> None:
+        """What a read of ``p.grad`` of one of its parameters calls first
+        (``runtime/zero_parameter.py``): the gradients reduced, and a clipping coefficient still
+        deferred applied, so the reader sees the values the step would use."""
+        self._reduce_gradients()
+        self._apply_deferred()
 
     def add_param_group(self, param_group: dict) -> None:
         own_class = param_group.get("optimizer_class") if isinstance(param_group, dict) else None
@@ -170,7 +188,7 @@ class ZeroOptimizer(Optimizer):
         super().add_param_group(param_group)
         if "_binding" not in self.__dict__:    # in Optimizer.__init__: __init__ claims the groups after it
             return
-        self._claim(self.param_groups[-1], self._scaling.scaler)
+        self._claim(self.param_groups[-1])
         if self._binding.inner is not None:
             self._binding.add_group(self.param_groups[-1])
 
@@ -260,13 +278,6 @@ class ZeroOptimizer(Optimizer):
     # ------------------------------------------------------------------ gradients
     def _reduce_gradients(self) -> None:
         self._reducer.reduce()
-
-    def _gradients_for_reading(self) -> None:
-        """What a read of ``p.grad`` calls first (``runtime/zero_parameter.py``): the gradients
-        reduced, and a clipping coefficient still deferred applied, so the reader sees the
-        values the step would use."""
-        self._reduce_gradients()
-        self._apply_deferred()
 
     def _apply_deferred(self, ids=None) -> None:
         self._clipper.apply_deferred(ids)

@@ -135,7 +135,7 @@ class GradClipper:
         gradient in the step (one pass over the gradients fewer), where that gives the numbers
         of multiplying now, bit for bit: every gradient is a float32 shard gradient (stages
         2/3) that the fused kernel updates from; a read of ``p.grad`` in between applies it
-        first (``ZeroOptimizer._gradients_for_reading``). A backward that adds to a gradient
+        first (``ZeroOptimizer.read_gradients``). A backward that adds to a gradient
         before the step applies the coefficient to it first (a hook on the shard, run before
         accumulation), so the result is that of clipping in place. Returns whether it deferred."""
         if replicated or not owned or not isinstance(inner, fused_adam.FusedAdam):

@@ -15,7 +15,7 @@ from zerocompile.errors import UnshardedParametersError
 from zerocompile.runtime.session import frame_roots
 from zerocompile.runtime.grad_participation import (Holder, compare_holders, fill_missing, layout_differences,
                                                     participation_error)
-from zerocompile.runtime.leaf_modules import leaf_of
+from zerocompile.runtime.leaf_modules import leaf_parameters
 from zerocompile.runtime.sharded_param import get_state
 from zerocompile.runtime.step_collectives import all_reduce_mean_, reduce_scatter_mean
 from zerocompile.runtime.zero_parameter import raw_grad, set_raw_grad
@@ -161,7 +161,8 @@ class GradReducer:
                                       "only")
         partial = fill_missing(holders, rows)
         stage = max((sp.stage for sp in self.params.states()), default=0)
-        refused = [(h, ranks) for h, ranks in partial if leaf_of(h.param) is None
+        leaves = leaf_parameters(roots)
+        refused = [(h, ranks) for h, ranks in partial if id(h.param) not in leaves
                    and (sp.stage if (sp := get_state(h.param)) is not None else stage) == 3]
         if refused:
             raise participation_error([_param_name(h.param, roots) for h, _ in refused],
