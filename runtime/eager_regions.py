@@ -469,7 +469,10 @@ def regions_of(roots) -> EagerRegions | None:
 
 
 def _hook_gradient(sp: ShardedParam, regions: EagerRegions) -> None:
-    if sp.eager_grad_hook or not sp.rules.reduces_in_backward or not sp.requires_grad or sp.eager_grads_in_step:
+    # with the model's loss_scale option the gradients eager code leaves wait for the step (the compiled
+    # backward leaves the shard gradient scaled)
+    if sp.eager_grad_hook or not sp.rules.reduces_in_backward or not sp.requires_grad or \
+            sp.option("loss_scale") is not None:
         return
     with _torch_compat.plain_tensor_ops():
         sp.param.register_post_accumulate_grad_hook(_gradient_accumulated)

@@ -133,6 +133,21 @@ class ModelSession:
         self.comms.reset()
         self.compile_seconds = 0.0
 
+    def check_step_options(self, config, frame: str, names) -> None:
+        """A frame of this model compiled with ``config``: its options ``names`` must be the
+        model's (its first frame's). They are the options of the model's optimizer step
+        (``loss_scale``, ``gradient_clipping``, ``offload_optimizer``, ``allow_unsharded``), read
+        from the session (``ShardedParam.option``): one step scales, clips and offloads one way
+        (a scaled and an unscaled gradient summed into one tensor could not be told apart).
+        Enforced here, once per compile, not by the optimizer."""
+        for name in names:
+            mine, model = getattr(config, name), getattr(self.config, name)
+            if mine != model:
+                raise ValueError(
+                    f"zerocompile [{frame}]: this frame of model '{self.name}' was compiled with {name} {mine!r}, "
+                    f"but the model's frames so far with {model!r}: a model's frames (and models that share "
+                    f"parameters) cannot use different {name} options; compile them all with the same options")
+
     # ------------------------------------------------------------------ membership
     def add_state(self, state, world: int) -> None:
         """A shard state of this model's (made by a frame's compile or ``materialize``)."""

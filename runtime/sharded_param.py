@@ -62,11 +62,8 @@ class ShardedParam:
 
     def __init__(self, param: torch.nn.Parameter, name: str, stage: int, group: CommGroup,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
-                 bucket_mb: float = 25.0, keep_full: bool = False,
-                 offload_optimizer: OffloadSettings = OffloadSettings(),
-                 offload_param: OffloadSettings = OffloadSettings(), chunk: torch.Tensor | None = None,
-                 provisional: bool = False, gradient_clipping: float = 0.0,
-                 allow_unsharded: bool = False, eager_grads_in_step: bool = False):
+                 keep_full: bool = False, offload_param: OffloadSettings = OffloadSettings(),
+                 chunk: torch.Tensor | None = None, provisional: bool = False):
         if not param.is_contiguous():
             raise ValueError(
                 f"zerocompile: parameter '{name}' is not contiguous (stride {param.stride()}); "
@@ -89,12 +86,6 @@ class ShardedParam:
         self.device = param.device
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
-        self.bucket_mb = bucket_mb
-        self.offload_optimizer = offload_optimizer
-        """Where ``ZeroOptimizer`` keeps this parameter's optimizer state (the frame's option)."""
-        self.gradient_clipping = gradient_clipping
-        """The frame's ``gradient_clipping`` option: the global gradient norm ``ZeroOptimizer.step()``
-        clips to (0 = off)."""
         self.requires_grad = param.requires_grad
         self.chunk = chunk_size(self.numel, group.world)
         self.padded_numel = self.chunk * group.world
@@ -102,15 +93,14 @@ class ShardedParam:
         self.shard: torch.Tensor | None = None      # master shard, leaf (stages 1, 2, 3)
         self.keep_full = keep_full
         """Keep the parameter's own full storage (owned by a module Dynamo never compiles)."""
-        self.allow_unsharded = allow_unsharded
-        """The frame's ``allow_unsharded`` option: at stage 3, ``ZeroOptimizer`` accepts
-        parameters no frame sharded next to this one."""
         self.gradient_reduction = None
         """Stages 1/2: the ``ReductionChoice`` of the frame that sharded it
         (``runtime/reduction_choice.py``): which collective reduces its gradient's bucket."""
         self.session = None
         """The ``ModelSession`` of the model this parameter belongs to (``runtime/session.py``), set
-        when the session takes it (``ModelSession.add_state``)."""
+        when the session takes it (``ModelSession.add_state``): the options of the step
+        (``gradient_clipping``, ``offload_optimizer``, ``allow_unsharded``, ``loss_scale``,
+        ``bucket_mb``) are its model's (``option``), not copies on each state."""
         self.storage_freed = False
         self.materialized = False
         self.eager_holds = 0
@@ -123,9 +113,6 @@ class ShardedParam:
         installed): gathers on demand for a module forward that uses it without owning it."""
         self.eager_grad_hook = False
         """The post-accumulate-grad hook that reduce-scatters eager gradients is registered."""
-        self.eager_grads_in_step = eager_grads_in_step
-        """Gradients eager code leaves in ``p.grad`` wait for the optimizer step (the frame's
-        ``loss_scale`` option: the compiled backward leaves the shard gradient scaled)."""
         self.grad_synced = False
         """The parameter's own ``.grad`` holds the gradient averaged over ranks (set by
         ``ZeroOptimizer`` once it reduced it; cleared by the next forward and by zero_grad)."""
@@ -155,7 +142,14 @@ class ShardedParam:
             else:
                 self._build(param.detach())
 
+    def option(self, name: str, default=None):
+        """The model's option ``name`` (its session's options, ``runtime/session.py``), or
+        ``default`` where no compiled frame has given the model options yet."""
+        config = self.session.config if self.session is not None else None
+        return default if config is None else getattr(config, name)
+
     # -- construction -----------------------------------------------------------------
+
     def _own_chunk(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         start = self.group.rank * self.chunk
         out = flat.new_zeros(self.chunk, dtype=dtype)   # new_zeros: a fake parameter (plan) gets a fake shard

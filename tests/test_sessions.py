@@ -260,3 +260,32 @@ def test_one_optimizer_over_two_models_and_stats_of_an_uncompiled_model_are_refu
         assert "belong to 2 compiled models" in result["two"] and "one ZeroOptimizer trains one model" in result["two"], \
             result["two"]
         assert "MLP has no zerocompile session" in result["uncompiled"], result["uncompiled"]
+
+
+def test_a_models_frames_share_its_step_options():
+    """The options of a model's optimizer step are its session's, given once: a block of the
+    model compiled with another ``gradient_clipping`` than the block before (whose compile gave
+    the whole model its shard states) is refused at its compile, naming the option; and the
+    session's own check refuses any frame of the model with other step options (one process)."""
+    from zerocompile.config import ZeroConfig
+    from zerocompile.runtime.session import ModelSession, TimerSites
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = make_model("gpt")
+    model.blocks[0].compile(backend="zero", options=_options(3))
+    model.blocks[1].compile(backend="zero", options=_options(3, gradient_clipping=1.0))
+    x, y = make_batch("gpt", 0, 2)
+    with pytest.raises(Exception, match="already sharded with gradient_clipping 0.0, but this frame was compiled "
+                                        "with 1.0"):
+        model(x, y)
+    torch._dynamo.reset()
+    session = ModelSession("GPT", TimerSites(), ZeroConfig.from_options(_options(3)))
+    session.check_step_options(ZeroConfig.from_options(_options(3, bucket_mb=1)), "frame 1/0",
+                               ("loss_scale", "gradient_clipping", "offload_optimizer", "allow_unsharded"))
+    for options, name in (({"gradient_clipping": 1.0}, "gradient_clipping"), ({"loss_scale": "dynamic"}, "loss_scale"),
+                          ({"allow_unsharded": True}, "allow_unsharded"),
+                          ({"offload_optimizer": {"device": "cpu"}}, "offload_optimizer")):
+        with pytest.raises(ValueError, match=rf"\[frame 1/0\]: this frame of model 'GPT' was compiled with {name} .*"
+                                             rf"cannot use different {name} options"):
+            session.check_step_options(ZeroConfig.from_options(_options(3, **options)), "frame 1/0", (name,))

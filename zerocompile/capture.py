@@ -121,9 +121,7 @@ class FrameRunner:
                              f"{', '.join(changed)}: they bind the parameters' shard states or the "
                              "compiler; only the pass options (config.PASS_OPTIONS) can change on one trace")
         compiled, partitioner = self._source.compile(cfg, self.plans, self.partitioner.ctx.gradient_reduction)
-        for sp in self.plans:
-            if sp is not None:
-                sp.bucket_mb = cfg.bucket_mb
+        self.session.config = cfg          # the step's bucket_mb is the model's (pass options only differ)
         # the old graphs go now: nothing of them is left to count in a plan of the new ones
         self.compiled, self.partitioner = compiled, partitioner
         self._loss_scale = cfg.loss_scale
@@ -284,7 +282,7 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
         eager_owned |= eager_only_parameters(root)
     session = PROCESS.session_for(outermost_first(roots.values()),
                                   [get_state(ex) for ex in example_inputs if isinstance(ex, torch.nn.Parameter)], cfg)
-    loss_scale.check_frame(session, cfg.loss_scale, frame)
+    session.check_step_options(cfg, frame, ("loss_scale",))      # before a shared parameter's own check
     plans = []
     for node, source, ex in zip(placeholders, sources, example_inputs):
         if not isinstance(ex, torch.nn.Parameter):
@@ -300,6 +298,7 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
             _check_compatible(state, cfg, group, name)
         plans.append(state)
     _shard_model_parameters(roots.values(), cfg, group, eager_owned, session)
+    session.check_step_options(cfg, frame, ("gradient_clipping", "offload_optimizer", "allow_unsharded"))
     return plans, list(roots.values()), eager_owned, session
 
 
@@ -323,10 +322,8 @@ def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_f
     """Create ``param``'s shard state (once per parameter, by the first frame that uses it), one
     of ``session``'s."""
     compute = cfg.param_dtype if cfg.param_dtype is not None and param.is_floating_point() else param.dtype
-    state = ShardedParam(param, name, cfg.stage, group, compute, cfg.reduce_dtype, cfg.bucket_mb,
-                         keep_full=keep_full, offload_optimizer=cfg.offload_optimizer,
-                         offload_param=cfg.offload_param, gradient_clipping=cfg.gradient_clipping,
-                         allow_unsharded=cfg.allow_unsharded, eager_grads_in_step=cfg.loss_scale is not None)
+    state = ShardedParam(param, name, cfg.stage, group, compute, cfg.reduce_dtype, keep_full=keep_full,
+                         offload_param=cfg.offload_param)
     attach_state(param, state)
     session.add_state(state, group.world)
     return state
@@ -345,11 +342,7 @@ def _adopt_provisional(param, state: ShardedParam, cfg: ZeroConfig, group: CommG
         state.compute_dtype = cfg.param_dtype if cfg.param_dtype is not None and param.is_floating_point() \
             else state.dtype
         state.reduce_dtype = cfg.reduce_dtype
-        state.bucket_mb = cfg.bucket_mb
-        state.offload_optimizer = cfg.offload_optimizer
         state.offload_param = cfg.offload_param
-        state.gradient_clipping = cfg.gradient_clipping
-        state.allow_unsharded = cfg.allow_unsharded
         state.provisional = False
         if state.session is not session:
             if state.session is not None:
@@ -369,10 +362,11 @@ def _adopt_provisional(param, state: ShardedParam, cfg: ZeroConfig, group: CommG
 def _check_compatible(state: ShardedParam, cfg: ZeroConfig, group: CommGroup, name: str) -> None:
     want_compute = cfg.param_dtype or state.dtype
     for option in ("offload_optimizer", "offload_param", "gradient_clipping"):
-        if getattr(state, option) != getattr(cfg, option):
+        held = state.offload_param if option == "offload_param" else state.option(option, getattr(cfg, option))
+        if held != getattr(cfg, option):
             raise ValueError(
                 f"zerocompile: parameter '{name}' is already sharded with {option} "
-                f"{getattr(state, option)}, but this frame was compiled with {getattr(cfg, option)}. "
+                f"{held}, but this frame was compiled with {getattr(cfg, option)}. "
                 "Compile every model that shares parameters with the same options.")
     if state.stage != cfg.stage or state.group.name != group.name or state.reduce_dtype != cfg.reduce_dtype or (
             state.compute_dtype != want_compute and state.param.is_floating_point()):

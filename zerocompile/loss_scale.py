@@ -185,19 +185,6 @@ class LossScaler:
 # the parameters themselves.
 
 
-def check_frame(session, settings: LossScaleSettings | None, frame: str) -> None:
-    """A frame of ``session``'s model compiled with ``settings``: every frame of a model must
-    scale its gradients the same way (a scaled and an unscaled gradient summed into one tensor
-    could not be told apart, and one optimizer unscales them all), so ``settings`` must be the
-    model's (its first frame's)."""
-    model = session.config.loss_scale if session.config is not None else None
-    if model != settings:
-        raise ValueError(
-            f"zerocompile [{frame}]: this frame of model '{session.name}' was compiled with loss_scale "
-            f"{settings!r}, but the model's frames so far with {model!r}: its frames (and models that share "
-            "parameters) cannot use different loss_scale options; compile them all with the same options")
-
-
 def settings_of(param: torch.Tensor) -> LossScaleSettings | None:
     """The loss scaling of the model ``param`` belongs to (its session's options; None:
     unscaled, or no compiled frame has used it)."""

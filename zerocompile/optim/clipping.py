@@ -50,14 +50,10 @@ def norm(grads: list, norm_type: float, device) -> torch.Tensor:
 
 
 def configured_max_norm(states: list) -> float:
-    """The ``gradient_clipping`` option of the frames that use these parameters (``states``:
-    their shard states; DeepSpeed's key), 0.0 = off; frames must agree on it."""
-    found = {sp.gradient_clipping for sp in states}
-    if len(found) > 1:
-        raise ValueError(f"ZeroOptimizer: its parameters come from frames compiled with different "
-                         f"gradient_clipping options ({', '.join(map(str, sorted(found)))}); compile them "
-                         "with one")
-    return found.pop() if found else 0.0
+    """The ``gradient_clipping`` option (DeepSpeed's key) of the model these parameters belong to
+    (``states``: their shard states, of one session, whose frames all have the model's step
+    options: ``capture._check_step_options``), 0.0 = off."""
+    return states[0].option("gradient_clipping", 0.0) if states else 0.0
 
 
 class GradClipper:

@@ -107,16 +107,11 @@ class InnerOptimizerBuilder:
 
     @staticmethod
     def _offload_settings(states: list, devices: set) -> OffloadSettings | None:
-        """The ``offload_optimizer`` settings of the compiled frames that use these parameters
-        (``states``: their shard states), None when nothing is to be offloaded."""
-        found = {sp.offload_optimizer for sp in states}
-        found.discard(OffloadSettings())
-        if not found:
+        """The ``offload_optimizer`` settings of the model these parameters belong to (``states``:
+        their shard states, of one session), None when nothing is to be offloaded."""
+        settings = states[0].option("offload_optimizer", OffloadSettings()) if states else OffloadSettings()
+        if settings == OffloadSettings():
             return None
-        if len(found) > 1:
-            raise ValueError(f"ZeroOptimizer: its parameters come from frames compiled with different "
-                             f"offload_optimizer options ({'; '.join(sorted(map(str, found)))}); compile them with one")
-        settings = found.pop()
         if settings.device == "cpu" and devices <= {"cpu"}:
             log.info("ZeroOptimizer: offload_optimizer device 'cpu': the model is on the CPU, so its optimizer "
                      "state already lives in host memory; nothing to offload")
