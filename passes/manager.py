@@ -91,59 +91,59 @@ def _registry() -> list[GraphPass]:
                   summary="parameters become shards plus the stage's collectives",
                   required_because="it implements the ZeRO stage itself (use stage=0 for plain data parallelism)"),
         GraphPass("cast_forward_inputs", cast_forward_inputs, ("dynamo",),
-                  enabled=lambda config: config.param_dtype is not None,
-                  bind=lambda config: {"param_dtype": config.param_dtype},
+                  enabled=lambda config: config.sharding.param_dtype is not None,
+                  bind=lambda config: {"param_dtype": config.sharding.param_dtype},
                   summary="cast floating-point inputs to param_dtype"),
         GraphPass("cast_before_gather", cast_before_gather, ("dynamo",), stages=(3,),
                   requires=("param_collectives",),
                   summary="cast shards to param_dtype before the all-gather, not after"),
         GraphPass("align_compute_dtypes", align_compute_dtypes, ("dynamo",), requires=("param_collectives",),
-                  enabled=lambda config: config.param_dtype is not None,
-                  bind=lambda config: {"param_dtype": config.param_dtype},
+                  enabled=lambda config: config.sharding.param_dtype is not None,
+                  bind=lambda config: {"param_dtype": config.sharding.param_dtype},
                   summary="cast float32 operands of mixed-dtype matrix products to param_dtype"),
         GraphPass("tag_collectives", tag_collectives, ("joint", "inference"), requires=("param_collectives",),
                   provides=("tags",), optional=False, ensures=ensure_tagged,
-                  bind=lambda config: {"stage": config.stage},
+                  bind=lambda config: {"stage": config.sharding.stage},
                   summary="tag each parameter all-gather / gradient reduce-scatter with its role and parameter",
                   required_because="it only labels nodes, and the other passes find their collectives by its "
                                    "labels (disable those passes instead)"),
         GraphPass("selective_unshard", selective_unshard, ("joint",), stages=(3,), requires=("tags",),
                   provides=("unshard_plan",),
-                  enabled=lambda config: config.reshard_after_forward and config.unshard_budget_mb != 0,
-                  bind=lambda config: {"unshard_budget_mb": config.unshard_budget_mb,
-                                       "memory_limit_mb": config.memory_limit_mb},
+                  enabled=lambda config: config.passes.reshard_after_forward and config.passes.unshard_budget_mb != 0,
+                  bind=lambda config: {"unshard_budget_mb": config.passes.unshard_budget_mb,
+                                       "memory_limit_mb": config.passes.memory_limit_mb},
                   summary="keep the parameters worth keeping gathered from forward to backward"),
         GraphPass("reshard_after_forward", reshard_after_forward, ("joint",), stages=(3,), requires=("tags",),
-                  provides=("resharded",), enabled=lambda config: config.reshard_after_forward,
+                  provides=("resharded",), enabled=lambda config: config.passes.reshard_after_forward,
                   summary="re-gather the other parameters in backward instead of saving them"),
         GraphPass("hierarchical_partition", hierarchical_partition, ("joint", "forward", "backward"), stages=(3,),
                   requires=("tags", "resharded"), optional=False,
-                  enabled=lambda config: config.zero_hpz_partition_size > 1,
-                  bind=lambda config: {"zero_hpz_partition_size": config.zero_hpz_partition_size},
+                  enabled=lambda config: config.passes.zero_hpz_partition_size > 1,
+                  bind=lambda config: {"zero_hpz_partition_size": config.passes.zero_hpz_partition_size},
                   option="zero_hpz_partition_size", otherwise="or set it to 1",
                   stage_reason="it partitions the parameters the backward re-gathers",
                   summary="ZeRO++ hpZ: backward re-gathers from secondary shards within groups of k ranks",
                   required_because="it is what zero_hpz_partition_size asks for (set zero_hpz_partition_size=1 "
                                    "instead)"),
         GraphPass("recompute", recompute, ("joint",), requires=("tags",), provides=("recompute_plan",),
-                  enabled=lambda config: config.recompute != "none",
-                  bind=lambda config: {"recompute": config.recompute},
+                  enabled=lambda config: config.passes.recompute != "none",
+                  bind=lambda config: {"recompute": config.passes.recompute},
                   summary="recompute activations in backward instead of saving them"),
         GraphPass("plan_activations", plan_activations, ("joint",), requires=("tags",), optional=False,
-                  enabled=lambda config: config.offload_activations.enabled
-                  and config.offload_activations.budget_mb is not None,
-                  bind=lambda config: {"settings": config.offload_activations},
+                  enabled=lambda config: config.passes.offload_activations.enabled
+                  and config.passes.offload_activations.budget_mb is not None,
+                  bind=lambda config: {"settings": config.passes.offload_activations},
                   summary="choose per block among keeping, recomputing and offloading its saved activations "
                           "to fit offload_activations.budget_mb",
                   required_because="it is what offload_activations.budget_mb asks for (drop budget_mb to "
                                    "offload every saved activation instead)"),
         GraphPass("bucketing", bucketing, ("forward", "backward", "inference"), stages=(2, 3), requires=("tags",),
-                  provides=("buckets",), enabled=lambda config: config.bucket_mb > 0,
-                  bind=lambda config: {"bucket_mb": config.bucket_mb},
+                  provides=("buckets",), enabled=lambda config: config.passes.bucket_mb > 0,
+                  bind=lambda config: {"bucket_mb": config.passes.bucket_mb},
                   summary="coalesce consecutive all-gathers / reduce-scatters into flat buckets"),
         GraphPass("quantize_weight_gathers", quantize_weight_gathers, ("forward", "backward", "inference"),
                   stages=(3,), requires=("tags",), optional=False,
-                  enabled=lambda config: config.zero_quantized_weights,
+                  enabled=lambda config: config.passes.zero_quantized_weights,
                   option="zero_quantized_weights", otherwise="or drop it",
                   stage_reason="it quantizes the parameter all-gathers, which only stage 3 has",
                   summary="ZeRO++ qwZ: parameter all-gathers move int8 values and block scales",
@@ -151,36 +151,36 @@ def _registry() -> list[GraphPass]:
                                    "instead)"),
         GraphPass("quantize_gradient_reductions", quantize_gradient_reductions, ("backward",),
                   stages=(2, 3), requires=("tags",), optional=False,
-                  enabled=lambda config: config.zero_quantized_gradients,
+                  enabled=lambda config: config.passes.zero_quantized_gradients,
                   option="zero_quantized_gradients", otherwise="or drop it",
                   stage_reason="it quantizes the gradient reduce-scatters of the backward graphs",
-                  bind=lambda config: {"zero_hpz_partition_size": config.zero_hpz_partition_size},
+                  bind=lambda config: {"zero_hpz_partition_size": config.passes.zero_hpz_partition_size},
                   summary="ZeRO++ qgZ: gradient reduce-scatters become int8 all-to-alls and a local sum",
                   required_because="it is what zero_quantized_gradients asks for (set "
                                    "zero_quantized_gradients=False instead)"),
         GraphPass("prefetch", prefetch, ("forward", "backward", "inference"), stages=(2, 3), requires=("tags",),
-                  enabled=lambda config: config.prefetch,
-                  bind=lambda config: {"prefetch_mb": config.prefetch_mb, "memory_limit_mb": config.memory_limit_mb},
+                  enabled=lambda config: config.passes.prefetch,
+                  bind=lambda config: {"prefetch_mb": config.passes.prefetch_mb, "memory_limit_mb": config.passes.memory_limit_mb},
                   summary="issue all-gathers early and wait late, within the memory budget"),
         GraphPass("all_reduce_gradients", all_reduce_gradients, ("backward",), stages=(2,), requires=("tags",),
-                  optional=False, enabled=lambda config: config.gradient_reduction != "reduce_scatter",
+                  optional=False, enabled=lambda config: config.sharding.gradient_reduction != "reduce_scatter",
                   summary="gradient reduce-scatters become all-reduces (each rank keeps its slice) where "
                           "gradient_reduction chooses them as faster",
                   required_because="it is what gradient_reduction asks for (set gradient_reduction="
                                    "'reduce_scatter' instead)"),
         GraphPass("point_to_point_collectives", point_to_point_collectives, ("forward", "backward", "inference"),
                   stages=(2, 3), requires=("tags",), optional=False,
-                  enabled=lambda config: config.parameter_gather != "all_gather"
-                  or config.gradient_reduction in ("auto", "point_to_point", "shared_memory"),
-                  bind=lambda config: {"copy_input": config.inner_compiler != "eager"},
+                  enabled=lambda config: config.sharding.parameter_gather != "all_gather"
+                  or config.sharding.gradient_reduction in ("auto", "point_to_point", "shared_memory"),
+                  bind=lambda config: {"copy_input": config.compiler.inner_compiler != "eager"},
                   summary="parameter all-gathers and gradient reduce-scatters become point-to-point transfers "
                           "(the same bytes and values) where parameter_gather / gradient_reduction choose them "
                           "as faster",
                   required_because="it is what parameter_gather / gradient_reduction ask for (set "
                                    "parameter_gather='all_gather' and gradient_reduction='reduce_scatter' instead)"),
         GraphPass("offload_activations", offload_activations, ("forward", "backward"), optional=False,
-                  enabled=lambda config: config.offload_activations.enabled,
-                  bind=lambda config: {"settings": config.offload_activations},
+                  enabled=lambda config: config.passes.offload_activations.enabled,
+                  bind=lambda config: {"settings": config.passes.offload_activations},
                   summary="copy saved activations out after forward makes them and read them back ahead of "
                           "their use in backward",
                   required_because="it is what offload_activations asks for (set offload_activations=None "
@@ -212,10 +212,10 @@ def check_stages(config, passes: list | None = None) -> None:
     """Raise ``ZeroConfigError`` for an option that asks for a pass at a stage the pass does not
     apply to (the stage rules live in the registry, once)."""
     for p in _registry() if passes is None else passes:
-        if p.option and config.stage not in p.stages and p.enabled(config):
+        if p.option and config.sharding.stage not in p.stages and p.enabled(config):
             stages = " or ".join(str(s) for s in p.stages)
             raise ZeroConfigError(f"option '{p.option}' needs stage {stages} ({p.stage_reason}), not stage "
-                                  f"{config.stage}; use stage={stages}, {p.otherwise}")
+                                  f"{config.sharding.stage}; use stage={stages}, {p.otherwise}")
 
 
 def _selected(config, graph_kind: str | None = None, passes: list | None = None) -> list[GraphPass]:
@@ -223,7 +223,7 @@ def _selected(config, graph_kind: str | None = None, passes: list | None = None)
     for p in _registry() if passes is None else passes:
         if graph_kind is not None and graph_kind not in p.graph_kinds:
             continue
-        if config.stage in p.stages and p.name not in config.disabled_passes and p.enabled(config):
+        if config.sharding.stage in p.stages and p.name not in config.passes.disabled_passes and p.enabled(config):
             out.append(p)
     return out
 
@@ -239,7 +239,7 @@ def check_pipeline(config, passes: list | None = None) -> None:
                 makers = [q.name for q in every if req in q.provides] or ["(none)"]
                 raise ZeroConfigError(
                     f"pass '{p.name}' requires '{req}', which pass {' or '.join(repr(m) for m in makers)} "
-                    f"provides, but that pass is disabled or does not apply to stage {config.stage}; "
+                    f"provides, but that pass is disabled or does not apply to stage {config.sharding.stage}; "
                     f"enable it or also disable '{p.name}'")
         for cap in p.provides:
             provided[cap] = p.name

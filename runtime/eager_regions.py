@@ -472,7 +472,7 @@ def _hook_gradient(sp: ShardedParam, regions: EagerRegions) -> None:
     # with the model's loss_scale option the gradients eager code leaves wait for the step (the compiled
     # backward leaves the shard gradient scaled)
     if sp.eager_grad_hook or not sp.rules.reduces_in_backward or not sp.requires_grad or \
-            sp.option("loss_scale") is not None:
+            sp.option("step", "loss_scale") is not None:
         return
     with _torch_compat.plain_tensor_ops():
         sp.param.register_post_accumulate_grad_hook(_gradient_accumulated)

@@ -133,15 +133,17 @@ class ModelSession:
         self.comms.reset()
         self.compile_seconds = 0.0
 
-    def check_step_options(self, config, frame: str, names) -> None:
-        """A frame of this model compiled with ``config``: its options ``names`` must be the
-        model's (its first frame's). They are the options of the model's optimizer step
-        (``loss_scale``, ``gradient_clipping``, ``offload_optimizer``, ``allow_unsharded``), read
-        from the session (``ShardedParam.option``): one step scales, clips and offloads one way
-        (a scaled and an unscaled gradient summed into one tensor could not be told apart).
-        Enforced here, once per compile, not by the optimizer."""
+    def check_model_options(self, config, frame: str, section: str, names) -> None:
+        """A frame of this model compiled with ``config``: its options ``names`` of ``section``
+        must be the model's (its first frame's). They are the options of the model's optimizer
+        step (``step``: ``loss_scale``, ``gradient_clipping``, ``offload_optimizer``,
+        ``allow_unsharded``), read from the session (``ShardedParam.option``): one step scales,
+        clips and offloads one way (a scaled and an unscaled gradient summed into one tensor could
+        not be told apart); and what the model writes about itself (``observability``:
+        ``monitor``, ``flops_profiler``, ``comms_logger``): one writer per model. Enforced here,
+        once per compile, not by the optimizer."""
         for name in names:
-            mine, model = getattr(config, name), getattr(self.config, name)
+            mine, model = getattr(getattr(config, section), name), getattr(getattr(self.config, section), name)
             if mine != model:
                 raise ValueError(
                     f"zerocompile [{frame}]: this frame of model '{self.name}' was compiled with {name} {mine!r}, "

@@ -142,11 +142,12 @@ class ShardedParam:
             else:
                 self._build(param.detach())
 
-    def option(self, name: str, default=None):
-        """The model's option ``name`` (its session's options, ``runtime/session.py``), or
-        ``default`` where no compiled frame has given the model options yet."""
+    def option(self, section: str, name: str, default=None):
+        """The model's option ``name`` of ``section`` (``ZeroConfig.step``, ``.passes``, ...: its
+        session's options, ``runtime/session.py``), or ``default`` where no compiled frame has
+        given the model options yet."""
         config = self.session.config if self.session is not None else None
-        return default if config is None else getattr(config, name)
+        return default if config is None else getattr(getattr(config, section), name)
 
     # -- construction -----------------------------------------------------------------
 

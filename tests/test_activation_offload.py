@@ -49,15 +49,15 @@ _WAIT = torch.ops._c10d_functional.wait_tensor
 ])
 def test_bad_options_are_refused_with_the_fix(value, message):
     with pytest.raises(ZeroConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        ZeroConfig(offload_activations=value)
+        ZeroConfig.from_options({"offload_activations": value})
 
 
 def test_options_parse_with_their_defaults():
-    settings = ZeroConfig(offload_activations={"device": "nvme", "nvme_path": "/x", "budget_mb": "auto"},
-                          memory_limit_mb=100).offload_activations
+    settings = ZeroConfig.from_options({"offload_activations": {"device": "nvme", "nvme_path": "/x", "budget_mb": "auto"},
+                                        "memory_limit_mb": 100}).passes.offload_activations
     assert (settings.device, settings.nvme_path, settings.budget_mb, settings.min_kb, settings.memory_limit_mb) == (
         "nvme", "/x", "auto", 64.0, 100.0)
-    assert not ZeroConfig().offload_activations.enabled
+    assert not ZeroConfig().passes.offload_activations.enabled
 
 
 def test_deepspeed_cpu_checkpointing_maps_onto_the_option_and_unknown_keys_are_refused():

@@ -240,8 +240,8 @@ def test_settings_and_bad_input():
     cfg = ZeroConfig.from_options({"zero_optimization": {"stage": 2},
                                    "comms_logger": {"enabled": True, "verbose": False, "prof_all": True,
                                                     "debug": False}})
-    assert cfg.comms_logger == CommsLoggerSettings()
-    assert ZeroConfig.from_options({"comms_logger": {"enabled": False}}).comms_logger is None
+    assert cfg.observability.comms_logger == CommsLoggerSettings()
+    assert ZeroConfig.from_options({"comms_logger": {"enabled": False}}).observability.comms_logger is None
 
 
 def test_bus_bandwidth_factors():

@@ -14,9 +14,9 @@ from zerocompile.config import ZeroConfig, ZeroConfigError
 
 def test_defaults():
     cfg = ZeroConfig.from_options(None)
-    assert cfg.stage == 3 and cfg.param_dtype is None and cfg.reduce_dtype is torch.float32
-    assert cfg.inner_compiler == "inductor" and cfg.process_group is None and cfg.bucket_mb > 0
-    assert cfg.reshard_after_forward is True and cfg.disabled_passes == ()
+    assert cfg.sharding.stage == 3 and cfg.sharding.param_dtype is None and cfg.sharding.reduce_dtype is torch.float32
+    assert cfg.compiler.inner_compiler == "inductor" and cfg.sharding.process_group is None and cfg.passes.bucket_mb > 0
+    assert cfg.passes.reshard_after_forward is True and cfg.passes.disabled_passes == ()
 
 
 @pytest.mark.parametrize("spelling,dtype", [
@@ -24,7 +24,7 @@ def test_defaults():
     ("fp16", torch.float16), ("float16", torch.float16), (torch.float16, torch.float16),
     ("float32", torch.float32), (None, None)])
 def test_param_dtype_spellings(spelling, dtype):
-    assert ZeroConfig.from_options({"param_dtype": spelling}).param_dtype == dtype
+    assert ZeroConfig.from_options({"param_dtype": spelling}).sharding.param_dtype == dtype
 
 
 def test_unknown_key_suggests_closest():
@@ -91,11 +91,11 @@ def test_deepspeed_dict_is_translated():
         "communication_data_type": "bf16",
         "inner_compiler": "eager",
     })
-    assert (cfg.stage, cfg.param_dtype, cfg.reduce_dtype, cfg.inner_compiler) == (
+    assert (cfg.sharding.stage, cfg.sharding.param_dtype, cfg.sharding.reduce_dtype, cfg.compiler.inner_compiler) == (
         2, torch.bfloat16, torch.bfloat16, "eager")
-    assert cfg.bucket_mb == 4.0  # 2**20 elements x 4 bytes
-    assert ZeroConfig.from_options({"fp16": {"enabled": True}}).param_dtype is torch.float16
-    assert ZeroConfig.from_options({"bf16": {"enabled": False}}).param_dtype is None
+    assert cfg.passes.bucket_mb == 4.0  # 2**20 elements x 4 bytes
+    assert ZeroConfig.from_options({"fp16": {"enabled": True}}).sharding.param_dtype is torch.float16
+    assert ZeroConfig.from_options({"bf16": {"enabled": False}}).sharding.param_dtype is None
 
 
 @pytest.mark.parametrize("ds,pattern", [
@@ -168,13 +168,14 @@ def test_pass_options_are_parsed():
         "passes": {"disable": ["prefetch", "bucketing"]}, "bucket_mb": 0, "prefetch_mb": 8,
         "unshard_budget_mb": "auto", "memory_limit_mb": 512, "recompute": {"memory_budget_mb": 64},
         "cost_model": {"flops_per_s": 1e12, "alpha_us": 10}, "dump": "/tmp/x"})
-    assert cfg.disabled_passes == ("prefetch", "bucketing") and cfg.bucket_mb == 0
-    assert (cfg.prefetch_mb, cfg.unshard_budget_mb, cfg.memory_limit_mb) == (8, "auto", 512)
-    assert cfg.recompute == {"memory_budget_mb": 64.0}
-    assert cfg.cost_model == {"flops_per_s": 1e12, "alpha_us": 10}
-    assert ZeroConfig.from_options({"unshard_budget_mb": float("inf")}).unshard_budget_mb == float("inf")
+    assert cfg.passes.disabled_passes == ("prefetch", "bucketing") and cfg.passes.bucket_mb == 0
+    assert (cfg.passes.prefetch_mb, cfg.passes.unshard_budget_mb, cfg.passes.memory_limit_mb) == (8, "auto", 512)
+    assert cfg.passes.recompute == {"memory_budget_mb": 64.0}
+    assert cfg.compiler.cost_model == {"flops_per_s": 1e12, "alpha_us": 10}
+    assert ZeroConfig.from_options({"unshard_budget_mb": float("inf")}).passes.unshard_budget_mb == float("inf")
     defaults = ZeroConfig()
-    assert (defaults.prefetch, defaults.unshard_budget_mb, defaults.recompute, defaults.cost_model) == (
+    assert (defaults.passes.prefetch, defaults.passes.unshard_budget_mb, defaults.passes.recompute,
+            defaults.compiler.cost_model) == (
         True, 0.0, "none", "probe")
 
 
@@ -194,16 +195,16 @@ def test_pipeline_that_cannot_be_satisfied_is_refused():
 def test_offload_optimizer_option_and_its_deepspeed_keys(tmp_path):
     from zerocompile.runtime.offload_settings import OffloadSettings
 
-    assert ZeroConfig().offload_optimizer == OffloadSettings() and not ZeroConfig().offload_optimizer.enabled
+    assert ZeroConfig().step.offload_optimizer == OffloadSettings() and not ZeroConfig().step.offload_optimizer.enabled
     cfg = ZeroConfig.from_options({"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path),
                                                          "buffer_count": 3, "ratio": 0.5}})
-    assert cfg.offload_optimizer == OffloadSettings(device="nvme", nvme_path=str(tmp_path), buffer_count=3, ratio=0.5)
+    assert cfg.step.offload_optimizer == OffloadSettings(device="nvme", nvme_path=str(tmp_path), buffer_count=3, ratio=0.5)
     ds = ZeroConfig.from_options({
         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path),
                                                                 "pin_memory": True, "pipeline_read": True}},
         "aio": {"block_size": 2 * 2**20, "thread_count": 4, "queue_depth": 8}})
-    assert ds.offload_optimizer == OffloadSettings(device="nvme", nvme_path=str(tmp_path), threads=4,
-                                                   block_size=2 * 2**20)
+    assert ds.step.offload_optimizer == OffloadSettings(device="nvme", nvme_path=str(tmp_path), threads=4,
+                                                        block_size=2 * 2**20)
     for bad, pattern in [
         ({"device": "gpu"}, r"option 'offload_optimizer.device' = 'gpu' is invalid; allowed: 'none', 'cpu', 'nvme'"),
         ({"device": "nvme"}, r"'offload_optimizer.device' = 'nvme' needs 'offload_optimizer.nvme_path'"),
@@ -289,21 +290,21 @@ def test_deepspeed_example_configs_translate_from_their_json_files(name, tmp_pat
     expected = {
         "HF_ZERO2": dict(stage=2, param_dtype=None, loss_scale=None, bucket_mb=2e8 * 4 / 2**20, prefetch=True,
                          offload_optimizer="cpu"),
-        "HF_ZERO3": dict(stage=3, param_dtype=None, loss_scale=None, bucket_mb=ZeroConfig().bucket_mb, prefetch=True,
-                         prefetch_mb=ZeroConfig().prefetch_mb, offload_optimizer="cpu", offload_param="cpu"),
+        "HF_ZERO3": dict(stage=3, param_dtype=None, loss_scale=None, bucket_mb=ZeroConfig().passes.bucket_mb, prefetch=True,
+                         prefetch_mb=ZeroConfig().passes.prefetch_mb, offload_optimizer="cpu", offload_param="cpu"),
         "CIFAR": dict(stage=0, param_dtype=torch.float16, bucket_mb=5e7 * 4 / 2**20, prefetch=True,
                       offload_optimizer=None, gradient_clipping=1.0),
         "ZERO_PP": dict(stage=3, param_dtype=torch.bfloat16, bucket_mb=1e7 * 4 / 2**20, prefetch_mb=5e7 * 2 / 2**20,
                         zero_quantized_weights=True, zero_quantized_gradients=True, zero_hpz_partition_size=16),
     }[name]
     for field_name, value in expected.items():
-        got = getattr(cfg, field_name)
+        got = cfg.flat()[field_name]
         if field_name.startswith("offload_"):
             got = None if got.device == "none" else got.device
         assert got == value, (field_name, got, value)
     if name == "CIFAR":
-        assert (cfg.loss_scale.initial_scale, cfg.loss_scale.window, cfg.loss_scale.hysteresis,
-                cfg.loss_scale.min_scale) == (2.0**15, 500, 2, 1)
+        assert (cfg.step.loss_scale.initial_scale, cfg.step.loss_scale.window, cfg.step.loss_scale.hysteresis,
+                cfg.step.loss_scale.min_scale) == (2.0**15, 500, 2, 1)
     messages = [r.getMessage() for r in caplog.records if r.name == "zerocompile"]
     warnings = [r.getMessage() for r in caplog.records if r.name == "zerocompile" and r.levelno == logging.WARNING]
     autos = [m for m in warnings if "'auto', which HF Trainer" in m]
@@ -340,8 +341,8 @@ def test_a_deepspeed_json_file_as_torch_compile_options(tmp_path, monkeypatch):
     assert out.dtype is torch.bfloat16
     monkeypatch.setenv("ZEROCOMPILE_OPTIONS", json.dumps({"param_dtype": None, "inner_compiler": "eager"}))
     from zerocompile.backend import _with_environment_options
-    merged = ZeroConfig.from_options(_with_environment_options(str(path)))
-    assert (merged.stage, merged.param_dtype, merged.inner_compiler) == (2, None, "eager")
+    merged = _with_environment_options(str(path))
+    assert (merged.sharding.stage, merged.sharding.param_dtype, merged.compiler.inner_compiler) == (2, None, "eager")
     with pytest.raises(ZeroConfigError, match=r"options = '.*missing.json': no such file"):
         ZeroConfig.from_options(str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"

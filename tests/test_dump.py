@@ -3,15 +3,16 @@ and summaries equal to what the analyses give for the same graph."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
-from dataclasses import dataclass
 
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from zerocompile.config import ZeroConfig
 from zerocompile.dump import DumpRecorder, recorder_for, safe_name
 from zerocompile.env import DUMP_ENV
 from zerocompile.runtime.accounting import COLLECTIVE_KINDS
@@ -192,27 +193,25 @@ def test_bad_rank_or_world_is_a_clear_error(tmp_path):
         DumpRecorder(tmp_path, 2, 2)
 
 
-@dataclass(frozen=True)
-class Config:
-    """Stands in for ZeroConfig: a dataclass with a ``dump`` field, a dtype and an object."""
-
-    dump: str | None = None
-    param_dtype: torch.dtype = torch.bfloat16
-    process_group: object = None
-
-
 def test_recorder_for_uses_the_option_then_the_environment(tmp_path, monkeypatch):
 
     group = CommGroup(rank=3, world=4, name="fake")
     monkeypatch.delenv(DUMP_ENV, raising=False)
-    assert recorder_for(Config(), group) is None
+    bf16 = ZeroConfig.from_options({"param_dtype": "bf16"})
+    assert recorder_for(bf16, group) is None
 
     monkeypatch.setenv(DUMP_ENV, str(tmp_path / "env"))
-    rec = recorder_for(Config(), group)
+    rec = recorder_for(bf16, group)
     assert (rec.root, rec.rank, rec.world) == (tmp_path / "env", 3, 4)
-    assert rec.options == {"dump": None, "param_dtype": "bfloat16", "process_group": None}
+    # the options recorded flat, by the names users give, every one of them
+    assert set(rec.options) == set(bf16.flat())
+    assert (rec.options["dump"], rec.options["param_dtype"], rec.options["process_group"]) == \
+        (None, "bfloat16", None)
 
-    rec = recorder_for(Config(dump=str(tmp_path / "opt"), process_group=object()), group)
+    group_stand_in = object()          # the option's check wants a ProcessGroup: built past it
+    opt = bf16.with_options({"dump": str(tmp_path / "opt")})
+    opt = dataclasses.replace(opt, sharding=dataclasses.replace(opt.sharding, process_group=group_stand_in))
+    rec = recorder_for(opt, group)
     assert rec.root == tmp_path / "opt"
     rec.record("frame 0/0", "dynamo", "input", _tiny_graph(), 0.0)
     options = json.loads((tmp_path / "opt" / "rank3" / "index.json").read_text())["options"]

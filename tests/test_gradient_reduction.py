@@ -172,7 +172,7 @@ def test_auto_measures_nothing_on_one_rank_and_the_options_are_checked():
     one = gradient_reduction("auto", CommGroup(rank=0, world=1, name=""))
     assert one.kinds == ("reduce_scatter",) and "world size 1" in one.source
     assert gradient_reduction("all_reduce", CommGroup(rank=0, world=1, name="")).kind_for(1 << 30) == "all_reduce"
-    assert ZeroConfig.from_options({"stage": 2}).gradient_reduction == "auto"
+    assert ZeroConfig.from_options({"stage": 2}).sharding.gradient_reduction == "auto"
     with pytest.raises(ZeroConfigError, match="'gradient_reduction' = 'allreduce' is invalid; allowed: 'auto', "
                                               "'reduce_scatter', 'all_reduce', 'point_to_point'"):
         ZeroConfig.from_options({"stage": 2, "gradient_reduction": "allreduce"})
@@ -181,7 +181,7 @@ def test_auto_measures_nothing_on_one_rank_and_the_options_are_checked():
     assert one.gather_kinds == ("all_gather",) and one.gather_kind_for(1 << 30) == "all_gather"
     assert gradient_reduction("auto", CommGroup(rank=0, world=1, name=""), parameter_gather="point_to_point").gather_kinds \
         == ("point_to_point",)
-    assert ZeroConfig.from_options({"stage": 2}).parameter_gather == "auto"
+    assert ZeroConfig.from_options({"stage": 2}).sharding.parameter_gather == "auto"
     with pytest.raises(ZeroConfigError, match="'parameter_gather' = 'p2p' is invalid; allowed: 'auto', 'all_gather', "
                                               "'point_to_point'"):
         ZeroConfig.from_options({"stage": 2, "parameter_gather": "p2p"})

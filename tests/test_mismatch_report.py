@@ -113,9 +113,9 @@ def test_each_known_cause_is_named_with_its_fix(reports, me, expected):
 
 
 def test_the_option_takes_seconds_or_none():
-    assert ZeroConfig().collective_timeout_s == 60.0 and ZeroConfig().collective_busy_limit_s is None
-    assert ZeroConfig.from_options({"collective_timeout_s": None}).collective_timeout_s is None
-    assert ZeroConfig.from_options({"collective_timeout_s": 5, "collective_busy_limit_s": 600.0}).collective_busy_limit_s == 600
+    assert ZeroConfig().sharding.collective_timeout_s == 60.0 and ZeroConfig().sharding.collective_busy_limit_s is None
+    assert ZeroConfig.from_options({"collective_timeout_s": None}).sharding.collective_timeout_s is None
+    assert ZeroConfig.from_options({"collective_timeout_s": 5, "collective_busy_limit_s": 600.0}).sharding.collective_busy_limit_s == 600
     for name in ("collective_timeout_s", "collective_busy_limit_s"):
         for bad in (0, -1.0, True, "60", float("inf"), float("nan")):
             with pytest.raises(ZeroConfigError, match=f"option '{name}' = .* is invalid; allowed: a number of seconds"):

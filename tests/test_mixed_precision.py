@@ -510,10 +510,10 @@ def test_overflow_at_the_minimum_scale_raises():
 
 
 def test_loss_scale_option_parsing():
-    assert ZeroConfig().loss_scale is None
-    assert ZeroConfig.from_options({"loss_scale": "dynamic"}).loss_scale == LossScaleSettings()
-    assert ZeroConfig.from_options({"loss_scale": 128}).loss_scale == LossScaleSettings(dynamic=False, initial_scale=128.0)
-    assert ZeroConfig.from_options({"loss_scale": {"window": 10}}).loss_scale.window == 10
+    assert ZeroConfig().step.loss_scale is None
+    assert ZeroConfig.from_options({"loss_scale": "dynamic"}).step.loss_scale == LossScaleSettings()
+    assert ZeroConfig.from_options({"loss_scale": 128}).step.loss_scale == LossScaleSettings(dynamic=False, initial_scale=128.0)
+    assert ZeroConfig.from_options({"loss_scale": {"window": 10}}).step.loss_scale.window == 10
     for bad, pattern in [(0, "is invalid"), ("static", "is invalid"), ({"windw": 1}, "unknown key 'windw'"),
                          ({"hysteresis": 0}, "loss_scale.hysteresis"), (True, "is invalid")]:
         with pytest.raises(ZeroConfigError, match=pattern):
@@ -522,15 +522,15 @@ def test_loss_scale_option_parsing():
 
 def test_deepspeed_fp16_section_is_translated():
     cfg = ZeroConfig.from_options({"fp16": {"enabled": True}})
-    assert cfg.param_dtype is torch.float16 and cfg.loss_scale == LossScaleSettings()
+    assert cfg.sharding.param_dtype is torch.float16 and cfg.step.loss_scale == LossScaleSettings()
     cfg = ZeroConfig.from_options({"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
                                             "loss_scale_window": 500, "hysteresis": 4, "min_loss_scale": 2,
                                             "consecutive_hysteresis": True}})
-    assert cfg.loss_scale == LossScaleSettings(initial_scale=4096.0, window=500, hysteresis=4, min_scale=2,
+    assert cfg.step.loss_scale == LossScaleSettings(initial_scale=4096.0, window=500, hysteresis=4, min_scale=2,
                                                consecutive_hysteresis=True)
-    assert ZeroConfig.from_options({"fp16": {"enabled": True, "loss_scale": 512}}).loss_scale == LossScaleSettings(
+    assert ZeroConfig.from_options({"fp16": {"enabled": True, "loss_scale": 512}}).step.loss_scale == LossScaleSettings(
         dynamic=False, initial_scale=512.0)
-    assert ZeroConfig.from_options({"fp16": {"enabled": False, "loss_scale": 512}}).loss_scale is None
+    assert ZeroConfig.from_options({"fp16": {"enabled": False, "loss_scale": 512}}).step.loss_scale is None
     with pytest.raises(ZeroConfigError, match="applies to dynamic loss scaling"):
         ZeroConfig.from_options({"fp16": {"enabled": True, "loss_scale": 512, "hysteresis": 2}})
     with pytest.raises(ZeroConfigError, match="fp16.auto_cast"):

@@ -203,21 +203,21 @@ def _comet_metrics(path: Path) -> dict:
 
 def test_options_and_deepspeed_keys():
     cfg = ZeroConfig.from_options({"monitor": {"csv_monitor": {"enabled": True, "output_path": "a", "job_name": "b"}}})
-    assert cfg.monitor == MonitorSettings(csv="a/b")
-    assert ZeroConfig.from_options({"monitor": {"tensorboard": {"enabled": False}}}).monitor is None
+    assert cfg.observability.monitor == MonitorSettings(csv="a/b")
+    assert ZeroConfig.from_options({"monitor": {"tensorboard": {"enabled": False}}}).observability.monitor is None
     ds = ZeroConfig.from_options({"tensorboard": {"enabled": True, "job_name": "j"}, "train_batch_size": 64})
-    assert ds.monitor == MonitorSettings(tensorboard="j", samples_per_step=64)
-    assert ZeroConfig.from_options({"wandb": {"enabled": False, "project": "p"}}).monitor is None
-    wb = ZeroConfig.from_options({"wandb": {"enabled": True, "group": "g"}}).monitor.wandb
+    assert ds.observability.monitor == MonitorSettings(tensorboard="j", samples_per_step=64)
+    assert ZeroConfig.from_options({"wandb": {"enabled": False, "project": "p"}}).observability.monitor is None
+    wb = ZeroConfig.from_options({"wandb": {"enabled": True, "group": "g"}}).observability.monitor.wandb
     assert (wb.project, wb.group, wb.team) == ("deepspeed", "g", None)          # DeepSpeed's default project
-    cm = ZeroConfig.from_options({"comet": {"enabled": True, "api_key": "secret", "mode": "get"}}).monitor.comet
+    cm = ZeroConfig.from_options({"comet": {"enabled": True, "api_key": "secret", "mode": "get"}}).observability.monitor.comet
     assert cm.samples_log_interval == 100 and cm.mode == "get" and "secret" not in repr(cm)
-    assert ZeroConfig.from_options({"flops_profiler": {"enabled": False, "profile_step": 3}}).flops_profiler is None
-    fp = ZeroConfig.from_options({"flops_profiler": {"enabled": True, "profile_step": 3}}).flops_profiler
+    assert ZeroConfig.from_options({"flops_profiler": {"enabled": False, "profile_step": 3}}).observability.flops_profiler is None
+    fp = ZeroConfig.from_options({"flops_profiler": {"enabled": True, "profile_step": 3}}).observability.flops_profiler
     assert fp.profile_step == 3 and fp.module_depth == -1 and fp.detailed
     # DeepSpeed's recompute_fwd_factor (newer configs carry it): accepted, the recompute is counted instead
-    assert ZeroConfig.from_options({"flops_profiler": {"enabled": True, "recompute_fwd_factor": 0.0}}).flops_profiler == \
-        ZeroConfig.from_options({"flops_profiler": {"enabled": True}}).flops_profiler
+    assert ZeroConfig.from_options({"flops_profiler": {"enabled": True, "recompute_fwd_factor": 0.0}}).observability.flops_profiler == \
+        ZeroConfig.from_options({"flops_profiler": {"enabled": True}}).observability.flops_profiler
     for options, message in (
             ({"wandb": {"enabled": True, "entity": "p"}}, "unknown key(s) entity"),
             ({"wandb": {"enabled": True, "project": 3}}, "'wandb.project' = 3"),

@@ -467,7 +467,7 @@ def test_param_offload_errors_and_the_cpu_no_op(tmp_path, caplog):
         "device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 5, "max_in_cpu": 1e9}},
         "aio": {"thread_count": 3}})
     cfg = ZeroConfig.from_options(ds)
-    assert cfg.offload_param.device == "nvme" and cfg.offload_param.threads == 3
+    assert cfg.step.offload_param.device == "nvme" and cfg.step.offload_param.threads == 3
 
     blocker = tmp_path / "file"
     blocker.write_text("x")

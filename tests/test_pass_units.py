@@ -430,7 +430,7 @@ def test_cast_before_gather_moves_the_cast_in_front_of_the_gather():
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     group = CommGroup(rank=0, world=2, name="fake")
     sp = ShardedParam(torch.nn.Parameter(torch.randn(3, 4)), "w", 3, group, torch.bfloat16)
-    ctx = PassContext(config=ZeroConfig(stage=3, param_dtype="bfloat16"), group=group, frame="t")
+    ctx = PassContext(config=ZeroConfig.from_options({"stage": 3, "param_dtype": "bfloat16"}), group=group, frame="t")
     gm = insert_param_collectives(gm, ctx, plans=[None, sp])
     gather = next(n for n in gm.graph.nodes if n.target is param_ops.gather_param)
     assert gather.args[3] is torch.float32                      # gathered in fp32, then cast

@@ -427,11 +427,16 @@ def test_plans_options_reach_the_backend_in_a_scope_not_through_the_environment(
     import os
 
     from zerocompile.backend import _with_environment_options, overriding_options
+    from zerocompile.config import ZeroConfig
 
     monkeypatch.setenv("ZEROCOMPILE_OPTIONS", '{"stage": 1}')
     with overriding_options({"stage": 3}):
-        assert _with_environment_options({"stage": 2, "bucket_mb": 5}) == {"stage": 3, "bucket_mb": 5}
+        assert _with_environment_options({"stage": 2, "bucket_mb": 5}) == \
+            ZeroConfig.from_options({"stage": 3, "bucket_mb": 5})
         assert os.environ["ZEROCOMPILE_OPTIONS"] == '{"stage": 1}'
-    assert _with_environment_options({"stage": 2}) == {"stage": 1}
+    assert _with_environment_options({"stage": 2}) == ZeroConfig.from_options({"stage": 1})
     monkeypatch.delenv("ZEROCOMPILE_OPTIONS")
-    assert _with_environment_options({"stage": 2}) == {"stage": 2}
+    assert _with_environment_options({"stage": 2}) == ZeroConfig.from_options({"stage": 2})
+    # over a DeepSpeed config the override's key wins over the DeepSpeed key of the same meaning
+    with overriding_options({"stage": 1}):
+        assert _with_environment_options({"zero_optimization": {"stage": 3}}).sharding.stage == 1

@@ -124,7 +124,7 @@ def test_prefetch_follows_the_measured_times():
 
 
 def test_profile_option_is_validated():
-    assert ZeroConfig().profile is False and ZeroConfig.from_options({"profile": True}).profile is True
+    assert ZeroConfig().compiler.profile is False and ZeroConfig.from_options({"profile": True}).compiler.profile is True
     with pytest.raises(ZeroConfigError, match=r"option 'profile' = 'yes' is invalid; allowed: True, False"):
         ZeroConfig.from_options({"profile": "yes"})
 

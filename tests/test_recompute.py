@@ -114,11 +114,11 @@ class RecordingPartitioner:
         return self.partition(joint, joint_inputs, **kwargs)
 
     def partition(self, joint, joint_inputs, **kwargs):
-        self.ctx = PassContext(config=ZeroConfig(recompute=self.option, inner_compiler="eager"),
+        self.ctx = PassContext(config=ZeroConfig.from_options({"recompute": self.option, "inner_compiler": "eager"}),
                                group=CommGroup(rank=0, world=1, name=""), frame="t",
                                num_fwd_outputs=kwargs["num_fwd_outputs"])
         if self.option != "none":
-            joint = recompute(joint, self.ctx, recompute=self.ctx.config.recompute)
+            joint = recompute(joint, self.ctx, recompute=self.ctx.config.passes.recompute)
         self.tags = {n: (n.meta.get("recompute"), n.meta.get("ac_graph_id")) for n in joint.graph.nodes}
         fw, bw = _torch_compat.min_cut_partition(joint, joint_inputs, **kwargs)
         self.saved_bytes = saved_activation_bytes(fw.graph, kwargs["num_fwd_outputs"])
@@ -267,9 +267,9 @@ def _joint_graph(stacks, preset=None):
 
 
 def _run(gm, option="full", cost_model=None):
-    ctx = PassContext(config=ZeroConfig(recompute=option, inner_compiler="eager"),
+    ctx = PassContext(config=ZeroConfig.from_options({"recompute": option, "inner_compiler": "eager"}),
                       group=CommGroup(rank=0, world=1, name=""), frame="t", cost_model=cost_model)
-    recompute(gm, ctx, recompute=ctx.config.recompute)
+    recompute(gm, ctx, recompute=ctx.config.passes.recompute)
     return ctx.results["recompute"]
 
 

@@ -263,10 +263,11 @@ def test_one_optimizer_over_two_models_and_stats_of_an_uncompiled_model_are_refu
 
 
 def test_a_models_frames_share_its_step_options():
-    """The options of a model's optimizer step are its session's, given once: a block of the
-    model compiled with another ``gradient_clipping`` than the block before (whose compile gave
-    the whole model its shard states) is refused at its compile, naming the option; and the
-    session's own check refuses any frame of the model with other step options (one process)."""
+    """The options of a model's optimizer step and its observability are its session's, given
+    once: a block of the model compiled with another ``gradient_clipping`` (or comms logger) than
+    the block before (whose compile gave the whole model its shard states) is refused at its
+    compile, naming the option; and the session's own check refuses any frame of the model with
+    other step or observability options (one process)."""
     from zerocompile.config import ZeroConfig
     from zerocompile.runtime.session import ModelSession, TimerSites
 
@@ -281,11 +282,26 @@ def test_a_models_frames_share_its_step_options():
         model(x, y)
     torch._dynamo.reset()
     session = ModelSession("GPT", TimerSites(), ZeroConfig.from_options(_options(3)))
-    session.check_step_options(ZeroConfig.from_options(_options(3, bucket_mb=1)), "frame 1/0",
-                               ("loss_scale", "gradient_clipping", "offload_optimizer", "allow_unsharded"))
-    for options, name in (({"gradient_clipping": 1.0}, "gradient_clipping"), ({"loss_scale": "dynamic"}, "loss_scale"),
-                          ({"allow_unsharded": True}, "allow_unsharded"),
-                          ({"offload_optimizer": {"device": "cpu"}}, "offload_optimizer")):
+    session.check_model_options(ZeroConfig.from_options(_options(3, bucket_mb=1)), "frame 1/0", "step",
+                                ("loss_scale", "gradient_clipping", "offload_optimizer", "allow_unsharded"))
+    session.check_model_options(ZeroConfig.from_options(_options(3, dump="/tmp/x")), "frame 1/0", "observability",
+                                ("monitor", "flops_profiler", "comms_logger"))
+    csv = {"csv_monitor": {"enabled": True, "output_path": "/tmp/x", "job_name": "j"}}
+    for options, section, name in (
+            ({"gradient_clipping": 1.0}, "step", "gradient_clipping"), ({"loss_scale": "dynamic"}, "step", "loss_scale"),
+            ({"allow_unsharded": True}, "step", "allow_unsharded"),
+            ({"offload_optimizer": {"device": "cpu"}}, "step", "offload_optimizer"),
+            ({"monitor": csv}, "observability", "monitor"),
+            ({"flops_profiler": {"enabled": True}}, "observability", "flops_profiler"),
+            ({"comms_logger": {"enabled": True}}, "observability", "comms_logger")):
         with pytest.raises(ValueError, match=rf"\[frame 1/0\]: this frame of model 'GPT' was compiled with {name} .*"
                                              rf"cannot use different {name} options"):
-            session.check_step_options(ZeroConfig.from_options(_options(3, **options)), "frame 1/0", (name,))
+            session.check_model_options(ZeroConfig.from_options(_options(3, **options)), "frame 1/0", section, (name,))
+    # a frame of the model with another comms logger is refused at its compile
+    torch._dynamo.reset()
+    model = make_model("gpt")
+    model.blocks[0].compile(backend="zero", options=_options(3))
+    model.blocks[1].compile(backend="zero", options=_options(3, comms_logger={"enabled": True}))
+    with pytest.raises(Exception, match="compiled with comms_logger .*cannot use different comms_logger options"):
+        model(x, y)
+    torch._dynamo.reset()

@@ -175,7 +175,7 @@ def test_bad_inputs_are_refused_by_name():
 
 
 def test_the_option_is_validated_and_read_from_deepspeed_configs():
-    assert ZeroConfig.from_options({"stage": 3, "zero_quantized_weights": True}).zero_quantized_weights
+    assert ZeroConfig.from_options({"stage": 3, "zero_quantized_weights": True}).passes.zero_quantized_weights
     assert ZeroConfig.from_options({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}) \
         .zero_quantized_weights
     with pytest.raises(ZeroConfigError, match="needs stage 3"):

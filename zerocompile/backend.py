@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import logging
-import os
 
 from zerocompile import _torch_compat, env
 from zerocompile.capture import compile_frame
@@ -43,7 +41,7 @@ def zero_backend(gm, example_inputs, options=None, mode=None, **kwargs):
         raise ZeroConfigError(
             f"torch.compile mode={mode!r} is not supported by the 'zero' backend; "
             "use options={...} (see docs/config.md)")
-    cfg = ZeroConfig.from_options(_with_environment_options(options))
+    cfg = _with_environment_options(options)
     try:
         runner = compile_frame(gm, example_inputs, cfg)
     except CollectiveMismatchError as err:
@@ -66,7 +64,7 @@ def recompile_with_overriding_options(options: dict) -> int:
     runners = PROCESS.frames()
     configs = []
     for runner in runners:
-        cfg = ZeroConfig.from_options(_merged(runner.script_options, options))
+        cfg = _merged(runner.script_options, options)
         changed = options_needing_a_new_trace(runner.config, cfg)
         if changed:
             raise ZeroConfigError(f"[{runner.frame}] {', '.join(changed)}: other than the frame was compiled with; "
@@ -80,7 +78,7 @@ def recompile_with_overriding_options(options: dict) -> int:
 
 
 def _with_environment_options(options):
-    """``options`` updated with the options of an enclosing ``overriding_options``, else with
+    """The config of ``options`` updated with the options of an enclosing ``overriding_options``, else with
     the JSON object in ``ZEROCOMPILE_OPTIONS`` (set by ``zerocompile dump --options``): the
     override's keys win."""
     extra = _OVERRIDE.get()
@@ -90,17 +88,13 @@ def _with_environment_options(options):
         except ValueError as err:
             raise ZeroConfigError(str(err)) from None
     if extra is None:
-        return options
+        return ZeroConfig.from_options(options)
     if extra:
         log.info("options from ZEROCOMPILE_OPTIONS override the script's: %s", sorted(extra))
     return _merged(options, extra)
 
 
-def _merged(options, extra: dict) -> dict:
+def _merged(options, extra: dict) -> ZeroConfig:
     """The script's ``options`` (a dict, a DeepSpeed JSON file or a ``ZeroConfig``) with ``extra``
-    merged over them."""
-    if isinstance(options, (str, os.PathLike)):          # a DeepSpeed JSON file
-        options = ZeroConfig.from_options(options)
-    if isinstance(options, ZeroConfig):
-        options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
-    return {**(options or {}), **extra}
+    parsed over them (each value parsed once; ``extra``'s win, DeepSpeed keys of the script's too)."""
+    return ZeroConfig.from_options(options).with_options(extra)

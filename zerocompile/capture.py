@@ -77,9 +77,9 @@ class FrameRunner:
         """``(EagerRegions, position)`` where this frame checks its place across ranks first."""
         self._regions = None
         """The ``EagerRegions`` of the frame's roots (set at the first run, which installs them)."""
-        self._loss_scale = partitioner.ctx.config.loss_scale
+        self._loss_scale = partitioner.ctx.config.step.loss_scale
         self.order = time.monotonic_ns()  # compile order, for frame_reports()
-        self.dump_root = partitioner.ctx.config.dump or env.dump_dir()
+        self.dump_root = partitioner.ctx.config.observability.dump or env.dump_dir()
         """Where this frame's graphs are dumped (None: no dump); the optimizer step records there too."""
         self.session.frames.add(self)
 
@@ -98,7 +98,7 @@ class FrameRunner:
         """This frame's pass results and collectives (``zerocompile.frame_reports()``)."""
         ctx = self.partitioner.ctx
         fw = self._forward_summary()
-        return {"frame": self.frame, "compiled_at_ns": self.order, "stage": ctx.config.stage,
+        return {"frame": self.frame, "compiled_at_ns": self.order, "stage": ctx.config.sharding.stage,
                 "results": dict(ctx.results),
                 "forward": {k: {"count": t.count, "bytes": t.bytes} for k, t in fw.totals.items()},
                 "backward": {k: {"count": t.count, "bytes": t.bytes}
@@ -124,7 +124,7 @@ class FrameRunner:
         self.session.config = cfg          # the step's bucket_mb is the model's (pass options only differ)
         # the old graphs go now: nothing of them is left to count in a plan of the new ones
         self.compiled, self.partitioner = compiled, partitioner
-        self._loss_scale = cfg.loss_scale
+        self._loss_scale = cfg.step.loss_scale
         self._checked = False        # the new graphs' collectives are checked across ranks again
         self._flops_cache = {}
 
@@ -282,7 +282,7 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
         eager_owned |= eager_only_parameters(root)
     session = PROCESS.session_for(outermost_first(roots.values()),
                                   [get_state(ex) for ex in example_inputs if isinstance(ex, torch.nn.Parameter)], cfg)
-    session.check_step_options(cfg, frame, ("loss_scale",))      # before a shared parameter's own check
+    session.check_model_options(cfg, frame, "step", ("loss_scale",))   # before a shared parameter's own check
     plans = []
     for node, source, ex in zip(placeholders, sources, example_inputs):
         if not isinstance(ex, torch.nn.Parameter):
@@ -298,7 +298,8 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
             _check_compatible(state, cfg, group, name)
         plans.append(state)
     _shard_model_parameters(roots.values(), cfg, group, eager_owned, session)
-    session.check_step_options(cfg, frame, ("gradient_clipping", "offload_optimizer", "allow_unsharded"))
+    session.check_model_options(cfg, frame, "step", ("gradient_clipping", "offload_optimizer", "allow_unsharded"))
+    session.check_model_options(cfg, frame, "observability", ("monitor", "flops_profiler", "comms_logger"))
     return plans, list(roots.values()), eager_owned, session
 
 
@@ -321,9 +322,9 @@ def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_f
                      session: ModelSession) -> ShardedParam:
     """Create ``param``'s shard state (once per parameter, by the first frame that uses it), one
     of ``session``'s."""
-    compute = cfg.param_dtype if cfg.param_dtype is not None and param.is_floating_point() else param.dtype
-    state = ShardedParam(param, name, cfg.stage, group, compute, cfg.reduce_dtype, keep_full=keep_full,
-                         offload_param=cfg.offload_param)
+    compute = cfg.sharding.param_dtype if cfg.sharding.param_dtype is not None and param.is_floating_point() else param.dtype
+    state = ShardedParam(param, name, cfg.sharding.stage, group, compute, cfg.sharding.reduce_dtype, keep_full=keep_full,
+                         offload_param=cfg.step.offload_param)
     attach_state(param, state)
     session.add_state(state, group.world)
     return state
@@ -336,13 +337,13 @@ def _adopt_provisional(param, state: ShardedParam, cfg: ZeroConfig, group: CommG
     whole for an eager module) the state takes the frame's options; otherwise the full value is
     gathered back into the parameter (one all-gather: every rank compiles the same frames) and
     None is returned, so the frame shards it as any parameter."""
-    same_layout = (cfg.stage == 3 and group.name == state.group.name and not keep_full
-                   and not offloads_param(cfg.offload_param, state.device))
+    same_layout = (cfg.sharding.stage == 3 and group.name == state.group.name and not keep_full
+                   and not offloads_param(cfg.step.offload_param, state.device))
     if same_layout:
-        state.compute_dtype = cfg.param_dtype if cfg.param_dtype is not None and param.is_floating_point() \
+        state.compute_dtype = cfg.sharding.param_dtype if cfg.sharding.param_dtype is not None and param.is_floating_point() \
             else state.dtype
-        state.reduce_dtype = cfg.reduce_dtype
-        state.offload_param = cfg.offload_param
+        state.reduce_dtype = cfg.sharding.reduce_dtype
+        state.offload_param = cfg.step.offload_param
         state.provisional = False
         if state.session is not session:
             if state.session is not None:
@@ -360,32 +361,33 @@ def _adopt_provisional(param, state: ShardedParam, cfg: ZeroConfig, group: CommG
 
 
 def _check_compatible(state: ShardedParam, cfg: ZeroConfig, group: CommGroup, name: str) -> None:
-    want_compute = cfg.param_dtype or state.dtype
+    want_compute = cfg.sharding.param_dtype or state.dtype
     for option in ("offload_optimizer", "offload_param", "gradient_clipping"):
-        held = state.offload_param if option == "offload_param" else state.option(option, getattr(cfg, option))
-        if held != getattr(cfg, option):
+        wanted = getattr(cfg.step, option)
+        held = state.offload_param if option == "offload_param" else state.option("step", option, wanted)
+        if held != wanted:
             raise ValueError(
                 f"zerocompile: parameter '{name}' is already sharded with {option} "
-                f"{held}, but this frame was compiled with {getattr(cfg, option)}. "
+                f"{held}, but this frame was compiled with {wanted}. "
                 "Compile every model that shares parameters with the same options.")
-    if state.stage != cfg.stage or state.group.name != group.name or state.reduce_dtype != cfg.reduce_dtype or (
+    if state.stage != cfg.sharding.stage or state.group.name != group.name or state.reduce_dtype != cfg.sharding.reduce_dtype or (
             state.compute_dtype != want_compute and state.param.is_floating_point()):
         raise ValueError(
             f"zerocompile: parameter '{name}' is already sharded with stage {state.stage}, "
             f"param_dtype {state.compute_dtype}, reduce_dtype {state.reduce_dtype} on group "
-            f"'{state.group.name}', but this frame was compiled with stage {cfg.stage}, param_dtype "
-            f"{want_compute}, reduce_dtype {cfg.reduce_dtype} on group '{group.name}'. "
+            f"'{state.group.name}', but this frame was compiled with stage {cfg.sharding.stage}, param_dtype "
+            f"{want_compute}, reduce_dtype {cfg.sharding.reduce_dtype} on group '{group.name}'. "
             "Compile every model that shares parameters with the same options.")
 
 
 def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
     """Compile one Dynamo frame with ZeRO sharding; returns the callable Dynamo runs."""
     started = time.perf_counter()
-    group = resolve_group(cfg.process_group)
+    group = resolve_group(cfg.sharding.process_group)
     frame = _frame_name(gm)
     if _watched(cfg, group):
         # before the compile's own collectives: those of a frame compiled on some ranks only are watched too
-        PROCESS.watch.configure(cfg.collective_timeout_s, cfg.collective_busy_limit_s)
+        PROCESS.watch.configure(cfg.sharding.collective_timeout_s, cfg.sharding.collective_busy_limit_s)
     with PROCESS.watch.scope(f"compiling {frame}"):    # its collectives' label in a mismatch report
         runner = _compile_frame(gm, example_inputs, cfg, group, frame)
     runner.session.compile_seconds += time.perf_counter() - started
@@ -394,7 +396,7 @@ def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
 
 def _watched(cfg: ZeroConfig, group: CommGroup) -> bool:
     """Whether the collective watchdog watches this frame's collectives."""
-    return cfg.collective_timeout_s is not None and group.world > 1 and not is_fake_group(group)
+    return cfg.sharding.collective_timeout_s is not None and group.world > 1 and not is_fake_group(group)
 
 
 def _compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig, group: CommGroup, frame: str):
@@ -402,7 +404,7 @@ def _compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig, gr
     placeholders = list(traced.graph.find_nodes(op="placeholder"))
     sources = [_torch_compat.placeholder_source(node) for node in placeholders]
     plans, roots, eager_owned, session = _param_states(placeholders, sources, example_inputs, cfg, group, frame)
-    if cfg.offload_param.device == "cpu" and any(sp is not None and sp.device.type == "cpu" for sp in plans):
+    if cfg.step.offload_param.device == "cpu" and any(sp is not None and sp.device.type == "cpu" for sp in plans):
         log.info("[%s] offload_param device 'cpu': the parameters are on the CPU, so their shards already "
                  "live in host memory; nothing to offload", frame)
     regions = regions_of(roots)
@@ -425,7 +427,7 @@ def _frame_summary(plans: list, cfg: ZeroConfig, grad_enabled: bool) -> str:
     numel = sum(p.numel() for p in params)
     size = f"{numel / 1e6:.2f}M" if numel >= 10**5 else f"{numel}"
     kind = "forward + backward" if grad_enabled else "inference"
-    return f"{len(params)} parameters, {size} elements, {kind}, {cfg.inner_compiler}"
+    return f"{len(params)} parameters, {size} elements, {kind}, {cfg.compiler.inner_compiler}"
 
 
 class _TracedFrame:
@@ -458,7 +460,7 @@ class _TracedFrame:
             example_inputs = self._example_inputs(plans)
         else:
             self._scalars = [None if isinstance(ex, torch.Tensor) else ex for ex in example_inputs]
-        group = resolve_group(cfg.process_group)
+        group = resolve_group(cfg.sharding.process_group)
         frame = self.frame
         ctx = PassContext(config=cfg, group=group, frame=frame, recorder=recorder_for(cfg, group),
                           device=_frame_device(plans))
@@ -470,7 +472,7 @@ class _TracedFrame:
         # the first compile runs inside Dynamo's; a later one (FrameRunner.recompile) as it ran
         again = _torch_compat.as_in_dynamo_compile(self.fake_mode) if self.compiled_once else contextlib.nullcontext()
         self.compiled_once = True
-        with again, compile_status(frame, cfg.stage, _frame_summary(plans, cfg, self.grad_enabled)) as status, \
+        with again, compile_status(frame, cfg.sharding.stage, _frame_summary(plans, cfg, self.grad_enabled)) as status, \
                 torch.set_grad_enabled(self.grad_enabled):
             ctx.progress = status.update
             try:
@@ -511,17 +513,17 @@ def _gradient_reduction(cfg: ZeroConfig, group: CommGroup, plans: list, frame: s
     same point of its compile): how gradients are reduced (stages 1-2) and parameters gathered;
     at stages 1-2 also given to its parameters' shard states that have none (the step reads it).
     Stage 0: None."""
-    if cfg.stage not in (1, 2, 3):
+    if cfg.sharding.stage not in (1, 2, 3):
         return None
     # stage 3 has no all-reduce path: it reduce-scatters where gradient_reduction says all_reduce
-    reduction = "reduce_scatter" if cfg.stage == 3 and cfg.gradient_reduction == "all_reduce" else \
-        cfg.gradient_reduction
-    choice = gradient_reduction(reduction, group, _frame_device(plans), cfg.parameter_gather,
+    reduction = "reduce_scatter" if cfg.sharding.stage == 3 and cfg.sharding.gradient_reduction == "all_reduce" else \
+        cfg.sharding.gradient_reduction
+    choice = gradient_reduction(reduction, group, _frame_device(plans), cfg.sharding.parameter_gather,
                                 saved=compile_cache.saved_choices(),
-                                stage=cfg.stage)
-    if cfg.stage == 3:
+                                stage=cfg.sharding.stage)
+    if cfg.sharding.stage == 3:
         choice = choice.without_all_reduce()
-    if cfg.stage in (1, 2):
+    if cfg.sharding.stage in (1, 2):
         for sp in plans:
             if sp is not None and sp.gradient_reduction is None:
                 sp.gradient_reduction = choice
@@ -554,27 +556,27 @@ def _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx: PassConte
             ctx.primal_params.append(sp)
     partitioner = ZeroPartitioner(ctx)
     log.info("[%s] %d parameters (stage %d, world %d) -> %s", frame,
-             sum(p is not None for p in plans), cfg.stage, group.world, cfg.inner_compiler)
-    bypass = compile_cache.bypass_reason(cfg.inner_compiler, cfg.profile, ctx.recorder is not None,
-                                         cfg.zero_hpz_partition_size,
-                                         cfg.comms_logger is not None or cfg.flops_profiler is not None)
+             sum(p is not None for p in plans), cfg.sharding.stage, group.world, cfg.compiler.inner_compiler)
+    bypass = compile_cache.bypass_reason(cfg.compiler.inner_compiler, cfg.compiler.profile, ctx.recorder is not None,
+                                         cfg.passes.zero_hpz_partition_size,
+                                         cfg.observability.comms_logger is not None or cfg.observability.flops_profiler is not None)
     lowerings = []
-    if cfg.comms_logger is not None:
-        session.comms.configure(cfg.comms_logger)
+    if cfg.observability.comms_logger is not None:
+        session.comms.configure(cfg.observability.comms_logger)
         lowerings.append(functools.partial(insert_comm_timers, log=session.comms, world=group.world, frame=frame))
-    if cfg.flops_profiler is not None:
-        if cfg.flops_profiler.profile_step == 1:     # the step compiling it is the one profiled
+    if cfg.observability.flops_profiler is not None:
+        if cfg.observability.flops_profiler.profile_step == 1:     # the step compiling it is the one profiled
             session.module_times.arm(True)
         lowerings.append(functools.partial(insert_module_marks, times=session.module_times))
     watch = functools.partial(watch_collectives, frame=frame) if _watched(cfg, group) else None
     # the timers measure what ran between them: inductor keeps the graph's order
-    keep_order = (cfg.comms_logger is not None and cfg.comms_logger.blocking) or cfg.flops_profiler is not None
+    keep_order = (cfg.observability.comms_logger is not None and cfg.observability.comms_logger.blocking) or cfg.observability.flops_profiler is not None
     key = None if bypass else compile_cache.frame_key(gm, new_inputs, group, partitioner.uuid())
     entry = _reused_entry_and_cost_model(key, ctx, bypass)
-    status.compiling(f"AOTAutograd, {cfg.inner_compiler}")
-    if cfg.inner_compiler == "eager":
+    status.compiling(f"AOTAutograd, {cfg.compiler.inner_compiler}")
+    if cfg.compiler.inner_compiler == "eager":
         compiled = inner_compilers.compile_with_aot_eager(gm, new_inputs, partitioner, partitioner.inference,
-                                                          debug_checks=cfg.debug_checks, lowerings=lowerings,
+                                                          debug_checks=cfg.compiler.debug_checks, lowerings=lowerings,
                                                           watch=watch)
         return compiled, partitioner
     cacheable = None if bypass else compile_cache.cacheable_functions(gm, partitioner.uuid())
@@ -608,16 +610,16 @@ def _reused_entry_and_cost_model(key: str | None, ctx: PassContext, bypass: str 
     cfg = ctx.config
     # with inductor every rank takes part, even one that bypasses the caches (with no entry, so
     # all probe): whether a rank dumps, or has torch's caches on, is its own environment's
-    if cfg.cost_model == "probe" and cfg.inner_compiler == "inductor" and not compile_cache.agree(
+    if cfg.compiler.cost_model == "probe" and cfg.compiler.inner_compiler == "inductor" and not compile_cache.agree(
             entry, ctx.group, ctx.device):
         entry = None
     if entry is not None and entry.cost_model is not None:
         ctx.cost_model = CostModel.from_rates(entry.cost_model)
     else:
-        ctx.cost_model = cost_model_for(cfg.cost_model, ctx.group, ctx.device)
-        if cfg.cost_model == "probe" and "plan_activations" in _pipeline_names(ctx):
+        ctx.cost_model = cost_model_for(cfg.compiler.cost_model, ctx.group, ctx.device)
+        if cfg.compiler.cost_model == "probe" and "plan_activations" in _pipeline_names(ctx):
             # the planner weighs offloading by this rate; offloading everything does not need it
-            ctx.cost_model = probe_offload(ctx.cost_model, ctx.group, cfg.offload_activations, ctx.device)
+            ctx.cost_model = probe_offload(ctx.cost_model, ctx.group, cfg.passes.offload_activations, ctx.device)
     log.debug("[%s] cost model: %s", ctx.frame, ctx.cost_model)
     return entry
 

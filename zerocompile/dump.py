@@ -340,9 +340,10 @@ def record_optimizer_step(root, rank: int, world: int, optimizer: str, collectiv
 
 
 def recorder_for(config, group) -> DumpRecorder | None:
-    """The recorder for a compile under ``config`` on ``group`` (a ``CommGroup``): dumps go
-    to ``config.dump``, else to ``$ZEROCOMPILE_DUMP``; None when neither is set."""
-    root = getattr(config, "dump", None) or env.dump_dir()
+    """The recorder for a compile under ``config`` (a ``ZeroConfig``) on ``group`` (a
+    ``CommGroup``): dumps go to its ``dump`` option, else to ``$ZEROCOMPILE_DUMP``; None when
+    neither is set. The dump records the options flat, by the names users give."""
+    root = config.observability.dump or env.dump_dir()
     if root is None:
         return None
-    return DumpRecorder(root, group.rank, group.world, options=json_safe(config))
+    return DumpRecorder(root, group.rank, group.world, options=json_safe(config.flat()))

@@ -190,7 +190,7 @@ def settings_of(param: torch.Tensor) -> LossScaleSettings | None:
     unscaled, or no compiled frame has used it)."""
     state = get_state(param)
     session = state.session if state is not None else None
-    return session.config.loss_scale if session is not None and session.config is not None else None
+    return session.config.step.loss_scale if session is not None and session.config is not None else None
 
 
 def current_scale(params: list, settings: LossScaleSettings, frame: str) -> float:

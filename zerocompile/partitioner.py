@@ -88,13 +88,13 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
         """With ``profile=True``: replace the estimated cost model by one measured on this
         graph (passes/analyses/profiler.py), before any pass weighs a cost."""
         ctx = self.ctx
-        if not ctx.config.profile or ctx.cost_model is None:
+        if not ctx.config.compiler.profile or ctx.cost_model is None:
             return
-        bucket_bytes = int(ctx.config.bucket_mb * (1 << 20)) if ctx.config.stage in (2, 3) else 0
+        bucket_bytes = int(ctx.config.passes.bucket_mb * (1 << 20)) if ctx.config.sharding.stage in (2, 3) else 0
         fake = any(_torch_compat.is_fake_tensor(sp.param) for sp in ctx.primal_params if sp is not None)
         ctx.cost_model, ctx.results["profile"] = profile_graph(
             graph, ctx.cost_model, ctx.group, ctx.device or torch.device("cpu"), bucket_bytes, ctx.frame,
-            fake_params=fake, offload=ctx.config.offload_activations)
+            fake_params=fake, offload=ctx.config.passes.offload_activations)
 
     def __deepcopy__(self, memo):
         # inductor deep-copies its config (which holds this object) when it snapshots it;
@@ -119,7 +119,7 @@ class ZeroPartitioner(_torch_compat.PartitionerBase):
             digest.update(f.read_bytes())
         cfg = self.ctx.config
         # not the probed cost model: what it decides is in the graphs inductor hashes anyway
-        digest.update(repr(sorted((k, v) for k, v in vars(cfg).items() if k != "process_group")).encode())
+        digest.update(repr(sorted((k, v) for k, v in cfg.flat().items() if k != "process_group")).encode())
         # the gradient reduction chosen (not its timings): AOTAutograd keys on the Dynamo graph,
         # before the backward pass that writes the choice into the graph
         choice = self.ctx.gradient_reduction

@@ -566,8 +566,8 @@ def node_local_groups(hardware: Hardware, options: dict) -> frozenset:
     if hardware.intra_node_gbps <= 0 or per_node <= 1:
         return frozenset()
     config = ZeroConfig.from_options(options)
-    group = comm.resolve_group(config.process_group)
-    world, k = group.world, config.zero_hpz_partition_size
+    group = comm.resolve_group(config.sharding.process_group)
+    world, k = group.world, config.passes.zero_hpz_partition_size
     names = set()
     fits = world <= per_node and per_node % world == 0
     if fits:
@@ -575,7 +575,7 @@ def node_local_groups(hardware: Hardware, options: dict) -> frozenset:
     if 1 < k < world and world % k == 0:
         if per_node % k == 0:
             names.add(comm.hpz_subgroup(group, k).name)
-        if fits and config.zero_quantized_gradients:
+        if fits and config.passes.zero_quantized_gradients:
             names.add(comm.hpz_cross_subgroup(group, k).name)
     return frozenset(names)
 

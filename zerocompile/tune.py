@@ -54,7 +54,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerocompile.config import ZeroConfig
+from zerocompile.config import ZeroConfig, parse_option
+from zerocompile.errors import ZeroConfigError
 from zerocompile.plan import Hardware, activations_line
 
 _MiB = 2**20
@@ -316,7 +317,7 @@ class Tuner:
     # ------------------------------------------------------------------ running
     def _fingerprint(self, options: dict, mb, gas) -> str:
         # an option set to its default is the same experiment as one without it (bucket 50 halved is 25)
-        given = {k: v for k, v in options.items() if _DEFAULTS.get(k, _MISSING) != v}
+        given = {k: v for k, v in options.items() if not _is_default(k, v)}
         return json.dumps([given, mb, gas], sort_keys=True, default=str)
 
     def _plan(self, candidates: list) -> list[Experiment]:
@@ -419,7 +420,17 @@ class Tuner:
 
 
 _MISSING = object()
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ZeroConfig) if f.default is not dataclasses.MISSING}
+_DEFAULTS = ZeroConfig().flat()
+
+
+def _is_default(name: str, value) -> bool:
+    """Whether the option ``name`` = ``value`` is its default (parsed: ``"bf16"`` is ``"bfloat16"``)."""
+    if name not in _DEFAULTS:
+        return False
+    try:
+        return parse_option(name, value) == _DEFAULTS[name]
+    except ZeroConfigError:
+        return False
 
 
 def size(nbytes: float) -> str:

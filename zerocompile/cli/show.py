@@ -85,7 +85,7 @@ def _options_line(options) -> str:
         from zerocompile.config import ZeroConfig
         from zerocompile.dump import json_safe
 
-        defaults = json_safe(ZeroConfig())
+        defaults = json_safe(ZeroConfig().flat())
     except Exception:  # noqa: BLE001 - a dump from another version: show every option
         defaults = {}
     changed = {k: v for k, v in options.items() if k not in defaults or defaults[k] != v}

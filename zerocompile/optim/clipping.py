@@ -52,8 +52,8 @@ def norm(grads: list, norm_type: float, device) -> torch.Tensor:
 def configured_max_norm(states: list) -> float:
     """The ``gradient_clipping`` option (DeepSpeed's key) of the model these parameters belong to
     (``states``: their shard states, of one session, whose frames all have the model's step
-    options: ``ModelSession.check_step_options``), 0.0 = off."""
-    return states[0].option("gradient_clipping", 0.0) if states else 0.0
+    options: ``ModelSession.check_model_options``), 0.0 = off."""
+    return states[0].option("step", "gradient_clipping", 0.0) if states else 0.0
 
 
 class GradClipper:

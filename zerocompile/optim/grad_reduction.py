@@ -28,7 +28,7 @@ def bucket_bytes(states) -> int:
     """The bucket size of the step's collectives over parameters with shard states ``states``
     (None for a parameter no frame sharded): their model's ``bucket_mb`` option (its session's;
     0: one tensor per collective), the default where none has one."""
-    mb = next((m for s in states if s is not None and (m := s.option("bucket_mb")) is not None), DEFAULT_BUCKET_MB)
+    mb = next((m for s in states if s is not None and (m := s.option("passes", "bucket_mb")) is not None), DEFAULT_BUCKET_MB)
     return int(mb * 2**20)
 
 
@@ -186,7 +186,7 @@ class GradReducer:
         listed = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
         elements = f"{sum(g.numel() for g in grads):,}"
         stage3 = [sp for sp in self.params.states() if sp.stage == 3]
-        if stage3 and not all(sp.option("allow_unsharded", False) for sp in stage3):
+        if stage3 and not all(sp.option("step", "allow_unsharded", False) for sp in stage3):
             raise UnshardedParametersError(
                 f"ZeroOptimizer: {len(grads)} parameter(s) ({elements} elements: {listed}) were used by no frame "
                 "compiled with backend='zero', so at stage 3 every rank would keep them whole, with whole "

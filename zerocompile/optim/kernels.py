@@ -109,7 +109,7 @@ class InnerOptimizerBuilder:
     def _offload_settings(states: list, devices: set) -> OffloadSettings | None:
         """The ``offload_optimizer`` settings of the model these parameters belong to (``states``:
         their shard states, of one session), None when nothing is to be offloaded."""
-        settings = states[0].option("offload_optimizer", OffloadSettings()) if states else OffloadSettings()
+        settings = states[0].option("step", "offload_optimizer", OffloadSettings()) if states else OffloadSettings()
         if settings == OffloadSettings():
             return None
         if settings.device == "cpu" and devices <= {"cpu"}:

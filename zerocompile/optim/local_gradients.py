@@ -32,7 +32,7 @@ def check_stage0(params, name: str) -> None:
                 f"only): it averages each whole parameter's momentum over the ranks, but parameter '{sp.name}' is "
                 f"sharded at stage {sp.stage}. Compile the model with options={{'stage': 0}} (DeepSpeed: "
                 "zero_optimization.stage 0), or use torch.optim.AdamW at stages 1-3")
-        offload = sp.option("offload_optimizer", OffloadSettings())
+        offload = sp.option("step", "offload_optimizer", OffloadSettings())
         if offload != OffloadSettings():
             raise ValueError(f"ZeroOptimizer: {name} cannot offload its optimizer state (offload_optimizer="
                              f"{offload.device!r} on parameter '{sp.name}'); drop the option")

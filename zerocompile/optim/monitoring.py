@@ -106,20 +106,6 @@ class StepMonitor:
         """The compiled frames alive that use this optimizer's parameters (its model's session's)."""
         return self.params.session().frames_using(self.params.states())
 
-    def _frame_options(self, *names: str) -> list:
-        """Each option of ``names`` as the frames using this optimizer's parameters set it (None:
-        none set it), from one look at the frames."""
-        frames = self._frames()
-        out = []
-        for name in names:
-            found = {getattr(runner.config, name) for runner in frames} - {None}
-            if len(found) > 1:
-                raise ZeroConfigError(f"ZeroOptimizer: the frames using this optimizer's parameters were compiled "
-                                      f"with different '{name}' options ({', '.join(sorted(map(repr, found)))}); "
-                                      "compile them with the same one")
-            out.append(next(iter(found), None))
-        return out
-
     def after_step(self, optimizer) -> None:
         """Write this step's figures (rank 0), once a frame's options enable a monitor; print the
         flops profile at its step."""
@@ -130,9 +116,12 @@ class StepMonitor:
         newest = sessions.newest_frame_order()
         if newest != self._looked_through:       # a frame compiled since the last look
             self._looked_through = newest
-            monitor, profiler = self._frame_options("monitor", "flops_profiler")
-            self.settings = self.settings or monitor
-            self.profiler = self.profiler or profiler
+            # the model's (every frame of a session has its options: ModelSession.check_model_options)
+            session = self.params.session()
+            options = session.config.observability if session is not None and session.config is not None else None
+            if options is not None:
+                self.settings = self.settings or options.monitor
+                self.profiler = self.profiler or options.flops_profiler
         if self.profiler is not None:
             times = self.params.session().module_times
             if self._steps == self.profiler.profile_step and times.reported_at != times.steps_done:
