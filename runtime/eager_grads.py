@@ -140,7 +140,8 @@ def _reduce_into_shards(items: list) -> list:
     out = []
     for (group, reduce_dtype), pairs in by_group.items():
         choice = next((sp.gradient_reduction for sp, _ in pairs if sp.gradient_reduction is not None), None)
-        bucket = int(pairs[0][0].option("passes", "bucket_mb", 25.0) * 2**20)     # the model's; 0: one tensor per collective
+        # the model's; 0: one tensor per collective
+        bucket = int(pairs[0][0].option("passes", "bucket_mb", 25.0) * 2**20)
         shards = reduce_scatter_mean([(g, sp.padded_numel) for sp, g in pairs], group, bucket, reduce_dtype,
                                      choice.kind_for if choice is not None else None, label=_LABEL,
                                      session=pairs[0][0].session or PROCESS.outside)

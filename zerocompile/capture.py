@@ -322,8 +322,9 @@ def _shard_parameter(param, name: str, cfg: ZeroConfig, group: CommGroup, keep_f
                      session: ModelSession) -> ShardedParam:
     """Create ``param``'s shard state (once per parameter, by the first frame that uses it), one
     of ``session``'s."""
-    compute = cfg.sharding.param_dtype if cfg.sharding.param_dtype is not None and param.is_floating_point() else param.dtype
-    state = ShardedParam(param, name, cfg.sharding.stage, group, compute, cfg.sharding.reduce_dtype, keep_full=keep_full,
+    sharding = cfg.sharding
+    compute = sharding.param_dtype if sharding.param_dtype is not None and param.is_floating_point() else param.dtype
+    state = ShardedParam(param, name, sharding.stage, group, compute, sharding.reduce_dtype, keep_full=keep_full,
                          offload_param=cfg.step.offload_param)
     attach_state(param, state)
     session.add_state(state, group.world)
@@ -340,8 +341,8 @@ def _adopt_provisional(param, state: ShardedParam, cfg: ZeroConfig, group: CommG
     same_layout = (cfg.sharding.stage == 3 and group.name == state.group.name and not keep_full
                    and not offloads_param(cfg.step.offload_param, state.device))
     if same_layout:
-        state.compute_dtype = cfg.sharding.param_dtype if cfg.sharding.param_dtype is not None and param.is_floating_point() \
-            else state.dtype
+        wanted = cfg.sharding.param_dtype
+        state.compute_dtype = wanted if wanted is not None and param.is_floating_point() else state.dtype
         state.reduce_dtype = cfg.sharding.reduce_dtype
         state.offload_param = cfg.step.offload_param
         state.provisional = False
@@ -370,8 +371,9 @@ def _check_compatible(state: ShardedParam, cfg: ZeroConfig, group: CommGroup, na
                 f"zerocompile: parameter '{name}' is already sharded with {option} "
                 f"{held}, but this frame was compiled with {wanted}. "
                 "Compile every model that shares parameters with the same options.")
-    if state.stage != cfg.sharding.stage or state.group.name != group.name or state.reduce_dtype != cfg.sharding.reduce_dtype or (
-            state.compute_dtype != want_compute and state.param.is_floating_point()):
+    sharding = cfg.sharding
+    if state.stage != sharding.stage or state.group.name != group.name or state.reduce_dtype != sharding.reduce_dtype \
+            or (state.compute_dtype != want_compute and state.param.is_floating_point()):
         raise ValueError(
             f"zerocompile: parameter '{name}' is already sharded with stage {state.stage}, "
             f"param_dtype {state.compute_dtype}, reduce_dtype {state.reduce_dtype} on group "
@@ -472,8 +474,8 @@ class _TracedFrame:
         # the first compile runs inside Dynamo's; a later one (FrameRunner.recompile) as it ran
         again = _torch_compat.as_in_dynamo_compile(self.fake_mode) if self.compiled_once else contextlib.nullcontext()
         self.compiled_once = True
-        with again, compile_status(frame, cfg.sharding.stage, _frame_summary(plans, cfg, self.grad_enabled)) as status, \
-                torch.set_grad_enabled(self.grad_enabled):
+        shown = compile_status(frame, cfg.sharding.stage, _frame_summary(plans, cfg, self.grad_enabled))
+        with again, shown as status, torch.set_grad_enabled(self.grad_enabled):
             ctx.progress = status.update
             try:
                 return _passes_and_inner_compile(_copy_graph_module(self.gm), example_inputs, self.sources,
@@ -555,28 +557,29 @@ def _passes_and_inner_compile(gm, example_inputs, sources, plans, ctx: PassConte
             new_inputs.append(t if t is ex or fake_mode is None else fake_mode.from_tensor(t, static_shapes=True))
             ctx.primal_params.append(sp)
     partitioner = ZeroPartitioner(ctx)
+    compiler, comms_logger, profiler = cfg.compiler, cfg.observability.comms_logger, cfg.observability.flops_profiler
     log.info("[%s] %d parameters (stage %d, world %d) -> %s", frame,
-             sum(p is not None for p in plans), cfg.sharding.stage, group.world, cfg.compiler.inner_compiler)
-    bypass = compile_cache.bypass_reason(cfg.compiler.inner_compiler, cfg.compiler.profile, ctx.recorder is not None,
+             sum(p is not None for p in plans), cfg.sharding.stage, group.world, compiler.inner_compiler)
+    bypass = compile_cache.bypass_reason(compiler.inner_compiler, compiler.profile, ctx.recorder is not None,
                                          cfg.passes.zero_hpz_partition_size,
-                                         cfg.observability.comms_logger is not None or cfg.observability.flops_profiler is not None)
+                                         comms_logger is not None or profiler is not None)
     lowerings = []
-    if cfg.observability.comms_logger is not None:
-        session.comms.configure(cfg.observability.comms_logger)
+    if comms_logger is not None:
+        session.comms.configure(comms_logger)
         lowerings.append(functools.partial(insert_comm_timers, log=session.comms, world=group.world, frame=frame))
-    if cfg.observability.flops_profiler is not None:
-        if cfg.observability.flops_profiler.profile_step == 1:     # the step compiling it is the one profiled
+    if profiler is not None:
+        if profiler.profile_step == 1:     # the step compiling it is the one profiled
             session.module_times.arm(True)
         lowerings.append(functools.partial(insert_module_marks, times=session.module_times))
     watch = functools.partial(watch_collectives, frame=frame) if _watched(cfg, group) else None
     # the timers measure what ran between them: inductor keeps the graph's order
-    keep_order = (cfg.observability.comms_logger is not None and cfg.observability.comms_logger.blocking) or cfg.observability.flops_profiler is not None
+    keep_order = (comms_logger is not None and comms_logger.blocking) or profiler is not None
     key = None if bypass else compile_cache.frame_key(gm, new_inputs, group, partitioner.uuid())
     entry = _reused_entry_and_cost_model(key, ctx, bypass)
-    status.compiling(f"AOTAutograd, {cfg.compiler.inner_compiler}")
-    if cfg.compiler.inner_compiler == "eager":
+    status.compiling(f"AOTAutograd, {compiler.inner_compiler}")
+    if compiler.inner_compiler == "eager":
         compiled = inner_compilers.compile_with_aot_eager(gm, new_inputs, partitioner, partitioner.inference,
-                                                          debug_checks=cfg.compiler.debug_checks, lowerings=lowerings,
+                                                          debug_checks=compiler.debug_checks, lowerings=lowerings,
                                                           watch=watch)
         return compiled, partitioner
     cacheable = None if bypass else compile_cache.cacheable_functions(gm, partitioner.uuid())

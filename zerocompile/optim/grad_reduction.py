@@ -28,7 +28,8 @@ def bucket_bytes(states) -> int:
     """The bucket size of the step's collectives over parameters with shard states ``states``
     (None for a parameter no frame sharded): their model's ``bucket_mb`` option (its session's;
     0: one tensor per collective), the default where none has one."""
-    mb = next((m for s in states if s is not None and (m := s.option("passes", "bucket_mb")) is not None), DEFAULT_BUCKET_MB)
+    mb = next((m for s in states if s is not None and (m := s.option("passes", "bucket_mb")) is not None),
+              DEFAULT_BUCKET_MB)
     return int(mb * 2**20)
 
 
