@@ -27,8 +27,10 @@ identity, shape, stride, ``isinstance(p, nn.Parameter)``), but its class becomes
   backward before the step adds to what was reduced, and the optimizer reduces the new part
   again. Without such an optimizer ``p.grad`` raises ``GradientNotGatheredError`` instead
   of returning None or a rank-local value. ``p.grad = None`` clears the gradient wherever
-  zerocompile keeps it. ``zero_grad`` of modules and optimizers keeps working (see
-  ``_called_from_zero_grad``).
+  zerocompile keeps it. ``zero_grad`` of modules and optimizers keeps working: they only test
+  ``p.grad is not None`` and then set it to None (which clears zerocompile's gradients through
+  the setter) or zero it in place, so they get the tensor that holds the gradient
+  (``_torch_compat.called_from_zero_grad``: torch names no other sign of that reader).
 
 Inside compiled code (Dynamo tracing) both guards step aside, so graphs are unchanged.
 zerocompile's own code reaches the plain tensor through ``raw_grad`` / ``set_raw_grad``
@@ -115,7 +117,7 @@ class ZeroParameter(torch.nn.Parameter):
         pending = state.pending_gradients()
         if not pending:
             return None     # no gradient anywhere: None is the truth
-        if _called_from_zero_grad():
+        if _torch_compat.called_from_zero_grad():
             state.forget_reduction()    # it sets the gradient to None or zeroes it
             return pending[0]
         reduce = gradient_reducer(self)
@@ -139,19 +141,6 @@ class ZeroParameter(torch.nn.Parameter):
         if value is None and state is not None:
             state.clear_gradients()
         set_raw_grad(self, value)
-
-
-def _called_from_zero_grad() -> bool:
-    """Whether ``p.grad`` is being read by a ``zero_grad`` (``nn.Module.zero_grad``,
-    ``torch.optim.Optimizer.zero_grad`` or a wrapper's method of that name).
-
-    Those only test ``p.grad is not None`` and then set it to None (which clears zerocompile's
-    gradients through the setter) or zero it in place, so they get the tensor that holds the
-    gradient. Every other reader gets the error: its values are not what one process would
-    have.
-    """
-    frame = sys._getframe(2)
-    return frame is not None and frame.f_code.co_name == "zero_grad"
 
 
 def _check_eager_use(param: ZeroParameter, func, args, kwargs):

@@ -37,6 +37,60 @@ def test_placeholder_sources_names_and_root_module_from_a_dynamo_compile():
     assert all(root is model for root in seen.values()), "InstructionTranslator.current_tx().f_locals changed"
 
 
+def test_a_backend_compiles_on_the_callers_stack_so_the_calling_modules_are_found():
+    """Dynamo compiles a block's frame on the stack of the model whose ``forward`` called it:
+    ``modules_calling`` finds the model from the backend (a model compiled block by block is one
+    model)."""
+    seen = []
+
+    class Block(torch.nn.Module):          # a frame of torch.nn's own code is not compiled
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.linear(x).relu()
+
+    def backend(gm, example_inputs, **_):
+        seen.append(_torch_compat.modules_calling([model.blocks[0]]))
+        return gm.forward
+
+    model = Outer()
+    model.blocks[0] = Block()
+    torch._dynamo.reset()
+    model.blocks[0].compile(backend=backend)
+    model(torch.randn(3, 2))
+    assert seen and any(m is model for m in seen[0]), \
+        "Dynamo no longer compiles a frame on its caller's stack (the model's forward is not below the backend)"
+    assert _torch_compat.modules_calling([torch.nn.Linear(1, 1)]) == []
+    torch._dynamo.reset()
+
+
+def test_zero_grad_of_modules_and_optimizers_reads_each_grad_itself():
+    """``nn.Module.zero_grad`` and ``torch.optim.Optimizer.zero_grad`` read ``p.grad`` from a
+    frame named ``zero_grad`` (what a ``ZeroParameter``'s ``grad`` answers with the tensor that
+    holds the gradient); another reader is not one."""
+    seen = []
+
+    class Recording(torch.nn.Parameter):
+        @property
+        def grad(self):
+            seen.append(_torch_compat.called_from_zero_grad())
+            return torch._C.TensorBase.grad.__get__(self)
+
+        @grad.setter
+        def grad(self, value):
+            torch._C.TensorBase.grad.__set__(self, value)
+
+    layer = torch.nn.Linear(2, 2)
+    layer.weight = Recording(layer.weight.detach())
+    layer(torch.randn(1, 2)).sum().backward()
+    layer.zero_grad()
+    torch.optim.SGD(layer.parameters(), lr=0.1).zero_grad()
+    assert seen and all(seen), "Module.zero_grad / Optimizer.zero_grad no longer read p.grad themselves"
+    assert layer.weight.grad is None and seen[-1] is False
+
+
 def test_root_object_outside_a_compile_is_none():
     assert _torch_compat.frame_root_object("self") is None
 

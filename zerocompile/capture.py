@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import sys
 import time
 
 import torch
@@ -275,7 +274,7 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
         root = _torch_compat.root_module(source) if source is not None else None
         if root is not None:
             roots[id(root)] = root
-    for module in _calling_modules(list(roots.values())):
+    for module in _torch_compat.modules_calling(list(roots.values())):
         roots.setdefault(id(module), module)
     eager_owned = set()
     for root in roots.values():
@@ -638,7 +637,7 @@ def _adopt_parameters(plans, roots) -> None:
     forward its own frame, layer 2 must arrive with the class layer 1 was compiled with, or
     each layer would compile anew (up to Dynamo's recompile limit, then run eagerly). "The
     model" is every module under ``roots``: the frame's own and the modules whose ``forward``
-    called it (``_calling_modules``).
+    called it (``_torch_compat.modules_calling``).
     """
     for sp in plans:
         if sp is not None:
@@ -647,22 +646,6 @@ def _adopt_parameters(plans, roots) -> None:
         for param in module.parameters():
             if type(param) is torch.nn.Parameter:
                 adopt(param)
-
-
-def _calling_modules(roots) -> list:
-    """The modules on the Python stack (a frame's ``self``) that contain one of ``roots``:
-    found there because Dynamo does not tell a backend who called the frame."""
-    wanted = {id(r) for r in roots}
-    found, seen = [], set()
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if isinstance(owner, torch.nn.Module) and id(owner) not in seen:
-            seen.add(id(owner))
-            if any(id(m) in wanted for m in owner.modules()):
-                found.append(owner)
-        frame = frame.f_back
-    return found
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

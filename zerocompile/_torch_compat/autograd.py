@@ -1,5 +1,6 @@
 """Autograd and ``nn.Module``: who holds a tensor, version counters, the engine's end-of-backward
-callback, the compiled backward's node, and ``Module.state_dict``'s caller.
+callback, the compiled backward's node, and the callers torch does not name (``Module.state_dict``,
+``zero_grad``).
 
 Part of ``zerocompile._torch_compat`` (see its docstring): each function says why it needs a
 private API, and ``tests/test_torch_compat.py`` exercises it."""
@@ -28,6 +29,20 @@ def called_from_module_state_dict(depth: int = 6) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def called_from_zero_grad() -> bool:
+    """Whether the caller of the function that calls this (a parameter's ``grad`` property) is
+    a ``zero_grad``: ``nn.Module.zero_grad``, ``torch.optim.Optimizer.zero_grad`` or a wrapper's
+    method of that name. Those only test ``p.grad is not None`` and then set it to None or zero
+    it in place.
+
+    Why private: torch has no hook on ``zero_grad`` and does not tell a ``grad`` property who
+    reads it; the frame's function name is the one sign. ``tests/test_torch_compat.py`` checks
+    that torch's two ``zero_grad``s still read ``p.grad`` themselves.
+    """
+    frame = sys._getframe(2)
+    return frame is not None and frame.f_code.co_name == "zero_grad"
 
 
 def held_by_autograd(param: torch.Tensor) -> bool:

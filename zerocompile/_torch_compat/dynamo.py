@@ -1,6 +1,6 @@
 """Dynamo: where a graph input came from (sources), the frame being compiled, its tracing
-context and fake mode, its config, the frames it must never compile, and how a backend's error
-reaches the caller.
+context and fake mode, its config, the frames it must never compile, how a backend's error
+reaches the caller, and the modules that called the frame being compiled.
 
 Part of ``zerocompile._torch_compat`` (see its docstring): each function says why it needs a
 private API, and ``tests/test_torch_compat.py`` exercises it."""
@@ -9,8 +9,31 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 
 import torch
+
+
+def modules_calling(roots) -> list:
+    """The modules on the Python stack (a frame's ``self``) that contain one of ``roots``, when
+    called from a backend: the model whose ``forward`` called the compiled block being compiled
+    (a model compiled block by block is one model, with one session).
+
+    Why private: Dynamo does not tell a backend who called the frame it compiles; it compiles on
+    the caller's stack, so the calling modules' ``forward`` frames are below the backend's. That
+    Dynamo still compiles there is what ``tests/test_torch_compat.py`` checks.
+    """
+    wanted = {id(r) for r in roots}
+    found, seen = [], set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if isinstance(owner, torch.nn.Module) and id(owner) not in seen:
+            seen.add(id(owner))
+            if any(id(m) in wanted for m in owner.modules()):
+                found.append(owner)
+        frame = frame.f_back
+    return found
 
 
 def fake_mode_of(inputs):
