@@ -371,3 +371,39 @@ def test_options_that_ask_for_a_stage_bound_pass_are_refused_from_the_registry(o
     with pytest.raises(ZeroConfigError) as err:
         ZeroConfig.from_options(options)
     assert str(err.value) == message
+
+
+def test_each_option_is_in_one_section_typed_and_parsed_once(tmp_path, monkeypatch):
+    """The sections hold typed values (no field typed ``object``); every flat option has one
+    section and one parser; a DeepSpeed file with options over it parses each value once, and
+    no parser sees an already-parsed value."""
+    import dataclasses
+
+    from zerocompile import config as config_module
+    from zerocompile.config import OPTION_SECTION, SECTIONS
+
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert "object" not in str(f.type), (section, f.name, f.type)
+            assert OPTION_SECTION[f.name] == section
+    assert set(config_module._PARSERS) == set(OPTION_SECTION)
+    assert set(ZeroConfig().flat()) == set(OPTION_SECTION)
+
+    calls = []
+    parsed_types = tuple(type(v) for v in ZeroConfig().flat().values() if dataclasses.is_dataclass(v))
+    for name, parse in list(config_module._PARSERS.items()):
+        def counting(value, name=name, parse=parse):
+            assert not isinstance(value, parsed_types), (name, value)
+            calls.append(name)
+            return parse(value)
+        monkeypatch.setitem(config_module._PARSERS, name, counting)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+                                "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+                                "tensorboard": {"enabled": True, "output_path": str(tmp_path), "job_name": "j"}}))
+    cfg = ZeroConfig.from_options(str(path)).with_options({"bucket_mb": 5, "stage": 2})
+    assert sorted(calls) == sorted(["stage", "offload_optimizer", "param_dtype", "gradient_clipping", "monitor",
+                                    "bucket_mb", "stage"])
+    assert (cfg.sharding.stage, cfg.sharding.param_dtype, cfg.passes.bucket_mb, cfg.step.gradient_clipping,
+            cfg.step.offload_optimizer.device, cfg.observability.monitor.tensorboard) == \
+        (2, torch.bfloat16, 5, 1.0, "cpu", str(tmp_path / "j"))
