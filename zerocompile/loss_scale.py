@@ -44,7 +44,6 @@ import torch
 from zerocompile import _torch_compat
 from zerocompile.errors import LossScaleError
 from zerocompile.runtime.session import PROCESS
-from zerocompile.runtime.sharded_param import get_state
 
 log = logging.getLogger("zerocompile")
 
@@ -183,14 +182,6 @@ class LossScaler:
 # The settings are the model's (its session's options, runtime/session.py), and the scaler is
 # that of the ZeroOptimizer that steps a parameter (PROCESS.optimizer_of): nothing is set on
 # the parameters themselves.
-
-
-def settings_of(param: torch.Tensor) -> LossScaleSettings | None:
-    """The loss scaling of the model ``param`` belongs to (its session's options; None:
-    unscaled, or no compiled frame has used it)."""
-    state = get_state(param)
-    session = state.session if state is not None else None
-    return session.config.step.loss_scale if session is not None and session.config is not None else None
 
 
 def current_scale(params: list, settings: LossScaleSettings, frame: str) -> float:

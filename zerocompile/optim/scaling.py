@@ -48,24 +48,24 @@ class LossScaling:
     def loss_scaler(self) -> loss_scale.LossScaler | None:
         """The scaler of the ``loss_scale`` option, once a compiled frame that scales uses one
         of this optimizer's parameters (None before, and without the option)."""
-        found = {s for p in self.params if (s := loss_scale.settings_of(p)) is not None}
-        if self.scaler.settings is not None:
-            found.add(self.scaler.settings)
-        if not found:
-            return None
-        if len(found) > 1:
-            raise ValueError(f"ZeroOptimizer: its parameters come from frames compiled with different "
-                             f"loss_scale options ({'; '.join(sorted(map(repr, found)))}); compile them with one")
         if self.scaler.settings is None:
+            settings = self._model_settings()
+            if settings is None:
+                return None
             self.check_master_dtypes("the loss_scale option")
-            self.scaler.configure(found.pop())
+            self.scaler.configure(settings)
         return self.scaler
+
+    def _model_settings(self) -> loss_scale.LossScaleSettings | None:
+        """The model's ``loss_scale`` option (its session's, one per model:
+        ``ModelSession.check_model_options``); None before a frame compiled it, or unscaled."""
+        config = self.params.session().config
+        return config.step.loss_scale if config is not None else None
 
     def current_scale(self) -> float | None:
         """The current scale of the ``loss_scale`` option, None while no frame compiled with
         the option uses this optimizer's parameters."""
-        settings = self.scaler.settings or next(
-            (s for p in self.params if (s := loss_scale.settings_of(p)) is not None), None)
+        settings = self.scaler.settings or self._model_settings()
         if settings is None:
             return None
         return float(settings.initial_scale) if self.scaler.scale is None else self.scaler.scale
