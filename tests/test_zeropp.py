@@ -177,7 +177,7 @@ def test_bad_inputs_are_refused_by_name():
 def test_the_option_is_validated_and_read_from_deepspeed_configs():
     assert ZeroConfig.from_options({"stage": 3, "zero_quantized_weights": True}).passes.zero_quantized_weights
     assert ZeroConfig.from_options({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}) \
-        .zero_quantized_weights
+        .passes.zero_quantized_weights
     with pytest.raises(ZeroConfigError, match="needs stage 3"):
         ZeroConfig.from_options({"stage": 2, "zero_quantized_weights": True})
     with pytest.raises(ZeroConfigError, match="allowed: True, False"):
@@ -186,14 +186,14 @@ def test_the_option_is_validated_and_read_from_deepspeed_configs():
         ZeroConfig.from_options({"stage": 3, "zero_quantized_weights": True,
                                  "disabled_passes": ["quantize_weight_gathers"]})
     assert ZeroConfig.from_options({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}}) \
-        .zero_quantized_gradients
+        .passes.zero_quantized_gradients
     with pytest.raises(ZeroConfigError, match="needs stage 2 or 3"):
         ZeroConfig.from_options({"stage": 1, "zero_quantized_gradients": True})
     with pytest.raises(ZeroConfigError, match="cannot be disabled"):
         ZeroConfig.from_options({"stage": 3, "zero_quantized_gradients": True,
                                  "disabled_passes": ["quantize_gradient_reductions"]})
     assert ZeroConfig.from_options({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}) \
-        .zero_hpz_partition_size == 8
+        .passes.zero_hpz_partition_size == 8
     with pytest.raises(ZeroConfigError, match="allowed: an integer >= 1"):
         ZeroConfig.from_options({"stage": 3, "zero_hpz_partition_size": 0})
     with pytest.raises(ZeroConfigError, match="needs stage 3"):
