@@ -293,9 +293,22 @@ class EagerRegions:
 
     def borrow(self, sp: ShardedParam) -> bool:
         """Gather ``sp`` for the innermost module whose eager forward is running (a parameter it
-        uses without owning it); False if no eager forward runs."""
+        uses without owning it). Where no eager forward runs but the model is being called (the
+        code a graph break leaves between a compiled frame's graphs: TRL's fused LM head reads
+        ``lm_head.weight`` in an autograd function Dynamo cannot trace), it is gathered for the
+        model's step: held until the step ends (``ModelSession.held_until_step_end``: its
+        ``ZeroOptimizer.step()``, or for a model no optimizer trains the step of the one that
+        trains), since the eager autograd may keep it, or a view of it, for the backward. False
+        outside the model's call (code of one rank reading a parameter must not start a
+        collective the others never join: ``ParameterNotGatheredError`` says what to do)."""
         if not self.active:
-            return False
+            session = self.session()
+            if session is PROCESS.outside or not _torch_compat.inside_call_of(self.roots):
+                return False
+            with session.comms.timed(sp.device, "eager gather outside a module"):
+                _hold([sp])
+            session.held_until_step_end.append(sp)
+            return True
         call = self.active[-1]
         with self.session().comms.timed(sp.device, "eager forward gather"):
             _hold([sp])

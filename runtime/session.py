@@ -75,6 +75,9 @@ class ModelSession:
         self.step_serial = 0
         """Which of the process's training steps this model's last step was (``Process.step_ended``):
         models whose steps ended together share it."""
+        self.held_until_step_end: list = []
+        """Shard states eager code outside every module's forward gathered (``EagerRegions.borrow``),
+        each held once, released when the step ends."""
 
     def __repr__(self) -> str:
         return f"ModelSession({self.name!r}, {len(self.frames)} frames, {len(self.states)} parameters)"
@@ -119,6 +122,9 @@ class ModelSession:
         return True
 
     def _close_step(self) -> None:
+        held, self.held_until_step_end = self.held_until_step_end, []
+        for state in held:
+            state.unhold()
         self.step_flops, self.flops = self.flops, {"flops": 0, "recompute": 0}
         self.step_calls, self.calls = self.calls, {}
         self.step_eager_modules, self.eager_modules = self.eager_modules, {}

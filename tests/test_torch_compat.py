@@ -66,6 +66,38 @@ def test_a_backend_compiles_on_the_callers_stack_so_the_calling_modules_are_foun
     torch._dynamo.reset()
 
 
+def test_inside_call_of_sees_a_models_call_compiled_or_not_and_its_graph_breaks():
+    """Eager code a graph break leaves inside a compiled model's call (``torch.compile(model)``
+    or ``model.compile()``) runs with the model's ``Module.__call__`` frames on the stack; after
+    the call returns they are gone."""
+    seen = []
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            y = self.linear(x)
+            torch._dynamo.graph_break()
+            seen.append(_torch_compat.inside_call_of([self]))
+            return y.sum()
+
+    for how in ("eager", "torch.compile", "model.compile"):
+        torch._dynamo.reset()
+        model = Model()
+        if how == "model.compile":
+            model.compile(backend="eager")
+            call = model
+        else:
+            call = torch.compile(model, backend="eager") if how == "torch.compile" else model
+        seen.clear()
+        call(torch.randn(3, 2))
+        assert seen == [True], (how, seen)
+        assert not _torch_compat.inside_call_of([model])
+    torch._dynamo.reset()
+
+
 def test_zero_grad_of_modules_and_optimizers_reads_each_grad_itself():
     """``nn.Module.zero_grad`` and ``torch.optim.Optimizer.zero_grad`` read ``p.grad`` from a
     frame named ``zero_grad`` (what a ``ZeroParameter``'s ``grad`` answers with the tensor that

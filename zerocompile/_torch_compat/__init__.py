@@ -31,7 +31,7 @@ from zerocompile._torch_compat.tensors import (  # noqa: F401  (re-exported)
     plain_tensor_ops, storageless_tensor, is_higher_order_op, rng_wrapped_op, op_run_by, no_dispatch,
     profiled_allocations)
 from zerocompile._torch_compat.autograd import (  # noqa: F401  (re-exported)
-    called_from_module_state_dict, called_from_zero_grad, held_by_autograd, preserving_version, queue_end_of_backward,
+    called_from_module_state_dict, called_from_zero_grad, inside_call_of, held_by_autograd, preserving_version, queue_end_of_backward,
     is_compiled_backward_node, compiled_backward_node)
 from zerocompile._torch_compat.amp import (  # noqa: F401  (re-exported)
     grad_scaler_state, grad_scaler_scale, grad_scaler_stages, unscale_and_check_)

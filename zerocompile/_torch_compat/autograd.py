@@ -45,6 +45,24 @@ def called_from_zero_grad() -> bool:
     return frame is not None and frame.f_code.co_name == "zero_grad"
 
 
+def inside_call_of(modules) -> bool:
+    """Whether one of ``modules`` is being called (``module(...)``) on this thread: its
+    ``Module.__call__`` frame is on the Python stack, compiled or not (a graph break's eager code
+    runs between the compiled graphs of that call).
+
+    Why private: ``Module.__call__`` runs as ``_wrapped_call_impl`` and ``_call_impl`` (also as the
+    code Dynamo compiles); their names and their ``self`` are the one sign, and torch has no hook
+    that runs at a compiled call's end. ``tests/test_torch_compat.py`` checks both names.
+    """
+    wanted = {id(m) for m in modules}
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in ("_wrapped_call_impl", "_call_impl") and id(frame.f_locals.get("self")) in wanted:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def held_by_autograd(param: torch.Tensor) -> bool:
     """Whether a C++ owner besides the Python object holds ``param``'s tensor: an autograd graph
     that eager code built from it (the ``AccumulateGrad`` node of a parameter that requires grad,
