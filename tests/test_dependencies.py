@@ -26,10 +26,11 @@ INSTALLED = [ROOT / "zerocompile", ROOT / "passes", ROOT / "runtime"]
 TESTS = ROOT / "tests"
 NOT_FEATURE_EXTRAS = ("test", "bench")
 INTEGRATIONS = ROOT / "zerocompile" / "integrations"
-INTEGRATION_EXTRA = "hf"
+INTEGRATION_EXTRAS = ("hf", "trl")
 """``zerocompile.integrations`` modules exist to use their libraries (``ZeroTrainer`` subclasses
-``transformers.Trainer``): they import the ``hf`` extra at module level, and nothing imports them
-but the user (``import zerocompile`` does not; the plain-install check below skips them)."""
+``transformers.Trainer``, ``ZeroDPOTrainer`` TRL's ``DPOTrainer``): they import the ``hf`` and
+``trl`` extras at module level, and nothing imports them but the user (``import zerocompile`` does
+not; the plain-install check below skips them)."""
 LAZY_ONLY = {"runtime/triton_common.py"}
 """Installed modules that import an optional package at module level because that package
 needs it (Triton's interpreter looks for ``triton.language`` among a kernel module's globals),
@@ -113,7 +114,8 @@ def test_base_dependencies_are_what_the_installed_code_imports():
     assert not base - needed, f"declared in [project] dependencies but never imported: {sorted(base - needed)}"
     for extra in feature_extras:
         assert extras[extra] <= set(imported), f"extra {extra!r} declares unused {sorted(extras[extra] - set(imported))}"
-    integration_only = {d for d in extras[INTEGRATION_EXTRA] & set(imported)
+    integration = set().union(*(extras[e] for e in INTEGRATION_EXTRAS))
+    integration_only = {d for d in integration & set(imported)
                         if all(w.startswith(str(INTEGRATIONS.relative_to(ROOT))) for w in imported[d]["where"])}
     eager = {d for d in optional & set(imported) if imported[d]["module_level"]} - integration_only
     assert not eager, f"optional-feature packages imported at module level: {_report(imported, eager)}"

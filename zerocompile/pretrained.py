@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import struct
+import sys
 from pathlib import Path
 
 import torch
@@ -333,6 +334,9 @@ def save_pretrained(model: torch.nn.Module, directory, *, max_shard_size="5GB", 
     Files over ``max_shard_size`` (bytes or ``"5GB"``) are split, with an index."""
     module = _unwrap(model)
     group = resolve_group(process_group)
+    if _is_peft_model(module):
+        _save_peft_adapter(module, directory, group, dtype)
+        return
     entries, seen = [], set()
     for name, t in _entries(module).items():
         if id(t) not in seen:
@@ -384,6 +388,42 @@ def save_pretrained(model: torch.nn.Module, directory, *, max_shard_size="5GB", 
             config = getattr(module, attr, None)
             if config is not None and callable(getattr(config, "save_pretrained", None)):
                 config.save_pretrained(directory)
+    if group.world > 1:
+        torch.distributed.barrier(group.group)       # every rank returns once the files are written
+
+
+def _is_peft_model(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a PEFT ``PeftModel`` (PEFT imported only when a model may be one)."""
+    if "peft" not in sys.modules:
+        return False
+    from peft import PeftModel
+
+    return isinstance(module, PeftModel)
+
+
+def _save_peft_adapter(model, directory, group, dtype) -> None:
+    """``PeftModel.save_pretrained(directory)`` of a model zerocompile shards: each adapter's files
+    (``adapter_model.safetensors`` and ``adapter_config.json``, as PEFT writes them in one
+    process). The tensors PEFT keeps for an adapter (its ``get_peft_model_state_dict``, asked
+    with stand-ins, so the frozen base model is never gathered) are gathered one at a time on
+    every rank, and rank 0 hands them to PEFT's own ``save_pretrained``."""
+    from peft.utils import get_peft_model_state_dict
+
+    entries = _entries(model)
+    stand_ins = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in entries.items()}
+    name_of = {id(t): name for name, t in stand_ins.items()}
+    wanted = []
+    for adapter in model.peft_config:
+        kept = get_peft_model_state_dict(model, state_dict=stand_ins, adapter_name=adapter)
+        wanted += [name_of[id(t)] for t in kept.values() if id(t) in name_of and name_of[id(t)] not in wanted]
+    full = {}
+    for name in wanted:
+        t = entries[name]
+        value = _full_value(t, dtype if dtype is not None and t.is_floating_point() else t.dtype)
+        if group.rank == 0:
+            full[name] = value
+    if group.rank == 0:
+        model.save_pretrained(str(directory), state_dict=full, is_main_process=True)
     if group.world > 1:
         torch.distributed.barrier(group.group)       # every rank returns once the files are written
 

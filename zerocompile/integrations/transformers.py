@@ -25,13 +25,18 @@ data loaders (one shard of the data per rank) are the Trainer's own.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import os
 
 import torch
 import transformers
 
 import zerocompile
+from zerocompile.config import ZeroConfig
 from zerocompile.integrations.accelerate import STATE_DIR, ZeroAccelerator, check_spans_the_ranks
+from zerocompile.option_sections import StepOptions
 from zerocompile.optimizer import ZeroOptimizer
 
 TRANSFORMERS_VERSIONS = (">=5.0", "<6")
@@ -45,16 +50,50 @@ def _unwrapped(optimizer):
     return getattr(optimizer, "optimizer", optimizer)
 
 
-class ZeroTrainer(transformers.Trainer):
-    """A ``transformers.Trainer`` for zerocompile (see the module docstring)."""
+FROZEN_MODEL_ATTRIBUTES = ("ref_model", "reward_model", "value_model", "teacher_model")
+"""The attributes where TRL's trainers keep the models they run besides the one they train (DPO's
+and GRPO's reference, a reward or value model, a distillation teacher): compiled as frozen stage-3
+inference models, where TRL would call DeepSpeed's ``prepare_deepspeed`` for them."""
 
-    def __init__(self, model=None, args=None, *rest, zero_options=None, **kwargs):
-        if model is not None and getattr(model, "_compiled_call_impl", None) is None:
-            model.compile(backend="zero", options=zero_options if zero_options is not None else {"stage": 3})
-        elif zero_options is not None:
-            raise ValueError("ZeroTrainer: the model is compiled already; compile it with backend='zero' and "
-                             "these options yourself, or pass zero_options and an uncompiled model")
-        super().__init__(model, args, *rest, **kwargs)
+
+def _compiled(model) -> bool:
+    return getattr(model, "_compiled_call_impl", None) is not None
+
+
+class _ZeroTraining:
+    """What ``zero_trainer`` adds to a ``transformers.Trainer`` subclass (the module docstring).
+    First in the method order, before the trainer class."""
+
+    def __init__(self, *args, zero_options=None, **kwargs):
+        trainer_class = _trainer_class(type(self))
+        names = [n for n, p in inspect.signature(trainer_class.__init__).parameters.items()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+        if len(args) > len(names):
+            raise TypeError(f"{type(self).__name__}: {len(args)} positional arguments, but "
+                            f"{trainer_class.__name__} takes at most {len(names)} ({', '.join(names)})")
+        given = dict(zip(names, args))
+        for name in set(given) & set(kwargs):
+            raise TypeError(f"{type(self).__name__}: argument '{name}' given by position and by keyword")
+        given.update(kwargs)
+        model = given.get("model")
+        if isinstance(model, torch.nn.Module) and _compiled(model) and zero_options is not None:
+            raise ValueError(f"{type(self).__name__}: the model is compiled already; compile it with backend='zero' "
+                             "and these options yourself, or pass zero_options and an uncompiled model")
+        # every argument by keyword: a trainer's own positional order (DPOTrainer's second
+        # parameter is ref_model) is its own
+        super().__init__(**given)
+        options = self.zero_config = _with_precision(zero_options if zero_options is not None else {"stage": 3},
+                                                     self.args, type(self).__name__)
+        # the model the trainer trains, as it holds it (TRL may load it from a name, or wrap it
+        # in a PeftModel): compiled in place, so every reference to it sees the compiled module
+        if isinstance(self.model, torch.nn.Module) and not _compiled(self.model):
+            self.model.compile(backend="zero", options=options)
+        for name in FROZEN_MODEL_ATTRIBUTES:
+            other = getattr(self, name, None)
+            if isinstance(other, torch.nn.Module) and other is not self.model and not _compiled(other):
+                other.requires_grad_(False)
+                other.eval()
+                other.compile(backend="zero", options=frozen_model_options(options))
 
     # -- accelerator and optimizer ----------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -119,3 +158,74 @@ class ZeroTrainer(transformers.Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         zerocompile.load_pretrained(self.model if model is None else model, resume_from_checkpoint)
+
+
+def _with_precision(options, args, who: str) -> ZeroConfig:
+    """``options`` with the mixed precision the ``TrainingArguments`` ask for: ``bf16=True`` (TRL's
+    configs' default) computes in bfloat16 from float32 master shards, ``param_dtype="bfloat16"``
+    (what DeepSpeed's ``bf16`` does under the Trainer; the Trainer's own autocast comes from
+    Accelerate's model wrapper, which a ``ZeroAccelerator`` does not put on). ``fp16=True`` is
+    refused: say it in the options, whose loss scaling is inside the compiled backward."""
+    config = ZeroConfig.from_options(options)
+    dtype = config.sharding.param_dtype
+    if getattr(args, "fp16", False):
+        raise ValueError(f"{who}: TrainingArguments(fp16=True): zerocompile computes in float16 with its own loss "
+                         "scaling; pass zero_options={..., 'param_dtype': 'float16', 'loss_scale': 'dynamic'} and "
+                         "fp16=False")
+    if getattr(args, "bf16", False):
+        if dtype is None:
+            return config.with_options({"param_dtype": "bfloat16"})
+        if dtype is not torch.bfloat16:
+            raise ValueError(f"{who}: TrainingArguments(bf16=True) asks for bfloat16, but zero_options' param_dtype "
+                             f"is {dtype}; set bf16=False, or param_dtype 'bfloat16'")
+    return config
+
+
+def frozen_model_options(options) -> ZeroConfig:
+    """The options a trainer's frozen models (``FROZEN_MODEL_ATTRIBUTES``) are compiled with: the
+    trained model's, at stage 3 (their parameters sharded, gathered block by block for the
+    forward; TRL with DeepSpeed shards them only when the policy is at stage 3), with the
+    parameter offload but none of the optimizer step's other options, and no monitor or flops
+    profiler (both are written by an optimizer step, which a frozen model has not), as TRL's
+    ``prepare_deepspeed`` drops the optimizer's sections."""
+    config = ZeroConfig.from_options(options)
+    observability = dataclasses.replace(config.observability, monitor=None, flops_profiler=None)
+    return dataclasses.replace(config, sharding=dataclasses.replace(config.sharding, stage=3),
+                               step=StepOptions(offload_param=config.step.offload_param), observability=observability)
+
+
+def _trainer_class(cls: type) -> type:
+    """The ``transformers.Trainer`` subclass ``zero_trainer`` made ``cls`` from."""
+    mro = cls.__mro__
+    return mro[mro.index(_ZeroTraining) + 1]
+
+
+@functools.cache
+def zero_trainer(cls: type) -> type:
+    """``cls`` (``transformers.Trainer`` or a subclass: TRL's ``SFTTrainer``, ``DPOTrainer``,
+    ``RewardTrainer``, your own) trained with zerocompile: the same arguments, plus
+    ``zero_options=`` (the backend's options; default ``{"stage": 3}``), every one passed on to
+    ``cls`` by keyword. The model the trainer trains is compiled in place with those options
+    after ``cls.__init__`` (so a model TRL loads from a name or wraps in a ``PeftModel`` is the
+    one compiled); the models TRL keeps besides it (``FROZEN_MODEL_ATTRIBUTES``) are frozen and
+    compiled at stage 3 for inference; the accelerator, optimizer and saving are
+    ``ZeroTrainer``'s (module docstring). One class per ``cls``::
+
+        from trl import DPOTrainer
+        ZeroDPOTrainer = zero_trainer(DPOTrainer)
+        trainer = ZeroDPOTrainer(model=policy, ref_model=reference, args=config, train_dataset=pairs,
+                                 processing_class=tokenizer, zero_options={"stage": 3})
+    """
+    if not isinstance(cls, type) or not issubclass(cls, transformers.Trainer):
+        raise TypeError(f"zero_trainer takes transformers.Trainer or a subclass of it, got {cls!r}")
+    if issubclass(cls, _ZeroTraining):
+        return cls
+    name = "ZeroTrainer" if cls is transformers.Trainer else f"Zero{cls.__name__}"
+    made = type(name, (_ZeroTraining, cls), {
+        "__module__": __name__, "__qualname__": name,
+        "__doc__": f"``{cls.__module__}.{cls.__qualname__}`` trained with zerocompile (``zero_trainer``)."})
+    return made
+
+
+ZeroTrainer = zero_trainer(transformers.Trainer)
+"""``transformers.Trainer`` trained with zerocompile (the module docstring)."""
