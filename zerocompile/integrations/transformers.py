@@ -1,13 +1,20 @@
-"""``ZeroTrainer``: ``transformers.Trainer`` training with zerocompile, at any stage.
+"""``ZeroTrainer``: ``transformers.Trainer`` training with zerocompile, at any stage; and
+``zero_trainer(cls)``, the same for any ``Trainer`` subclass (TRL's: ``integrations/trl.py``).
 
     trainer = ZeroTrainer(model=model, args=args, train_dataset=..., zero_options={"stage": 3})
     trainer.train()                  # or trainer.train(resume_from_checkpoint=True)
 
 What it changes in ``Trainer`` (and why):
 
-- the model is compiled in place with ``backend="zero"`` and ``zero_options`` (HF's own
-  ``torch_compile`` goes through Accelerate's ``TorchDynamoPlugin``, which does not know the
-  backend), unless it was compiled in place already; it stays the user's ``PreTrainedModel``;
+- the model the trainer holds once its ``__init__`` is done (TRL may load it from a name or wrap
+  it in a ``PeftModel``) is compiled in place with ``backend="zero"`` and ``zero_options`` (HF's
+  own ``torch_compile`` goes through Accelerate's ``TorchDynamoPlugin``, which does not know the
+  backend), unless it was compiled in place already; it stays the user's ``PreTrainedModel``; the
+  models TRL runs besides it (``FROZEN_MODEL_ATTRIBUTES``: a DPO reference, a reward model) are
+  frozen and compiled at stage 3 for inference, each its own model (session);
+- ``TrainingArguments(bf16=True)`` (TRL's default) computes in bfloat16 from float32 master
+  shards (``param_dtype``), as DeepSpeed's ``bf16`` does under the Trainer; ``fp16=True`` is
+  refused with the options to use (zerocompile's loss scaling is inside the compiled backward);
 - its accelerator is a ``ZeroAccelerator`` (``zerocompile/integrations/accelerate.py``): no
   ``DistributedDataParallel`` around the model, and gradient clipping over all ranks; an
   Accelerate state that does not span the ranks (on CPUs, ``use_cpu=True`` missing) is refused;
