@@ -6,10 +6,11 @@
 
 from zerocompile.backend import zero_backend
 from zerocompile.checkpoint import consolidated_state_dict, load_checkpoint, save_checkpoint
+from zerocompile.checkpoint.deepspeed_load import load_deepspeed_checkpoint
 from zerocompile.comms_summary import log_summary
 from zerocompile.config import ZeroConfig
 from zerocompile.deepspeed_training import initialize, training_settings
-from zerocompile.errors import (CollectiveMismatchError, GradientNotGatheredError, LossScaleError, ParameterNotGatheredError, ParamIdentityError,
+from zerocompile.errors import (CollectiveMismatchError, DeepSpeedCheckpointError, GradientNotGatheredError, LossScaleError, ParameterNotGatheredError, ParamIdentityError,
                                 SwapFileError, UnshardedParametersError, ZeroConfigError)
 from zerocompile.generation import generate
 from zerocompile.optimizer import ZeroOptimizer
@@ -24,12 +25,12 @@ from zerocompile.state_dict import full_state_dict, gathered_parameters
 
 __all__ = [
     "ZeroConfig", "ZeroOptimizer", "ZeroStats", "close_monitors", "consolidated_state_dict", "frame_reports", "full_state_dict",
-    "gathered_parameters", "generate", "initialize", "load_checkpoint", "load_pretrained", "log_metrics", "log_summary",
+    "gathered_parameters", "generate", "initialize", "load_checkpoint", "load_deepspeed_checkpoint", "load_pretrained", "log_metrics", "log_summary",
     "materialize",
     "reset_stats", "save_checkpoint", "save_pretrained", "set_leaf_modules", "stats", "training_settings",
     "zero_backend", "OneBitAdam", "ZeroOneAdam",
     # errors (zerocompile/errors.py)
-    "CollectiveMismatchError", "GradientNotGatheredError", "LossScaleError", "ParamIdentityError", "ParameterNotGatheredError",
+    "CollectiveMismatchError", "DeepSpeedCheckpointError", "GradientNotGatheredError", "LossScaleError", "ParamIdentityError", "ParameterNotGatheredError",
     "SwapFileError", "UnshardedParametersError", "ZeroConfigError",
 ]
 __version__ = "0.1.0"

@@ -58,3 +58,9 @@ def unknown_key_message(key, names) -> str:
     close = difflib.get_close_matches(str(key), names, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else f"; valid options: {', '.join(names)}"
     return f"unknown option '{key}'{hint}"
+
+
+class DeepSpeedCheckpointError(ValueError):
+    """A DeepSpeed checkpoint ``load_deepspeed_checkpoint`` cannot read (pipeline or tensor
+    parallel, MoE experts, NVMe swap files, a universal checkpoint), or that does not fit the
+    model or its optimizer."""
