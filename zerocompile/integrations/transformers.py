@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 import os
 
 import torch
@@ -95,6 +96,11 @@ class _ZeroTraining:
         # in a PeftModel): compiled in place, so every reference to it sees the compiled module
         if isinstance(self.model, torch.nn.Module) and not _compiled(self.model):
             self.model.compile(backend="zero", options=options)
+        elif getattr(self.args, "bf16", False):
+            logging.getLogger("zerocompile").warning(
+                "%s: the model was compiled before the trainer was built, so TrainingArguments(bf16=True) is not "
+                "applied to it: compile it with options param_dtype='bfloat16', or pass an uncompiled model",
+                type(self).__name__)
         for name in FROZEN_MODEL_ATTRIBUTES:
             other = getattr(self, name, None)
             if isinstance(other, torch.nn.Module) and other is not self.model and not _compiled(other):
