@@ -62,11 +62,10 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="deepspeed_stand_in_pickle")
-
-
 def _read(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
+    """A DeepSpeed checkpoint file, its DeepSpeed classes read as stand-ins."""
+    stand_ins = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="deepspeed_stand_in_pickle")
+    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=stand_ins)
 
 
 def _natural(path: Path):
