@@ -571,9 +571,15 @@ def test_offload_lowers_the_peak_of_a_step(tmp_path):
         compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager", **options})
         x, y = make_batch("gpt", 0, 64)
         compiled(x, y).backward()                       # compile outside the measurement
-        with AllocatorPeak() as alloc:
-            compiled(x, y).backward()
-        return alloc.rise
+        rises = []
+        # the copies' staging buffers wait for the I/O threads and count until written (up to
+        # IN_FLIGHT_BYTES): on a machine busy with other work a write can lag behind the forward
+        # (1 run in ~3 full suites measured 0.92x): the lowest of three steps
+        for _ in range(3):
+            with AllocatorPeak() as alloc:
+                compiled(x, y).backward()
+            rises.append(alloc.rise)
+        return min(rises)
 
     without = peak({})
     with_offload = peak({"offload_activations": {"device": "nvme", "nvme_path": str(tmp_path), "min_kb": 0}})
