@@ -60,8 +60,10 @@ def system_name(stage: int) -> str:
     return {PLAIN: "plain torch.compile", DDP: "DDP + torch.compile"}.get(stage, f"zerocompile stage {stage}")
 
 
-def child(workload: str, inner: str, stage: int, world: int) -> dict:
-    """One measurement, in this (fresh) process: ``stage`` PLAIN, DDP or a ZeRO stage."""
+def child(workload: str, inner: str, stage: int, world: int, layers: int | None = None,
+          options: dict | None = None) -> dict:
+    """One measurement, in this (fresh) process: ``stage`` PLAIN, DDP or a ZeRO stage;
+    ``layers``: the workload's model with that many blocks; ``options``: more backend options."""
     import torch
     import torch.distributed as dist
 
@@ -71,6 +73,8 @@ def child(workload: str, inner: str, stage: int, world: int) -> dict:
 
     torch.set_num_threads(1)
     spec = workload_spec(workload, quick=False)
+    if layers is not None:
+        spec["n_layers"] = layers
     torch.manual_seed(0)
     model = make_model(spec, load_example())
     g = torch.Generator().manual_seed(1)
@@ -95,7 +99,8 @@ def child(workload: str, inner: str, stage: int, world: int) -> dict:
         compiled = torch.compile(ddp, backend=backend)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
-        compiled = torch.compile(model, backend="zero", options={"stage": stage, "inner_compiler": inner})
+        compiled = torch.compile(model, backend="zero", options={"stage": stage, "inner_compiler": inner,
+                                                                 **(options or {})})
         opt = zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW, lr=1e-3)
 
     def step():
@@ -121,22 +126,22 @@ def child(workload: str, inner: str, stage: int, world: int) -> dict:
             "caches": caches}
 
 
-def measure(args, stage: int, world: int, cache: str) -> dict:
+def measure(args, stage: int, world: int, cache: str, layers: int | None = None, options: dict | None = None) -> dict:
     """Run ``child`` in a fresh process with the inductor cache ``cache``."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, __file__, "--child", args.workload, args.inner_compiler,
-                           str(stage), str(world)], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=args.timeout)
+                           str(stage), str(world), json.dumps(layers), json.dumps(options)],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=args.timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{system_name(stage)}, world size {world} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def cold_and_warm(args, stage: int, world: int) -> dict:
+def cold_and_warm(args, stage: int, world: int, layers: int | None = None, options: dict | None = None) -> dict:
     """The cold first step (an empty inductor cache), then the warm one (a second process, same cache)."""
     with tempfile.TemporaryDirectory(prefix="zerocompile-first-step-") as cache:
-        row = measure(args, stage, world, cache)
-        warm = measure(args, stage, world, cache)
+        row = measure(args, stage, world, cache, layers, options)
+        warm = measure(args, stage, world, cache, layers, options)
     row["cold_caches"] = row.pop("caches")
     row["warm_first_step_s"] = warm["first_step_s"]
     row["warm_caches"] = warm["caches"]
@@ -192,7 +197,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
         workload, inner, stage, world = sys.argv[2:6]
-        print(json.dumps(child(workload, inner, int(stage), int(world))))
+        layers, options = (json.loads(a) for a in (sys.argv[6:8] if len(sys.argv) > 7 else ("null", "null")))
+        print(json.dumps(child(workload, inner, int(stage), int(world), layers, options)))
         return 0
     args = parse_args(argv)
     started = time.time()

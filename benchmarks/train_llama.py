@@ -86,6 +86,9 @@ def main() -> None:
     parser.add_argument("--checkpointing", choices=("none", "reentrant", "non_reentrant"), default="none",
                         help="HF gradient checkpointing of every decoder layer (gradient_checkpointing_enable)")
     parser.add_argument("--options", default="{}", help="backend options as JSON, over stage 3 + recompute full")
+    parser.add_argument("--compile", choices=("blocks", "whole"), default="blocks",
+                        help="'whole': torch.compile(model, backend='zero') on the whole HF model, as a user "
+                             "writes it (the loss from model(input_ids=, labels=)); 'blocks': compile_by_blocks")
     args = parser.parse_args()
 
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
@@ -111,7 +114,13 @@ def main() -> None:
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": args.checkpointing == "reentrant"})
     options = {"stage": 3, "recompute": "full", **json.loads(args.options)}
-    compiled = compile_by_blocks(model, options)
+    if args.compile == "whole":
+        whole = torch.compile(model, backend="zero", options=options)
+
+        def compiled(ids):
+            return whole(input_ids=ids, labels=ids).loss
+    else:
+        compiled = compile_by_blocks(model, options)
     opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-5)
     g = torch.Generator().manual_seed(rank)
     for step in range(args.steps):

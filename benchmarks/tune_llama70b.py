@@ -7,7 +7,9 @@ configuration that fits 80 GiB per rank and is no slower by the estimate than pl
                                        [--compare-reuse] [--out benchmarks/results]
 
 It runs ``zerocompile tune --json`` on ``benchmarks/train_llama.py --size 70b --steps 100
---checkpointing non_reentrant`` in a subprocess, times it, and writes
+--checkpointing non_reentrant --compile whole`` (``torch.compile(model, backend="zero")`` of the
+whole HF model, as users write it; ``--compile blocks``: compiled block by block by hand, results
+``*_blocks``) in a subprocess, times it, and writes
 ``<out>/tune_llama70b[_exact].json`` and ``.md`` (the summary table, the targets, the best options).
 The script runs enough steps for the experiments that differ in pass options only to share one
 trace; ``--compare-reuse`` runs the same search again with ``--no-reuse`` (every experiment a
@@ -35,6 +37,9 @@ def main() -> int:
     parser.add_argument("--hardware", default="h100")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--exact", action="store_true", help="tune without qwZ / qgZ")
+    parser.add_argument("--compile", choices=("whole", "blocks"), default="whole",
+                        help="the script as users write it (torch.compile of the whole HF model), or compiled "
+                             "block by block by hand (train_llama.py --compile blocks; results *_blocks)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--compare-reuse", action="store_true",
                         help="also run the search with --no-reuse and compare wall times and figures")
@@ -73,7 +78,7 @@ def main() -> int:
           f"`{shown}`\n\n| target | measured | met |\n|---|---:|---|\n"
           + "".join(f"| {t} | {m} | {ok} |\n" for t, m, ok in targets)
           + f"\nbest options: `{json.dumps({k: v for k, v in best['options'].items()})}`\n\n```\n{summary}```\n")
-    name = "tune_llama70b_exact" if args.exact else "tune_llama70b"
+    name = ("tune_llama70b_exact" if args.exact else "tune_llama70b") + ("_blocks" if args.compile == "blocks" else "")
     args.out.mkdir(parents=True, exist_ok=True)
     traces = result.get("traces") or {}
     md += (f"\n{traces.get('reused', 0)} of {len(planned)} experiments planned on a reused trace "
@@ -92,7 +97,7 @@ def _tune(args, reuse: bool):
                args.hardware, "--jobs", str(args.jobs), "--out", tmp, "--json", *(["--exact"] if args.exact else []),
                *([] if reuse else ["--no-reuse"]),
                "--", str(REPO / "benchmarks" / "train_llama.py"), "--size", "70b", "--steps", "100",
-               "--checkpointing", "non_reentrant"]
+               "--checkpointing", "non_reentrant", "--compile", args.compile]
         start = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         wall = time.perf_counter() - start

@@ -227,14 +227,17 @@ class Process:
         return found
 
     # ------------------------------------------------------------------ finding sessions
-    def session_for(self, roots: list, states: list, config=None) -> ModelSession:
+    def session_for(self, roots: list, states: list, config=None, fallback=None) -> ModelSession:
         """The session of a frame reached from the modules ``roots`` (outermost first) whose
         parameters have the shard states ``states`` (None where not sharded yet): the session
-        of the first root that has one, else of the first state that has one, else a new one.
-        Every root is then the session's."""
+        of the first root that has one, else of the first state that has one, else ``fallback``
+        (the session of the frame a piece was cut from), else a new one. Every root is then the
+        session's."""
         session = next((s for root in roots if (s := self._by_module.get(root)) is not None), None)
         if session is None:
             session = next((sp.session for sp in states if sp is not None and sp.session is not None), None)
+        if session is None:
+            session = fallback
         if session is None:
             name = type(roots[0]).__name__ if roots else "frames"
             session = ModelSession(name, self.sites, config)

@@ -6,8 +6,8 @@ import contextlib
 import contextvars
 import logging
 
-from zerocompile import _torch_compat, env
-from zerocompile.capture import compile_frame
+from zerocompile import _torch_compat, env, repeated_blocks
+from zerocompile.capture import compile_frame, frame_name
 from zerocompile.config import ZeroConfig, options_needing_a_new_trace
 from zerocompile.errors import CollectiveMismatchError, ZeroConfigError
 from zerocompile.runtime.session import PROCESS
@@ -42,14 +42,26 @@ def zero_backend(gm, example_inputs, options=None, mode=None, **kwargs):
             f"torch.compile mode={mode!r} is not supported by the 'zero' backend; "
             "use options={...} (see docs/config.md)")
     cfg = _with_environment_options(options)
+
+    def compile_piece(piece_gm, piece_inputs, name=None, session=None):
+        runner = compile_frame(piece_gm, piece_inputs, cfg, frame=name, session=session)
+        runner.script_options = options
+        return runner
+
+    minimum = repeated_blocks.min_blocks(cfg.compiler.repeated_blocks)
+    blocks = None if minimum is None else repeated_blocks.block_container(gm, minimum)
     try:
-        runner = compile_frame(gm, example_inputs, cfg)
+        if blocks is not None:
+            # a deep model compiled whole: its identical layers compile once (repeated_blocks.py)
+            blockwise = repeated_blocks.compile_blockwise(gm, list(example_inputs), *blocks, compile_piece,
+                                                          frame_name(gm))
+            if blockwise is not None:
+                return blockwise
+        return compile_piece(gm, example_inputs)
     except CollectiveMismatchError as err:
         # a compile's collectives parted (a frame compiled on some ranks only): the user's
         # ``except CollectiveMismatchError`` must see it, not Dynamo's BackendCompilerFailed
         raise _torch_compat.passed_through_dynamo(err) from None
-    runner.script_options = options
-    return runner
 
 
 def recompile_with_overriding_options(options: dict) -> int:

@@ -259,16 +259,19 @@ def _backward_ran(session: ModelSession, summary: CollectiveSummary, flops: int,
     session.record_flops(flops, recompute, frame=frame, backward=True)
 
 
-def _frame_name(gm: torch.fx.GraphModule) -> str:
+def frame_name(gm: torch.fx.GraphModule) -> str:
+    """A Dynamo frame's name in logs, errors and dumps: ``frame <compile id>``."""
     compile_id = gm.meta.get("dynamo_compile_id")
     return f"frame {compile_id}" if compile_id is not None else "frame"
 
 
-def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group: CommGroup, frame: str):
+def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group: CommGroup, frame: str,
+                  fallback: ModelSession | None = None):
     """The shard state of each placeholder (None for non-parameters), the root modules the
     frame's parameters were reached from, the ids of the parameters under those roots
     that eager-only modules own (kept full: see runtime/eager_regions.py), and the model's
-    session (``runtime/session.py``: the one of its roots or parameters, else a new one)."""
+    session (``runtime/session.py``: the one of its roots or parameters, else ``fallback``, else
+    a new one)."""
     roots = {}
     for source in sources:
         root = _torch_compat.root_module(source) if source is not None else None
@@ -280,7 +283,8 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
     for root in roots.values():
         eager_owned |= eager_only_parameters(root)
     session = PROCESS.session_for(outermost_first(roots.values()),
-                                  [get_state(ex) for ex in example_inputs if isinstance(ex, torch.nn.Parameter)], cfg)
+                                  [get_state(ex) for ex in example_inputs if isinstance(ex, torch.nn.Parameter)], cfg,
+                                fallback)
     session.check_model_options(cfg, frame, "step", ("loss_scale",))   # before a shared parameter's own check
     plans = []
     for node, source, ex in zip(placeholders, sources, example_inputs):
@@ -381,16 +385,19 @@ def _check_compatible(state: ShardedParam, cfg: ZeroConfig, group: CommGroup, na
             "Compile every model that shares parameters with the same options.")
 
 
-def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig):
-    """Compile one Dynamo frame with ZeRO sharding; returns the callable Dynamo runs."""
+def compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig, frame: str | None = None,
+                  session: ModelSession | None = None):
+    """Compile one Dynamo frame (or a piece of one: ``repeated_blocks.py``, named ``frame``, whose
+    model's session is ``session`` where its parameters and modules name none) with ZeRO
+    sharding; returns the callable Dynamo runs."""
     started = time.perf_counter()
     group = resolve_group(cfg.sharding.process_group)
-    frame = _frame_name(gm)
+    frame = frame or frame_name(gm)
     if _watched(cfg, group):
         # before the compile's own collectives: those of a frame compiled on some ranks only are watched too
         PROCESS.watch.configure(cfg.sharding.collective_timeout_s, cfg.sharding.collective_busy_limit_s)
     with PROCESS.watch.scope(f"compiling {frame}"):    # its collectives' label in a mismatch report
-        runner = _compile_frame(gm, example_inputs, cfg, group, frame)
+        runner = _compile_frame(gm, example_inputs, cfg, group, frame, session)
     runner.session.compile_seconds += time.perf_counter() - started
     return runner
 
@@ -400,11 +407,13 @@ def _watched(cfg: ZeroConfig, group: CommGroup) -> bool:
     return cfg.sharding.collective_timeout_s is not None and group.world > 1 and not is_fake_group(group)
 
 
-def _compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig, group: CommGroup, frame: str):
+def _compile_frame(gm: torch.fx.GraphModule, example_inputs, cfg: ZeroConfig, group: CommGroup, frame: str,
+                   session: ModelSession | None = None):
     traced = _copy_graph_module(gm)
     placeholders = list(traced.graph.find_nodes(op="placeholder"))
     sources = [_torch_compat.placeholder_source(node) for node in placeholders]
-    plans, roots, eager_owned, session = _param_states(placeholders, sources, example_inputs, cfg, group, frame)
+    plans, roots, eager_owned, session = _param_states(placeholders, sources, example_inputs, cfg, group, frame,
+                                                       session)
     if cfg.step.offload_param.device == "cpu" and any(sp is not None and sp.device.type == "cpu" for sp in plans):
         log.info("[%s] offload_param device 'cpu': the parameters are on the CPU, so their shards already "
                  "live in host memory; nothing to offload", frame)

@@ -200,6 +200,13 @@ def _inner_compiler(value):
     return value
 
 
+def _repeated_blocks(value):
+    if value in ("auto", "off") or (isinstance(value, int) and not isinstance(value, bool) and value >= 2):
+        return value
+    raise ZeroConfigError(f"option 'repeated_blocks' = {value!r} is invalid; allowed: 'auto' (frames with 8 or "
+                          "more identical blocks compile one), an integer >= 2 (with at least that many), or 'off'")
+
+
 def _process_group(value):
     if value is not None and not isinstance(value, torch.distributed.ProcessGroup):
         raise ZeroConfigError(f"option 'process_group' = {value!r} is invalid; allowed: None (the default group) "
@@ -286,6 +293,7 @@ _PARSERS = {
     "cost_model": lambda v: _parse_cost_model(v),
     "profile": _bool("profile"),
     "debug_checks": _bool("debug_checks"),
+    "repeated_blocks": _repeated_blocks,
     "gradient_clipping": _gradient_clipping,
     "loss_scale": parse_loss_scale,
     "offload_optimizer": lambda v: parse_offload("offload_optimizer", v),

@@ -17,8 +17,9 @@ Why a replay gives the figures an execution would:
 - **Peak live bytes.** Inside a graph the ``LiveStorageTracker``'s count moves by what the
   ops allocate, which depends only on the graph and the metadata, and by the inputs that die
   after their last use, which depends on whether anything outside the graph still holds
-  them. The signature includes each input's owners (tensors on its storage, Python references
-  to it) and how the tracker counts its storage; after a replay the inputs that died are
+  them. The signature includes, for each input, whether a tensor other than the run's inputs
+  holds its storage (``_held_outside``), its Python references, and how the tracker counts its
+  storage; after a replay the inputs that died are
   compared with the recorded run's. The peak then is the entry count plus the recorded rise.
   (torch keeps a Python reference to a tensor that C++, such as autograd, holds, so those
   count too.) If the dead inputs ever differ, the replay cannot vouch for that peak:
@@ -166,6 +167,11 @@ class GraphReplay(TorchDispatchMode):
         measuring = self.measuring and self.tracker is not None
         parts = [id(graph), self.measuring]
         first: dict[int, int] = {}
+        on_storage: dict[int, int] = {}
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                key = a.untyped_storage()._cdata
+                on_storage[key] = on_storage.get(key, 0) + 1
         for a in args:
             if isinstance(a, _SCALARS):
                 parts.append((type(a), a))
@@ -179,7 +185,7 @@ class GraphReplay(TorchDispatchMode):
             # plan's modes would see
             parts.append((tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device if rng else a.fake_device,
                           a.requires_grad,
-                          storage.nbytes(), j, _torch_compat.storage_owners(storage), sys.getrefcount(a),
+                          storage.nbytes(), j, _held_outside(storage, on_storage[storage._cdata]), sys.getrefcount(a),
                           self.tracker.recorded_size(storage) if measuring else None))
         return tuple(parts)
 
@@ -236,6 +242,14 @@ class GraphReplay(TorchDispatchMode):
 
 
 # ------------------------------------------------------------------------------- helpers
+def _held_outside(storage, args_on_it: int) -> bool:
+    """Whether a tensor other than the run's arguments holds ``storage`` (then it outlives the run
+    whatever the run frees). Only that enters the signature, not how many do: the layers of a
+    model compiled whole read one attention mask, which every layer's saved views make one owner
+    more of, and runs that differ only there free the same inputs (checked after each replay)."""
+    return _torch_compat.storage_owners(storage) - 1 - args_on_it > 0     # 1: the caller's ``storage``
+
+
 def _rng_state(t) -> bool:
     """Whether ``t`` is an RNG state activation checkpointing saved (``run_and_save_rng_state``
     returns ``torch.get_rng_state()``, a real tensor even under plan's fake mode, since it is not

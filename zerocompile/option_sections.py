@@ -208,6 +208,15 @@ class CompilerOptions:
     ``plan_activations`` weigh those (unmeasured sizes and ops keep the ``cost_model``
     estimates). Costs one-off time in the first step; see docs/passes.md."""
 
+    repeated_blocks: str | int = "auto"
+    """Compile a frame's identical repeated blocks once (``zerocompile/repeated_blocks.py``): the
+    layers of an ``nn.ModuleList`` (children of one container, of one class, with the same graph)
+    become one compiled block that runs for every layer, and the code before, between and after
+    them frames of their own, as per-block compilation (``layer.compile()``) gives. ``"auto"``:
+    in frames with at least 8 such blocks; an integer N >= 2: with at least N; ``"off"``: the
+    frame stays one graph (every layer traced, partitioned and compiled, and the passes see across
+    layers: prefetch of the next layer's gather inside the graph). Changing it needs a new trace."""
+
     debug_checks: bool = False
     """Check memory safety while the eager inner compiler runs the graphs (slower): before every
     op, that no tensor argument's storage is smaller than its size, stride and offset need (a
