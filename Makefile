@@ -2,7 +2,7 @@
 # make test: same install, run the test suite.
 # make bench: same install plus the bench extra (DeepSpeed, matplotlib, pytest-benchmark), then the smoke runs of every
 #             benchmark in its quick mode (make bench-smoke: benchmarks/smoke/), then benchmarks/run.py,
-#             benchmarks/optimizer_step.py, benchmarks/first_step.py, benchmarks/collectives.py, benchmarks/quantize.py,
+#             benchmarks/optimizer_step.py, benchmarks/first_step.py, benchmarks/deep_first_step.py, benchmarks/collectives.py, benchmarks/quantize.py,
 #             benchmarks/onebit_bytes.py, benchmarks/whole_param_step.py, benchmarks/monitoring_overhead.py,
 #             benchmarks/eager_flops_overhead.py,
 #             benchmarks/step_breakdown.py, benchmarks/plan_llama70b.py, benchmarks/tune_llama70b.py, benchmarks/tune_ranking.py,
@@ -61,12 +61,13 @@ bench: bench-smoke
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/optimizer_step.py
 	$(PY) benchmarks/first_step.py
+	$(PY) benchmarks/deep_first_step.py
 	$(PY) benchmarks/demo_first_step.py
 	$(PY) benchmarks/collectives.py
 	$(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 6 --systems fsdp2 zero3 --out benchmarks/results/stage3_vs_fsdp2_6block.json
 	$(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 6 --graph-break-after 2 --systems fsdp2 zero3 --out benchmarks/results/stage3_vs_fsdp2_6block_break.json
 	$(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 6 --graph-break-in-loop --systems fsdp2 zero3 zero3-per-block --out benchmarks/results/stage3_vs_fsdp2_6block_loop_break.json
-	TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) $(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 12 --steps 3 --systems fsdp2 zero3 --out benchmarks/results/stage3_vs_fsdp2_12block_whole_cold.json
+	TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) $(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 12 --steps 3 --systems fsdp2 zero3 zero3-one-graph --out benchmarks/results/stage3_vs_fsdp2_12block_whole_cold.json
 	TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) $(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 12 --steps 3 --systems fsdp2 zero3-per-block --out benchmarks/results/stage3_vs_fsdp2_12block_per_block_cold.json
 	$(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 6 --inner-compiler eager --systems fsdp2 zero3 --out benchmarks/results/stage3_vs_fsdp2_6block-eager.json
 	$(PY) benchmarks/stage3_vs_fsdp2.py --n-layers 6 --inner-compiler eager --peak-anatomy --systems fsdp2 zero3 --steps 2 --out benchmarks/results/stage3_vs_fsdp2_6block-anatomy.json
@@ -75,6 +76,7 @@ bench: bench-smoke
 	$(PY) benchmarks/eager_flops_overhead.py
 	$(PY) benchmarks/step_breakdown.py
 	$(PY) benchmarks/plan_llama70b.py
+	$(PY) benchmarks/plan_llama70b.py --compile blocks
 	$(PY) benchmarks/tune_llama70b.py --compare-reuse
 	$(PY) benchmarks/tune_llama70b.py --exact
 	$(PY) benchmarks/tune_ranking.py

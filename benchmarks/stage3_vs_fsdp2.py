@@ -16,6 +16,9 @@ every rank:
 - ``zero3-per-block``: each block compiled on its own (``block.compile(backend="zero", ...)``,
   torchtitan's regional compilation), the root module eager: its embeddings, final norm and
   head are sharded by zerocompile's per-module hooks (``runtime/eager_regions.py``);
+- ``zero3-one-graph``: ``zero3`` with ``repeated_blocks="off"``: the model one graph however
+  many layers it has (``zero3``'s default, ``"auto"``, compiles 8 or more identical blocks once,
+  as pieces: docs/config.md);
 - ``zero3-nopass``: the same with every optional pass disabled (the list is read from the
   pass registry, minus ``cast_forward_inputs``, which fp32 does not run anyway);
 - ``fsdp2``: ``fully_shard`` on each block and then on the root module, eager, no compile,
@@ -65,10 +68,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_harness as harness  # noqa: E402
 from common import MiB, RESULTS, break_graph_after, break_graph_in_loop, error_line, load_example, spawn_ranks  # noqa: E402
 
-SYSTEMS = ("zero3", "zero3-profile", "zero3-nopass", "zero3-per-block", "fsdp2")
+SYSTEMS = ("zero3", "zero3-profile", "zero3-nopass", "zero3-per-block", "zero3-one-graph", "fsdp2")
 LABELS = {"zero3": "zerocompile stage 3", "zero3-profile": "zerocompile stage 3, profile=True",
           "zero3-nopass": "zerocompile stage 3, no optional passes",
           "zero3-per-block": "zerocompile stage 3, per-block compile",
+          "zero3-one-graph": "zerocompile stage 3, repeated_blocks='off'",
           "fsdp2": "FSDP2 eager"}
 REFERENCE = "fsdp2"
 log = logging.getLogger("stage3_vs_fsdp2")
@@ -133,6 +137,8 @@ def build_system(name: str, args, example, disabled: list[str]) -> System:
                 options["passes"] = {"disable": list(disabled)}
             if name == "zero3-profile":
                 options["profile"] = True
+            if name == "zero3-one-graph":     # every layer in the one graph, even a deep model's
+                options["repeated_blocks"] = "off"
             if name == "zero3-per-block":      # torchtitan's regional compilation: the root stays eager
                 for block in model.blocks:
                     block.compile(backend="zero", options=options)
