@@ -104,24 +104,7 @@ def _demo_gpt():
 
 def _train(model, opt, batches, device: str, compiled=None) -> dict:
     fn = compiled if compiled is not None else model
-    losses, times = [], []
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    for x in batches:
-        start = time.perf_counter()
-        loss = fn(x, x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    out = {"losses": losses, "first_step_s": times[0], "ms_per_step": 1e3 * sorted(times[1:])[len(times[1:]) // 2]}
-    if device == "cuda":
-        out["max_memory_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
-    return out
+    return _train_fn(lambda x: fn(x, x), opt, batches, device)
 
 
 def check_stage3_step(device: str, steps: int) -> dict:

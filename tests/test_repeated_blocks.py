@@ -16,10 +16,11 @@ import torch.nn.functional as F
 import zerocompile
 import zoo
 from dist_utils import run_ranks
-from harness import Run, assert_matches, ranks_of, reference, runs_apart, zero_train
+from harness import Run, assert_matches, ranks_of, reference, runs_apart, train_on_rank_slices, zero_train
 from zerocompile import repeated_blocks
 from zerocompile.errors import ZeroConfigError
 from zerocompile.runtime.session import PROCESS
+from zerocompile.runtime.sharded_param import get_state
 
 
 def _dynamo_graph(model, *args):
@@ -117,20 +118,23 @@ def _llama(checkpointing: str | None):
 
 def _llama_batches(steps=3, batch=4):
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, 64, (batch, 12), generator=g) for _ in range(steps)]
+    return [(ids, ids) for ids in (torch.randint(0, 64, (batch, 12), generator=g) for _ in range(steps))]
+
+
+def _causal_lm_loss(model):
+    """``(ids, labels) -> loss`` of an HF causal LM, the call ``train_on_rank_slices`` makes."""
+    return lambda ids, labels: model(input_ids=ids, labels=labels).loss
+
+
+def _state(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _llama_reference(checkpointing):
     model = _llama(checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for ids in _llama_batches():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    losses = train_on_rank_slices(_causal_lm_loss(model), opt, _llama_batches(), 0, 1)
+    return {"losses": losses, "state": _state(model)}
 
 
 def _llama_zero(rank, world, checkpointing, blocks, stage=3):
@@ -141,19 +145,10 @@ def _llama_zero(rank, world, checkpointing, blocks, stage=3):
     compiled = torch.compile(model, backend="zero", options={"stage": stage, "inner_compiler": "eager",
                                                               "repeated_blocks": blocks})
     opt = zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW, lr=1e-2)
-    per = 4 // world
-    losses = []
-    for ids in _llama_batches():
-        part = ids[rank * per:(rank + 1) * per]
-        loss = compiled(input_ids=part, labels=part).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = train_on_rank_slices(_causal_lm_loss(compiled), opt, _llama_batches(), rank, world)
     sessions = {id(r.session) for r in PROCESS.frames() if r.order > started}
-    return {"losses": losses, "state": zerocompile.full_state_dict(compiled),
+    misnamed = [n for n, p in model.named_parameters() if not get_state(p).name.endswith(n)]
+    return {"losses": losses, "state": zerocompile.full_state_dict(compiled), "misnamed": misnamed,
             "frames": len([r for r in zerocompile.frame_reports() if r["compiled_at_ns"] > started]),
             "sessions": len(sessions),
             "stats": {k: v for k, v in zerocompile.stats(compiled).as_dict().items() if k != "compile_seconds"}}
@@ -185,14 +180,8 @@ def _loop_model(where: str):
 def _loop_reference(where):
     model = _loop_model(where)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for step in range(3):
-        loss = model(*zoo.batch(step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    losses = train_on_rank_slices(model, opt, [zoo.batch(step) for step in range(3)], 0, 1)
+    return {"losses": losses, "state": _state(model)}
 
 
 def _loop_zero(rank, world, where, blocks):
@@ -202,16 +191,7 @@ def _loop_zero(rank, world, where, blocks):
     compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager",
                                                               "repeated_blocks": blocks})
     opt = zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
-    losses = []
-    for step in range(3):
-        x, y = zoo.batch(step)
-        loss = compiled(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = train_on_rank_slices(compiled, opt, [zoo.batch(step) for step in range(3)], rank, world)
     return {"losses": losses, "state": zerocompile.full_state_dict(compiled),
             "frames": len([r for r in zerocompile.frame_reports() if r["compiled_at_ns"] > started]),
             "param_bytes": zerocompile.stats(compiled).param_bytes}
@@ -276,6 +256,7 @@ def test_hf_llama_compiled_whole_with_hf_checkpointing_is_exact_on_every_rank(re
     for rank, result in enumerate(ranks_of(results, case)):
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
         assert result["sessions"] == 1            # one model, one session, one optimizer
+        assert result["misnamed"] == []           # each layer's states named after its own parameters
         if rank:
             continue          # full_state_dict gathers to rank 0
         for key, value in ref["state"].items():

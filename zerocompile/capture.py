@@ -193,6 +193,19 @@ class FrameRunner:
                 "parameters with the same options")
         return state
 
+    def take_parameters(self, examples: list, names: list) -> None:
+        """Another piece of a frame like this one's (``repeated_blocks.py``: the next layer) will
+        run this compiled frame with ``examples`` in the places of its inputs: their parameters
+        get their shard states now, named ``names`` (their own), and become ``ZeroParameter``s
+        before Dynamo builds the frame's guards (which record their class)."""
+        for ex, plan, name in zip(examples, self.plans, names):
+            if plan is None or not isinstance(ex, torch.nn.Parameter):
+                continue
+            if get_state(ex) is None:
+                self._source.new_state(ex, plan, self.partitioner.ctx, name=name)
+                self._new_states = True
+            adopt(ex)
+
     def _check_position(self) -> None:
         regions, position = self._position
         if regions.in_eager_forward:
@@ -507,11 +520,12 @@ class _TracedFrame:
             self._size_symbols = size_symbols([n.meta.get("example_value") for n in placeholders])
         return self._size_symbols
 
-    def new_state(self, param, plan: ShardedParam, ctx: PassContext) -> ShardedParam:
-        """The shard state of ``param``, first met at run time where ``plan``'s parameter was
-        traced, with the options the frame's graphs were compiled with (``ctx``)."""
+    def new_state(self, param, plan: ShardedParam, ctx: PassContext, name: str | None = None) -> ShardedParam:
+        """The shard state of ``param``, first met where ``plan``'s parameter was traced, with the
+        options the frame's graphs were compiled with (``ctx``); named ``name`` where its own
+        name is known, else after ``plan``'s."""
         cfg = ctx.config
-        state = _shard_parameter(param, plan.name, cfg, ctx.group, keep_full=id(param) in self.eager_owned,
+        state = _shard_parameter(param, name or plan.name, cfg, ctx.group, keep_full=id(param) in self.eager_owned,
                                  session=self.session)
         state.gradient_reduction = ctx.gradient_reduction
         return state

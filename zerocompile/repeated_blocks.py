@@ -30,7 +30,6 @@ import torch.fx
 
 from zerocompile import _torch_compat
 from zerocompile.runtime.sharded_param import get_state
-from zerocompile.runtime.zero_parameter import adopt
 
 log = logging.getLogger("zerocompile")
 
@@ -159,6 +158,12 @@ def piece_module(gm: torch.fx.GraphModule, piece: Piece) -> torch.fx.GraphModule
     sub = torch.fx.GraphModule(gm, graph)
     sub.meta.update(gm.meta)
     return sub
+
+
+def _input_name(placeholder: torch.fx.Node) -> str:
+    """A piece input's parameter name: from Dynamo's source, as ``capture`` names them."""
+    source = _torch_compat.placeholder_source(placeholder)
+    return (source is not None and _torch_compat.param_fqn(source)) or placeholder.name
 
 
 def _example_of(value: torch.fx.Node, example_inputs: list, index: dict):
@@ -292,11 +297,9 @@ def compile_blockwise(gm: torch.fx.GraphModule, example_inputs: list, container:
             runner = compile_piece(sub, examples, name, session)
             compiled[key] = runner
         else:
-            # its parameters become ZeroParameters now, as a compiled piece's do, before Dynamo
-            # builds the frame's guards (which record their class: capture._adopt_parameters)
-            for ex in examples:
-                if isinstance(ex, torch.nn.Parameter):
-                    adopt(ex)
+            # its parameters get their states (under their own names) and become ZeroParameters
+            # now, as a compiled piece's do, before Dynamo builds the frame's guards
+            runner.take_parameters(examples, [_input_name(node) for node in sub.graph.find_nodes(op="placeholder")])
         # an activation goes once its last reader has run (the caller's inputs are the caller's)
         free = [slot[v] for v in piece.inputs
                 if last_read[v] == position and v.op != "placeholder" and v not in returned]
