@@ -328,3 +328,45 @@ def test_a_no_grad_region_across_blocks_keeps_the_frame_one_graph():
         assert (grads[name] is None) == (p.grad is None), name
         if p.grad is not None:
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-6, atol=1e-7)
+
+
+def _hf_zoo():
+    import transformers
+    return {
+        "gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config(
+            n_layer=8, n_embd=32, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0)),
+        "bert": (transformers.BertForMaskedLM, transformers.BertConfig(
+            num_hidden_layers=8, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=64,
+            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+        "t5": (transformers.T5ForConditionalGeneration, transformers.T5Config(
+            num_layers=8, num_decoder_layers=8, d_model=32, d_ff=64, num_heads=4, d_kv=8, vocab_size=64,
+            decoder_start_token_id=0, dropout_rate=0.0)),
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "t5"])
+def test_eight_layer_hf_models_compiled_whole_cut_by_default_and_exact(name):
+    """Third-party models with 8 layers: the default ("auto") cuts them (T5: its first block,
+    which holds the relative position bias, compiles apart from the seven like it), and training
+    matches eager PyTorch."""
+    cls, config = _hf_zoo()[name]
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = cls(config)
+    ref = copy.deepcopy(model)
+    started = time.monotonic_ns()
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    batches = [(ids, ids) for ids in (torch.randint(1, 64, (2, 16), generator=g) for _ in range(2))]
+    losses = train_on_rank_slices(_causal_lm_loss(compiled), opt, batches, 0, 1)
+    ref_losses = train_on_rank_slices(_causal_lm_loss(ref), ref_opt, batches, 0, 1)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    state = zerocompile.full_state_dict(compiled)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    frames = [r["frame"] for r in zerocompile.frame_reports() if r["compiled_at_ns"] > started]
+    blocks = [f for f in frames if f.endswith("[0]") or f.endswith("[1]")]
+    assert blocks and len(frames) < 8, frames          # cut, and far fewer compiles than layers
