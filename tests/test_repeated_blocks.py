@@ -357,8 +357,10 @@ def test_eight_layer_hf_models_compiled_whole_cut_by_default_and_exact(name):
     ref = copy.deepcopy(model)
     started = time.monotonic_ns()
     compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager"})
-    opt = zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW, lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    # SGD: GPT-2's key bias has an exactly-zero gradient (softmax is shift-invariant), which
+    # Adam would turn from rounding noise into whole updates (a fresh clone's run saw 1.05e-5)
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     batches = [(ids, ids) for ids in (torch.randint(1, 64, (2, 16), generator=g) for _ in range(2))]
     losses = train_on_rank_slices(_causal_lm_loss(compiled), opt, batches, 0, 1)
