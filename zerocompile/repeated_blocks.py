@@ -214,21 +214,16 @@ def _canonical(value, index: dict):
     return value
 
 
-_STATE_SETTERS = {torch._C._set_grad_enabled: "grad", torch.amp.autocast_mode._enter_autocast: "autocast",
-                  torch.amp.autocast_mode._exit_autocast: "autocast"}
-"""Graph nodes that change global state for the nodes after them (``torch.no_grad()``,
-``torch.autocast`` inside the model): a cut between such a node and its restore would compile
-the pieces after it without the state."""
-
-
 def _state_contained(pieces: list) -> bool:
-    """Whether every grad-mode or autocast region of the graph lies inside one piece (each piece
-    has even counts of grad-mode setters and as many autocast exits as enters)."""
+    """Whether every grad-mode or autocast region of the graph (``torch.no_grad()``,
+    ``torch.autocast`` inside the model) lies inside one piece: a cut between such a node and its
+    restore would compile the pieces after it without the state. Each piece must hold an even
+    number of grad-mode setters and as many autocast exits as enters."""
     for piece in pieces:
-        kinds = [_STATE_SETTERS.get(n.target) for n in piece.nodes if n.op == "call_function"]
-        entered = sum(n.target is torch.amp.autocast_mode._enter_autocast for n in piece.nodes)
-        exited = sum(n.target is torch.amp.autocast_mode._exit_autocast for n in piece.nodes)
-        if kinds.count("grad") % 2 or entered != exited:
+        targets = [n.target for n in piece.nodes if n.op == "call_function"]
+        if targets.count(torch._C._set_grad_enabled) % 2 or \
+                targets.count(torch.amp.autocast_mode._enter_autocast) != \
+                targets.count(torch.amp.autocast_mode._exit_autocast):
             return False
     return True
 
