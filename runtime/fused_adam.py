@@ -101,22 +101,31 @@ class FusedAdam(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: float = 1.0, only=None, copies: dict | None = None):
+        """One update of every parameter with a gradient (``update``), after ``closure``."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.update(grad_scale, only, copies)
+        return loss
+
+    def update(self, grad_scale: float = 1.0, only=None, copies: dict | None = None) -> None:
         """One update of every parameter with a gradient; ``grad_scale`` multiplies each
         gradient as the kernel reads it (1.0: none). ``only``: update just these parameters
         (a collection of them; each parameter's update depends on nothing else, so stepping
         the parameters in parts gives the numbers of one step of all). ``copies``: ``{id(p):
         tensor}``, tensors of ``p``'s shape (in another dtype) that receive the updated values
         in the same pass, rounded as ``p.to(dtype)`` would (a subclass that cannot write one
-        removes its entry from the dict)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        removes its entry from the dict).
+
+        What ``ZeroOptimizer`` calls, under its own ``no_grad``: not ``step``, which torch's
+        ``Optimizer`` wraps in a profiler range and its step hooks (a few hundred microseconds
+        a step once the update has streamed the caches out; nobody hooks this inner
+        optimizer, and ``ZeroOptimizer.step`` has its own range)."""
         for group in self.param_groups:
             self._check(group)
         for group in _groups_of(self.param_groups, only):
             self._step_group(group, grad_scale, copies)
-        return loss
 
     def _step_group(self, group: dict, grad_scale: float, copies: dict | None = None) -> None:
         """Update the parameters of ``group`` (a param group dict, checked) that have gradients:

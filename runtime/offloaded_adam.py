@@ -228,14 +228,10 @@ class OffloadedAdam(FusedAdam):
                     del state[moment]
 
     # ------------------------------------------------------------------ the step
-    @torch.no_grad()
-    def step(self, closure=None, grad_scale: float = 1.0, only=None, copies: dict | None = None):
-        """As ``FusedAdam.step``; ``copies`` are written for the parameters with resident state
-        only: the entries of the others are removed from the dict (the caller casts those)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def update(self, grad_scale: float = 1.0, only=None, copies: dict | None = None) -> None:
+        """As ``FusedAdam.update`` (``step`` calls it); ``copies`` are written for the parameters
+        with resident state only: the entries of the others are removed from the dict (the
+        caller casts those)."""
         offloaded = self._plan()
         for group in self.param_groups:
             self._check(group)
@@ -265,7 +261,6 @@ class OffloadedAdam(FusedAdam):
             for p in stepped:
                 self.state[p]["step"] += 1
                 offloaded[p]["fresh"] = False
-        return loss
 
     def _tile_elems(self) -> int:
         """Elements per tile: sized to what the buffers serve, ``1 / (8 * buffer_count)`` of the

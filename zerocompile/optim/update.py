@@ -71,9 +71,9 @@ def _fused_step(inner, targets: list, states: dict, clipper, copies: dict) -> No
     scaled = [t for t in targets if scale is not None and id(t) in clipper.deferred]
     rest = [t for t in targets if scale is None or id(t) not in clipper.deferred]
     if scaled:
-        inner.step(only=scaled, grad_scale=scale, copies=written)
+        inner.update(scale, scaled, written)
     if rest:
-        inner.step(only=rest, copies=written)
+        inner.update(1.0, rest, written)
     # the inner optimizer removed the copies it did not write (parameters whose optimizer
     # state streams from a swap file): the after-step casts those shards itself
     copies.update(written)
