@@ -54,7 +54,7 @@ def zero_backend(gm, example_inputs, options=None, mode=None, **kwargs):
         if blocks is not None:
             # a deep model compiled whole: its identical layers compile once (repeated_blocks.py)
             blockwise = repeated_blocks.compile_blockwise(gm, list(example_inputs), *blocks, compile_piece,
-                                                          frame_name(gm))
+                                                          frame_name(gm), cfg.sharding.param_dtype)
             if blockwise is not None:
                 return blockwise
         return compile_piece(gm, example_inputs)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from zerocompile import _torch_compat
 from zerocompile.runtime.sharded_param import get_state
@@ -172,6 +173,45 @@ def _example_of(value: torch.fx.Node, example_inputs: list, index: dict):
     return value.meta["example_value"]
 
 
+def _output_dtypes(sub: torch.fx.GraphModule, examples: list, param_dtype) -> list:
+    """The dtype of each output of piece ``sub`` when it runs compiled on inputs like ``examples``
+    (None for an output that is not a tensor): what the piece computes with its parameters in
+    their compute dtype and the frame's floating-point inputs cast to ``param_dtype`` (the
+    passes' casts), by running the piece's graph on fake tensors. Where nothing is cast, Dynamo's
+    example values already say (no run)."""
+    casts = []
+    for placeholder, ex in zip(sub.graph.find_nodes(op="placeholder"), examples):
+        dtype = None
+        if isinstance(ex, torch.Tensor) and ex.is_floating_point():
+            state = get_state(ex) if isinstance(ex, torch.nn.Parameter) else None
+            if state is not None:
+                dtype = state.compute_dtype
+            elif param_dtype is not None and _torch_compat.input_kind(
+                    _torch_compat.placeholder_source(placeholder), ex) == "input":
+                dtype = param_dtype
+        casts.append(dtype if dtype is not None and dtype != ex.dtype else None)
+    values = [v.meta.get("example_value") for v in sub.graph.find_nodes(op="output")[0].args[0]]
+    if all(c is None for c in casts):
+        return [v.dtype if isinstance(v, torch.Tensor) else None for v in values]
+    fake_mode = next((v.fake_mode for v in (*values, *examples) if isinstance(v, FakeTensor)), None)
+    if fake_mode is None:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        args = [torch.empty_strided(ex.shape, ex.stride(), dtype=cast or ex.dtype, device=ex.device)
+                if isinstance(ex, torch.Tensor) else ex for ex, cast in zip(examples, casts)]
+        outs = sub(*args)
+    return [o.dtype if isinstance(o, torch.Tensor) else None for o in outs]
+
+
+def _handed_over(example: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Dynamo's example value ``example`` of an activation, in ``dtype`` (same fake mode, shape
+    and strides, requires_grad)."""
+    mode = example.fake_mode if isinstance(example, FakeTensor) else FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        out = torch.empty_strided(example.shape, example.stride(), dtype=dtype, device=example.device)
+    return out.requires_grad_(example.requires_grad)
+
+
 def structure_key(sub: torch.fx.GraphModule, examples: list) -> str:
     """Two pieces with the same key compute the same function of their inputs: the same ops with
     the same constants, inputs alike (shape, stride, dtype, device, requires_grad, parameter or
@@ -251,11 +291,17 @@ class BlockwiseFrame:
 
 
 def compile_blockwise(gm: torch.fx.GraphModule, example_inputs: list, container: str, cls: str, compile_piece,
-                      frame: str):
+                      frame: str, param_dtype: torch.dtype | None = None):
     """Compile ``gm`` piece by piece (``compile_piece(sub, examples, name, session)`` -> a
     ``FrameRunner``; ``session``: the first piece's, so that all are one model's), one compile
     per distinct piece; returns the ``BlockwiseFrame``, or None where the frame cannot be cut
-    (``_state_contained``)."""
+    (``_state_contained``). ``param_dtype``: the option's, which the frame's floating-point
+    inputs are cast to (``cast_forward_inputs``).
+
+    Each piece is compiled for the activations the pieces before it hand it when they run, not
+    for Dynamo's example values: Dynamo traced the model in its own dtypes, but a piece computes
+    in its parameters' compute dtype (``param_dtype``), so the residual stream a bfloat16 piece
+    hands over is bfloat16 where Dynamo's example says float32 (``_handed_over``)."""
     pieces = pieces_of(gm, container, cls)
     if not _state_contained(pieces):
         log.info("[%s] not compiled block by block: a torch.no_grad() or torch.autocast region of the "
@@ -278,9 +324,14 @@ def compile_blockwise(gm: torch.fx.GraphModule, example_inputs: list, container:
         for value in piece.inputs:
             last_read[value] = position
     blocks = sorted({p.block for p in pieces if p.block is not None})
+    handed: dict = {}           # activation node -> its example as the piece that makes it hands it over
+    out_dtypes: dict = {}       # structure key -> the dtypes of its outputs
     for position, piece in enumerate(pieces):
+        examples = [handed.get(v) if v in handed else _example_of(v, example_inputs, index) for v in piece.inputs]
         sub = piece_module(gm, piece)
-        examples = [_example_of(v, example_inputs, index) for v in piece.inputs]
+        for placeholder, ex in zip(sub.graph.find_nodes(op="placeholder"), examples):
+            if placeholder.meta.get("example_value") is not None and isinstance(ex, torch.Tensor):
+                placeholder.meta["example_value"] = ex
         key = structure_key(sub, examples)
         runner = compiled.get(key)
         if runner is None:
@@ -295,6 +346,12 @@ def compile_blockwise(gm: torch.fx.GraphModule, example_inputs: list, container:
             # its parameters get their states (under their own names) and become ZeroParameters
             # now, as a compiled piece's do, before Dynamo builds the frame's guards
             runner.take_parameters(examples, [_input_name(node) for node in sub.graph.find_nodes(op="placeholder")])
+        if key not in out_dtypes:
+            out_dtypes[key] = _output_dtypes(sub, examples, param_dtype)
+        for node, dtype in zip(piece.outputs, out_dtypes[key]):
+            ex = node.meta.get("example_value")
+            if dtype is not None and isinstance(ex, torch.Tensor) and ex.dtype != dtype:
+                handed[node] = _handed_over(ex, dtype)
         # an activation goes once its last reader has run (the caller's inputs are the caller's)
         free = [slot[v] for v in piece.inputs
                 if last_read[v] == position and v.op != "placeholder" and v not in returned]
