@@ -30,6 +30,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from zerocompile import _torch_compat
+from zerocompile.passes.align_compute_dtypes import _Aligner
 from zerocompile.runtime.sharded_param import get_state
 
 log = logging.getLogger("zerocompile")
@@ -196,10 +197,16 @@ def _output_dtypes(sub: torch.fx.GraphModule, examples: list, param_dtype) -> li
     fake_mode = next((v.fake_mode for v in (*values, *examples) if isinstance(v, FakeTensor)), None)
     if fake_mode is None:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(sub.graph, {}))     # a copy: its placeholders' example values change
+    copy = torch.fx.GraphModule(sub, graph)
     with fake_mode:
         args = [torch.empty_strided(ex.shape, ex.stride(), dtype=cast or ex.dtype, device=ex.device)
                 if isinstance(ex, torch.Tensor) else ex for ex, cast in zip(examples, casts)]
-        outs = sub(*args)
+        for placeholder, arg in zip(copy.graph.find_nodes(op="placeholder"), args):
+            placeholder.meta["example_value"] = arg
+        # with align_compute_dtypes' casts at the matrix products, as the compiled piece has them
+        outs = _Aligner(copy, param_dtype).run(*args) if param_dtype is not None else copy(*args)
     return [o.dtype if isinstance(o, torch.Tensor) else None for o in outs]
 
 
