@@ -18,6 +18,10 @@ model's own cast would have done, one op later (an elementwise op of mixed dtype
 float32, more precisely, before the cast). Products whose operands agree are left alone
 (``a.float() @ b.float()`` stays float32). If propagation fails on an op it does not know, the
 pass leaves the graph as it is (the product, if any, then fails as before) and logs why.
+A checkpointed region (``torch.utils.checkpoint``, Hugging Face's gradient checkpointing, traced
+by Dynamo as ``tag_activation_checkpoint`` of a body graph) is aligned inside its body, on the
+values it is called with: HF Llama with gradient checkpointing and a bfloat16 ``param_dtype``
+failed in the body's first ``linear`` before.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ class _Aligner(torch.fx.Interpreter):
     def run_node(self, node: torch.fx.Node):
         if node.op == "placeholder":
             return node.meta["example_value"]
+        if node.op == "call_function" and node.target is torch.ops.higher_order.tag_activation_checkpoint:
+            self._align_body(node)
         if _is_matmul(node):
             inputs = _float_inputs(node, self.env)
             dtypes = {self.env[n].dtype for n in inputs}
@@ -75,6 +81,20 @@ class _Aligner(torch.fx.Interpreter):
         if node.op != "output" and isinstance(value, torch.Tensor):
             node.meta["example_value"] = value
         return value
+
+    def _align_body(self, node: torch.fx.Node) -> None:
+        """A checkpointed region (``torch.utils.checkpoint``, HF's gradient checkpointing): its
+        body is a graph of its own (``get_attr``), aligned the same way on the values it is
+        called with, in place (the recompute in backward runs the same body)."""
+        body = self.fetch_attr(node.args[0].target)
+        args = [self.env[a] if isinstance(a, torch.fx.Node) else a for a in node.args[1:]]
+        for placeholder, value in zip(body.graph.find_nodes(op="placeholder"), args):
+            placeholder.meta["example_value"] = value
+        inner = _Aligner(body, self.dtype)
+        inner.run(*args)
+        if inner.casts:
+            body.recompile()
+            self.casts += inner.casts
 
 
 def align_compute_dtypes(gm: torch.fx.GraphModule, ctx: PassContext, *, param_dtype, **_) -> torch.fx.GraphModule:

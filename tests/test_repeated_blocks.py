@@ -211,6 +211,8 @@ def _all_runs(rank, world):
         ("llama_bf16_1_off", _llama_zero, (None, "off", 1, "bfloat16")),
         ("llama_bf16_3", _llama_zero, (None, 2, 3, "bfloat16")),
         ("llama_bf16_3_off", _llama_zero, (None, "off", 3, "bfloat16")),
+        ("llama_bf16_ckpt", _llama_zero, ("non_reentrant", 2, 3, "bfloat16")),
+        ("llama_bf16_ckpt_off", _llama_zero, ("non_reentrant", "off", 3, "bfloat16")),
         ("before", _loop_zero, ("before", 2)),
         ("before_off", _loop_zero, ("before", "off")),
         ("between", _loop_zero, ("between", 2)),
@@ -285,6 +287,18 @@ def test_bf16_pieces_take_the_activations_the_pieces_before_hand_over(results, s
         assert blockwise["frames"] == 3 and whole["frames"] == 1
         _same(blockwise, whole)
         torch.testing.assert_close(torch.tensor(blockwise["losses"]), torch.tensor(ref["losses"]), rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_with_hf_gradient_checkpointing_aligns_inside_the_checkpointed_bodies(results):
+    """HF Llama, gradient checkpointing (non-reentrant) and ``param_dtype`` bfloat16 at stage 3:
+    before, the checkpointed body's first ``linear`` met a float32 activation and a bfloat16
+    weight and failed (align_compute_dtypes did not look inside the body). Now the same numbers
+    as without checkpointing, compiled whole and as pieces, on every rank."""
+    for ckpt, ckpt_off, plain in zip(ranks_of(results, "llama_bf16_ckpt"), ranks_of(results, "llama_bf16_ckpt_off"),
+                                     ranks_of(results, "llama_bf16_3")):
+        assert ckpt["frames"] == 3 and ckpt_off["frames"] == 1
+        _same(ckpt, ckpt_off)
+        assert ckpt["losses"] == plain["losses"]
 
 
 @pytest.mark.parametrize("where", ["before", "between"])
