@@ -24,6 +24,8 @@ torch optimizer themselves (DDP, FSDP2, DeepSpeed with a client optimizer) use i
   a client AdamW (skipped, with the reason, if DeepSpeed is missing or fails to initialise);
 - ``zero1`` / ``zero2`` / ``zero3``: ``torch.compile(model, backend="zero", options={"stage": k})``
   with the default passes and ``zerocompile.ZeroOptimizer(AdamW)``;
+- ``zero1-overlap``: stage 1 with ``overlap_reduction=True``: the reduction runs during the
+  last backward, bucket by bucket, instead of in the step (DDP's overlap);
 - ``zero3-profile``: stage 3 with ``profile=True``: the passes weigh times measured on the
   frame's graph when it compiles, not the estimates;
 - ``zero3-qwz``: stage 3 with ZeRO++'s quantized weight gathers and gradient reductions
@@ -78,14 +80,15 @@ import bench_harness as harness  # noqa: E402
 from common import MiB, RESULTS, all_ranks_ok, error_line, load_example, spawn_ranks  # noqa: E402
 
 SYSTEMS = ("floor", "ddp", "ddp-compile", "fsdp2", "fsdp2-compile", "ds-zero1", "ds-zero2", "ds-zero3", "ds-zero3-offload",
-           "ds-zero3-infinity", "zero1", "zero2", "zero3", "zero3-profile", "zero3-qwz", "zero3-nopass",
+           "ds-zero3-infinity", "zero1", "zero1-overlap", "zero2", "zero3", "zero3-profile", "zero3-qwz", "zero3-nopass",
            "zero3-offload", "zero3-infinity")
 LABELS = {
     "floor": "compute floor (one rank alone, no collectives)", "ddp": "DDP", "ddp-compile": "DDP + torch.compile", "fsdp2": "FSDP2 eager", "fsdp2-compile": "FSDP2 + per-block compile",
     "ds-zero1": "DeepSpeed ZeRO-1", "ds-zero2": "DeepSpeed ZeRO-2", "ds-zero3": "DeepSpeed ZeRO-3",
     "ds-zero3-offload": "DeepSpeed ZeRO-3 + ZeRO-Offload (CPU Adam)",
     "ds-zero3-infinity": "DeepSpeed ZeRO-3 + ZeRO-Infinity (NVMe)",
-    "zero1": "zerocompile stage 1", "zero2": "zerocompile stage 2", "zero3": "zerocompile stage 3",
+    "zero1": "zerocompile stage 1", "zero1-overlap": "zerocompile stage 1, overlap_reduction",
+    "zero2": "zerocompile stage 2", "zero3": "zerocompile stage 3",
     "zero3-profile": "zerocompile stage 3, profile=True",
     "zero3-qwz": "zerocompile stage 3, ZeRO++ qwZ + qgZ",
     "zero3-nopass": "zerocompile stage 3, no opt. passes",
@@ -94,7 +97,7 @@ LABELS = {
 }
 STAGE = {"floor": 0, "ddp": 0, "ddp-compile": 0, "fsdp2": 3, "fsdp2-compile": 3, "ds-zero1": 1, "ds-zero2": 2, "ds-zero3": 3,
          "ds-zero3-offload": 3, "ds-zero3-infinity": 3,
-         "zero1": 1, "zero2": 2, "zero3": 3, "zero3-profile": 3, "zero3-qwz": 3, "zero3-nopass": 3, "zero3-offload": 3, "zero3-infinity": 3}
+         "zero1": 1, "zero1-overlap": 1, "zero2": 2, "zero3": 3, "zero3-profile": 3, "zero3-qwz": 3, "zero3-nopass": 3, "zero3-offload": 3, "zero3-infinity": 3}
 APPROXIMATE = {"zero3-qwz": 0.02}
 UNCHECKED = ("floor",)
 """Systems whose losses are not the data-parallel run's: the compute floor trains each rank's model
@@ -282,6 +285,8 @@ def build_system(name: str, args, spec: dict, example, device: torch.device, dis
                 options["profile"] = True
             if name == "zero3-qwz":
                 options.update(zero_quantized_weights=True, zero_quantized_gradients=True)
+            if name == "zero1-overlap":
+                options["overlap_reduction"] = True
             if name in OFFLOADED:
                 system.swap_dir = tempfile.mkdtemp(prefix="zerocompile-bench-swap-")
                 options["offload_optimizer"] = {"device": "nvme", "nvme_path": system.swap_dir}
@@ -489,7 +494,7 @@ def format_markdown(workload: str, spec: dict, result: dict, world: int) -> str:
     compute = result["systems"].get("floor", {})
     if compute.get("status") == "ok":
         ratios = [f"{e['label']} ×{e['median_ms'] / compute['median_ms']:.2f}" for n, e in result["systems"].items()
-                  if n in ("zero1", "zero2", "zero3") and e.get("status") == "ok"]
+                  if n in ("zero1", "zero1-overlap", "zero2", "zero3") and e.get("status") == "ok"]
         lines += ["", f"Compute floor: {compute['median_ms']:.1f} ms per step (one rank's micro-batch, same compiler, "
                   f"torch's fused AdamW on the whole model, no collectives). Against it: {', '.join(ratios)}."]
     floor = result.get("disk_floor_ms")

@@ -82,70 +82,91 @@ def reduce_scatter_mean(grads: list[tuple[torch.Tensor, int]], group: CommGroup,
     arrives (the same sums: ``runtime/reduction_choice.py``; a bucket whose gradients need no
     cast and no padding is sent from their own memory, ``reduce_scatter_point_to_point_into``,
     with no bucket buffer); None: reduce-scatter."""
-    world = group.world
+    if group.world == 1:
+        return [pad_flat(g.to(reduce_dtype), padded) for g, padded in grads]
     elem = torch.empty((), dtype=reduce_dtype).element_size()
-    results: list[torch.Tensor] = [None] * len(grads)
-    if world == 1:
-        for i, (g, padded) in enumerate(grads):
-            results[i] = pad_flat(g.to(reduce_dtype), padded)
-        return results
     buckets = bucket_indices([padded * elem for _, padded in grads], bucket_bytes)
-    if not buckets:
-        return results
-    slots = []          # bucket buffers, allocated by the first bucket that packs
+    reduction = BucketReduction(grads, group, reduce_dtype, choose, session, slots=min(2, len(buckets)),
+                                slot_numel=max((sum(grads[i][1] for i in b) for b in buckets), default=0))
+    if buckets:
+        _two_in_flight(buckets, reduction.start, reduction.finish, grads[0][0].device, session, label)
+    return reduction.results
 
-    def start(k, bucket):
+
+class BucketReduction:
+    """The buckets of ``reduce_scatter_mean``, started and finished one at a time:
+    ``start(k, bucket)`` packs bucket ``k`` (indices into ``grads``, read when it starts: an
+    entry may be filled in just before) into buffer ``k % slots`` and issues its collective;
+    ``finish(*handle)`` waits for it and puts each gradient's averaged chunk in ``results``.
+    A buffer is reused only after the bucket that filled it finished (the caller's order).
+    ``grads``: ``(gradient, padded_numel)`` per item; ``slot_numel``: the elements of each
+    buffer (the largest bucket's); the others as ``reduce_scatter_mean``'s."""
+
+    def __init__(self, grads: list, group: CommGroup, reduce_dtype: torch.dtype, choose, session,
+                 slots: int = 2, slot_numel: int = 0) -> None:
+        self.grads = grads
+        self.group = group
+        self.reduce_dtype = reduce_dtype
+        self.choose = choose
+        self.session = session
+        self.slot_count = max(1, slots)
+        self.slot_numel = slot_numel
+        self.elem = torch.empty((), dtype=reduce_dtype).element_size()
+        self.slots: dict[int, torch.Tensor] = {}  # slot -> bucket buffer, allocated by the first bucket that packs
+        self.results: list[torch.Tensor | None] = [None] * len(grads)
+
+    def start(self, k: int, bucket: list[int]) -> tuple:
+        grads, world, session = self.grads, self.group.world, self.session
         n = sum(grads[i][1] for i in bucket)
-        kind = "reduce_scatter" if choose is None else choose(n * elem)
+        kind = "reduce_scatter" if self.choose is None else self.choose(n * self.elem)
         shared_memory = kind == "shared_memory"
-        if kind in point_to_point.KINDS and all(_sendable(*grads[i], reduce_dtype) for i in bucket):
+        if kind in point_to_point.KINDS and all(_sendable(*grads[i], self.reduce_dtype) for i in bucket):
             # each gradient's rows sent from its own memory, summed into its own chunk
-            session.record("reduce_scatter", n * elem)
+            session.record("reduce_scatter", n * self.elem)
             outs = [grads[i][0].new_empty(grads[i][1] // world) for i in bucket]
             torch.ops.zerocompile.reduce_scatter_point_to_point_into([grads[i][0].reshape(-1) for i in bucket], outs,
-                                                                     world, group.name, shared_memory)
+                                                                     world, self.group.name, shared_memory)
             return bucket, outs, outs[0]
-        if not slots:
-            slots.extend(_slots(len(buckets), max(sum(grads[i][1] for i in b) for b in buckets), grads[0][0],
-                                reduce_dtype))
-        rows = slots[k % len(slots)][:n].view(world, n // world)
+        slot = k % self.slot_count
+        if slot not in self.slots or self.slots[slot].numel() < n:
+            self.slots[slot] = torch.empty(max(n, self.slot_numel), dtype=self.reduce_dtype,
+                                           device=grads[bucket[0]][0].device)
+        rows = self.slots[slot][:n].view(world, n // world)
         offset = 0
         for i in bucket:                 # each gradient's chunk of every rank, in its column range
             chunk = grads[i][1] // world
             g = grads[i][0].reshape(-1)
             if g.numel() != world * chunk:
-                g = pad_flat(g.to(reduce_dtype), world * chunk)
+                g = pad_flat(g.to(self.reduce_dtype), world * chunk)
             rows[:, offset : offset + chunk].copy_(g.view(world, chunk))   # casts to reduce_dtype
             offset += chunk
         if kind == "all_reduce":
-            session.record("all_reduce", n * elem)
-            started = watched("all_reduce", rows, group.name, reduce_op="sum", out=rows)
-            return bucket, rows, started if started is not None else _c10d.all_reduce_(rows, "sum", group.name)
-        session.record("reduce_scatter", n * elem)
+            session.record("all_reduce", n * self.elem)
+            started = watched("all_reduce", rows, self.group.name, reduce_op="sum", out=rows)
+            return bucket, rows, started if started is not None else _c10d.all_reduce_(rows, "sum", self.group.name)
+        session.record("reduce_scatter", n * self.elem)
         if kind in point_to_point.KINDS:
             # the buffer stays as it is until the wait: sent without a copy
             return bucket, None, torch.ops.zerocompile.reduce_scatter_point_to_point(
-                rows.reshape(-1), "sum", world, group.name, copy_input=False, shared_memory=shared_memory)
-        return bucket, None, start_reduce_scatter(rows.reshape(-1), "sum", world, group.name)
+                rows.reshape(-1), "sum", world, self.group.name, copy_input=False, shared_memory=shared_memory)
+        return bucket, None, start_reduce_scatter(rows.reshape(-1), "sum", world, self.group.name)
 
-    def finish(bucket, rows, out):
+    def finish(self, bucket: list[int], rows, out) -> None:
+        world = self.group.world
         if isinstance(rows, list):     # sent in place: ``rows`` are the bucket's chunks, ``out`` the first
             _c10d.wait_tensor(out)
             for i, chunk in zip(bucket, rows):
-                results[i] = chunk.div_(world)
+                self.results[i] = chunk.div_(world)
             return
         if rows is not None:       # all-reduced in the buffer, which the bucket after next reuses: copied out
-            mine = _c10d.wait_tensor(out)[group.rank].div(world)
+            mine = _c10d.wait_tensor(out)[self.group.rank].div(world)
         else:
             mine = _c10d.wait_tensor(out).div_(world)
         offset = 0
         for i in bucket:
-            chunk = grads[i][1] // world
-            results[i] = mine[offset : offset + chunk]
+            chunk = self.grads[i][1] // world
+            self.results[i] = mine[offset : offset + chunk]
             offset += chunk
-
-    _two_in_flight(buckets, start, finish, grads[0][0].device, session, label)
-    return results
 
 
 def _sendable(grad: torch.Tensor, padded: int, reduce_dtype: torch.dtype) -> bool:

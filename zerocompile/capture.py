@@ -314,7 +314,8 @@ def _param_states(placeholders, sources, example_inputs, cfg: ZeroConfig, group:
             _check_compatible(state, cfg, group, name)
         plans.append(state)
     _shard_model_parameters(roots.values(), cfg, group, eager_owned, session)
-    session.check_model_options(cfg, frame, "step", ("gradient_clipping", "offload_optimizer", "allow_unsharded"))
+    session.check_model_options(cfg, frame, "step", ("gradient_clipping", "offload_optimizer", "overlap_reduction",
+                                                      "allow_unsharded"))
     session.check_model_options(cfg, frame, "observability", ("monitor", "flops_profiler", "comms_logger"))
     return plans, list(roots.values()), eager_owned, session
 

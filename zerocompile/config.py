@@ -298,6 +298,7 @@ _PARSERS = {
     "loss_scale": parse_loss_scale,
     "offload_optimizer": lambda v: parse_offload("offload_optimizer", v),
     "offload_param": _offload_param,
+    "overlap_reduction": _bool("overlap_reduction"),
     "allow_unsharded": _bool("allow_unsharded"),
     "dump": _dump,
     "monitor": parse_monitor,

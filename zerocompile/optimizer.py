@@ -284,6 +284,7 @@ class ZeroOptimizer(Optimizer):
 
     def _end_step(self) -> None:
         self._reducer.reduced = False
+        self._reducer.early.step_ended()
         self._scaling.end_step()
         self._clipper.end_step()
 

@@ -274,6 +274,20 @@ class StepOptions:
     read and written in parallel); ``pin_memory`` and ``block_size`` are accepted and have no
     effect; ``ratio`` must stay 1. Stage 3 only. See docs/offload.md."""
 
+    overlap_reduction: bool = False
+    """Stage 1: reduce the full gradients into the shards during the backward before the
+    optimizer step, bucket by bucket (``bucket_mb``) as autograd finishes them, instead of in
+    the step: DDP's overlap of its all-reduce with the backward (DeepSpeed's ``overlap_comm``).
+    The step still decides: a bucket whose gradients changed after it was reduced (another
+    micro-batch's backward, an in-place change) is reduced again there, so the numbers are the
+    step's (bit for bit on two ranks). Which backward is the last before the step is guessed
+    from the last step (the same number of micro-batches), so the first two steps reduce in the
+    step. Every rank must run the same number of backwards per step, as with DDP. Overlap needs
+    the gradients to arrive in parts: a model compiled as pieces (``repeated_blocks``, graph
+    breaks, per-block compilation); one graph delivers them all at its end. Stages 0, 2 and 3
+    ignore it (stages 2 and 3 reduce inside the backward graph anyway). See
+    ``zerocompile/optim/early_reduction.py``."""
+
     allow_unsharded: bool = False
     """At stage 3, let parameters that no frame compiled with this backend uses (code Dynamo
     skipped or ran eagerly) stay whole on every rank, with whole gradients (all-reduced) and

@@ -12,6 +12,8 @@ import torch
 
 from zerocompile import loss_scale
 from zerocompile.errors import UnshardedParametersError
+from zerocompile.optim.buckets import bucket_bytes, reduction_chooser
+from zerocompile.optim.early_reduction import EarlyReduction
 from zerocompile.runtime.session import frame_roots
 from zerocompile.runtime.grad_participation import (Holder, compare_holders, fill_missing, layout_differences,
                                                     participation_error)
@@ -20,17 +22,7 @@ from zerocompile.runtime.sharded_param import get_state
 from zerocompile.runtime.step_collectives import all_reduce_mean_, reduce_scatter_mean
 from zerocompile.runtime.zero_parameter import raw_grad, set_raw_grad
 
-DEFAULT_BUCKET_MB = 25.0
 log = logging.getLogger("zerocompile")
-
-
-def bucket_bytes(states) -> int:
-    """The bucket size of the step's collectives over parameters with shard states ``states``
-    (None for a parameter no frame sharded): their model's ``bucket_mb`` option (its session's;
-    0: one tensor per collective), the default where none has one."""
-    mb = next((m for s in states if s is not None and (m := s.option("passes", "bucket_mb")) is not None),
-              DEFAULT_BUCKET_MB)
-    return int(mb * 2**20)
 
 
 class GradReducer:
@@ -44,6 +36,7 @@ class GradReducer:
         self.local_gradients = local_gradients
         self.reduced = False            # the gradients of this step were reduced (some may be stale again)
         self._warned_unsharded = False   # the warning about parameters no compiled frame used, given
+        self.early = EarlyReduction(params, local_gradients)    # stage 1's overlap_reduction option
 
     def reduce(self) -> None:
         """Bring every gradient to where the inner optimizer reads it, averaged over ranks and,
@@ -60,6 +53,8 @@ class GradReducer:
         if self.reduced and all(sp.grad_reduced for sp in states):
             return
         again = self.reduced     # some gradients were reduced before the last backward
+        # stage 1, overlap_reduction: what the backward already reduced, where it is still right
+        early = self.early.settle(self.params) if not again else {}
         self._agree_on_gradients()
         scaler = self.scaling.loss_scaler()
         scale = scaler.scale if scaler is not None else None
@@ -79,6 +74,10 @@ class GradReducer:
             scaled = scale if scale is not None and loss_scale.holds_scaled_gradient(sp) else None
             if sp.rules.reduces_in_step:
                 if again and sp.grad_reduced and own is None:
+                    continue
+                if id(sp) in early:
+                    if early[id(sp)] is not None:
+                        _store_shard_grad(sp, early[id(sp)], False, scaled)
                     continue
                 _check_unchanged_since_reduced(sp)
                 grad = raw_grad(sp.replica)
@@ -119,15 +118,9 @@ class GradReducer:
         for (group, rd), items in to_scatter.items():
             shards = reduce_scatter_mean([(item[1], item[0].padded_numel) for item in items], group,
                                          bucket_bytes([item[0] for item in items]), rd,
-                                         _reduction_chooser([item[0] for item in items]), session=self.params.session())
+                                         reduction_chooser([item[0] for item in items]), session=self.params.session())
             for (sp, _, accumulate, scaled), shard_grad in zip(items, shards):
-                shard_grad = shard_grad.to(sp.dtype)
-                if scaled is not None:
-                    shard_grad = shard_grad / scaled        # in the master dtype
-                if accumulate and sp.shard.grad is not None:
-                    sp.shard.grad.add_(shard_grad)
-                else:
-                    sp.shard.grad = shard_grad if scaled is not None else shard_grad.clone()
+                _store_shard_grad(sp, shard_grad, accumulate, scaled)
         for sp in states:
             sp.grad_reduced = True
             if sp.rules.reduces_in_step and sp.shard.grad is not None:
@@ -226,12 +219,17 @@ def clear_gradients(params, set_to_none: bool) -> None:
                 grad.zero_()
 
 
-def _reduction_chooser(states):
-    """``choose(bucket bytes)`` of the step's reduction of gradients of ``states`` (one group):
-    their frames' ``ReductionChoice`` (the same per group: ``runtime/reduction_choice.py``), or
-    None (reduce-scatter) where none has one (stage 3)."""
-    choice = next((sp.gradient_reduction for sp in states if sp.gradient_reduction is not None), None)
-    return choice.kind_for if choice is not None else None
+def _store_shard_grad(sp, shard_grad: torch.Tensor, accumulate: bool, scaled) -> None:
+    """Put this rank's averaged row ``shard_grad`` of a reduction (in the reduce dtype, a view
+    of the bucket's result) into ``sp``'s shard gradient, in the master dtype, divided by the
+    loss scale ``scaled`` it carries (None: none), added to it where ``accumulate``."""
+    shard_grad = shard_grad.to(sp.dtype)
+    if scaled is not None:
+        shard_grad = shard_grad / scaled        # in the master dtype
+    if accumulate and sp.shard.grad is not None:
+        sp.shard.grad.add_(shard_grad)
+    else:
+        sp.shard.grad = shard_grad if scaled is not None else shard_grad.clone()
 
 
 def _check_unchanged_since_reduced(sp) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from zerocompile.optim.grad_reduction import bucket_bytes
+from zerocompile.optim.buckets import bucket_bytes
 from zerocompile.optim.kernels import InnerOptimizerBuilder
 from zerocompile.optim.rules import needs_whole_parameter
 from zerocompile.optim.whole_param import OWN_KEYS, WholeParameterOptimizer, placeholder

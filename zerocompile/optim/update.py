@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import torch
 
-from zerocompile.optim.grad_reduction import bucket_bytes
+from zerocompile.optim.buckets import bucket_bytes
 from zerocompile.optim.params import target_of
 from zerocompile.runtime import fused_adam
 from zerocompile.runtime.session import newest_frame_order
