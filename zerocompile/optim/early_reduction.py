@@ -116,7 +116,7 @@ class EarlyReduction:
         states = [sp for sp in reversed(self.params.states())
                   if sp.stage == 1 and sp.rules.reduces_in_step and sp.requires_grad
                   and sp.option("step", "overlap_reduction", False)]
-        if self.local_gradients is not None and self.local_gradients():
+        if states and self.local_gradients is not None and self.local_gradients():
             states = []
         key = tuple((id(sp), id(sp.replica)) for sp in states)
         if key != self._plan_key:
