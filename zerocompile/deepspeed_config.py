@@ -261,7 +261,8 @@ def _translate_zero(section, out: dict) -> None:
             if not isinstance(value, bool):
                 raise ZeroConfigError(f"DeepSpeed key '{where}' = {value!r} is invalid; allowed: true, false")
             out["prefetch"] = value
-            out["overlap_reduction"] = value
+            if section.get("stage") == 1:      # stage 1's overlap: its reduction with the backward
+                out["overlap_reduction"] = value
         elif key == "stage3_prefetch_bucket_size":
             if not _is_auto(where, value):
                 out["_prefetch_elements"] = _elements(where, value)
