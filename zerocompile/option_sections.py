@@ -282,7 +282,9 @@ class StepOptions:
     micro-batch's backward, an in-place change) is reduced again there, so the numbers are the
     step's (bit for bit on two ranks). Which backward is the last before the step is guessed
     from the last step (the same number of micro-batches), so the first two steps reduce in the
-    step. Every rank must run the same number of backwards per step, as with DDP. Overlap needs
+    step. Every rank must follow the same pattern of backwards per step, as with DDP: a rank that
+    runs fewer backwards than in its last step while another does not pairs collectives wrongly
+    (docs/config.md). Overlap needs
     the gradients to arrive in parts: a model compiled as pieces (``repeated_blocks``, graph
     breaks, per-block compilation); one graph delivers them all at its end. Stages 0, 2 and 3
     ignore it (stages 2 and 3 reduce inside the backward graph anyway). See

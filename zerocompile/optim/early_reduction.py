@@ -26,10 +26,12 @@ How it decides, per optimizer (``EarlyReduction``, owned by ``GradReducer``):
   shard gradients are the step's, bit for bit on two ranks, whatever the loop does; a wrong
   guess costs one reduction of the bucket, never a wrong number.
 
-Every rank must run the same number of backwards per optimizer step (as DDP's overlap and the
-in-graph reductions of stages 2 and 3 require): a rank that launches while another does not
-would pair its collectives with different ones. The collective watchdog
-(``collective_timeout_s``) names such a hang.
+Every rank must follow the same pattern of backwards per optimizer step (as DDP's overlap and
+the in-graph reductions of stages 2 and 3 require; a constant difference is fine, since each rank
+guesses from its own last step): a rank that launches while another does not pairs its
+collectives with different ones, a hang the collective watchdog (``collective_timeout_s``) names,
+or wrong sums where the sizes happen to agree. docs/config.md says so; the option is off by
+default.
 """
 
 from __future__ import annotations
