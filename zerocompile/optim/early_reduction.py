@@ -115,6 +115,10 @@ class EarlyReduction:
         self._arm()
 
     def _arm(self) -> None:
+        config = self.params.session().config       # the model's options (one value per model)
+        if config is None or not config.step.overlap_reduction:
+            self.plan, self._plan_key = None, None     # the common case: no pass over the parameters
+            return
         states = [sp for sp in reversed(self.params.states())
                   if sp.stage == 1 and sp.rules.reduces_in_step and sp.requires_grad
                   and sp.option("step", "overlap_reduction", False)]
