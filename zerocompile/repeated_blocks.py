@@ -334,7 +334,7 @@ def compile_blockwise(gm: torch.fx.GraphModule, example_inputs: list, container:
     handed: dict = {}           # activation node -> its example as the piece that makes it hands it over
     out_dtypes: dict = {}       # structure key -> the dtypes of its outputs
     for position, piece in enumerate(pieces):
-        examples = [handed.get(v) if v in handed else _example_of(v, example_inputs, index) for v in piece.inputs]
+        examples = [handed[v] if v in handed else _example_of(v, example_inputs, index) for v in piece.inputs]
         sub = piece_module(gm, piece)
         for placeholder, ex in zip(sub.graph.find_nodes(op="placeholder"), examples):
             if placeholder.meta.get("example_value") is not None and isinstance(ex, torch.Tensor):
