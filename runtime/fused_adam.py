@@ -121,7 +121,8 @@ class FusedAdam(Optimizer):
         What ``ZeroOptimizer`` calls, under its own ``no_grad``: not ``step``, which torch's
         ``Optimizer`` wraps in a profiler range and its step hooks (a few hundred microseconds
         a step once the update has streamed the caches out; nobody hooks this inner
-        optimizer, and ``ZeroOptimizer.step`` has its own range)."""
+        optimizer, and ``ZeroOptimizer.step`` runs torch's step hooks itself, entering the range
+        only while a profiler records: ``_torch_compat.step_with_hooks``)."""
         for group in self.param_groups:
             self._check(group)
         for group in _groups_of(self.param_groups, only):

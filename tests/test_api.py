@@ -416,3 +416,96 @@ def test_parameters_used_only_by_eager_code_are_sharded_at_stage_3(fake_world):
         sp = get_state(p)
         assert sp is not None and sp.stage == 3 and sp.values_freed(), "the eager head must be sharded"
     assert opt.state_dict()["state"], "the step must have run"
+
+
+# ----------------------------------------------------------------------------- step hooks
+def test_step_hooks_run_as_on_a_torch_optimizer_and_the_profiler_range_only_while_profiling():
+    """torch's step hooks (global and the optimizer's own) run once per step, in torch's order,
+    with the arguments torch passes, a pre-hook's new arguments reach the step; the profiler
+    range ``Optimizer.step#ZeroOptimizer.step`` is recorded while a profiler runs (and only
+    then entered); a subclass overriding ``step`` runs them once; an LR scheduler sees the step."""
+    import warnings
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    from torch.profiler import profile
+
+    def run(make_opt, model, compiled):
+        calls = []
+        opt = make_opt(model)
+        opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o is opt, a[1:], dict(k))))
+        opt.register_step_post_hook(lambda o, a, k: calls.append(("post", o is opt, a[1:], dict(k))))
+        handles = [register_optimizer_step_pre_hook(lambda o, a, k: calls.append(("global pre", o is opt))),
+                   register_optimizer_step_post_hook(lambda o, a, k: calls.append(("global post", o is opt)))]
+        try:
+            compiled(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            compiled(torch.ones(2, 4)).sum().backward()
+            loss = opt.step(closure=lambda: torch.tensor(3.0))
+        finally:
+            for h in handles:
+                h.remove()
+        return calls, loss, opt
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(4, 4)
+    torch.manual_seed(0)
+    zmodel = torch.nn.Linear(4, 4)
+    zcompiled = torch.compile(zmodel, backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    want, want_loss, _ = run(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), plain, plain)
+    got, got_loss, opt = run(lambda m: zerocompile.ZeroOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2),
+                             zmodel, zcompiled)
+    assert [c[:2] for c in got] == [c[:2] for c in want] and len(got) == 8, (got, want)
+    def passed(calls):      # the positional arguments after the optimizer, the keyword names
+        return [(c[0], c[2], sorted(c[3])) for c in calls if len(c) > 2]
+
+    assert passed(got) == passed(want) == [("pre", (), []), ("post", (), []), ("pre", (), ["closure"]),
+                                           ("post", (), ["closure"])], passed(got)
+    assert got_loss.item() == want_loss.item() == 3.0
+    torch.testing.assert_close(zerocompile.full_state_dict(zcompiled)["weight"], plain.weight.detach())
+
+    # a pre-hook's (args, kwargs) replace the call's: here it adds a closure
+    opt.register_step_pre_hook(lambda o, a, k: (a, {**k, "closure": lambda: torch.tensor(7.0)}))
+    zcompiled(torch.ones(2, 4)).sum().backward()
+    assert opt.step().item() == 7.0
+    with pytest.raises(RuntimeError, match="must return None or a tuple"):
+        opt.register_step_pre_hook(lambda o, a, k: "not a tuple")
+        opt.step()
+
+    # the range: under a profiler once per step, and not entered (no record_function) outside one
+    torch.manual_seed(0)
+    zmodel = torch.nn.Linear(4, 4)
+    zcompiled = torch.compile(zmodel, backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(zmodel.parameters(), torch.optim.AdamW, lr=1e-2)
+    zcompiled(torch.ones(2, 4)).sum().backward()
+    with profile() as prof:
+        opt.step()
+    assert [e.name for e in prof.events() if e.name.startswith("Optimizer.step#")] == \
+        ["Optimizer.step#ZeroOptimizer.step"]
+    entered = []
+    real = torch.autograd.profiler.record_function.__enter__
+    try:
+        torch.autograd.profiler.record_function.__enter__ = lambda self: entered.append(self.name) or real(self)
+        opt.step()
+    finally:
+        torch.autograd.profiler.record_function.__enter__ = real
+    assert not [n for n in entered if n.startswith("Optimizer.step#")], entered
+
+    # an LR scheduler sees the step (no "lr_scheduler.step() before optimizer.step()" warning)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    zcompiled(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-3)
+
+    # a subclass overriding step: torch wraps its method; the hooks run once a step
+    class Sub(zerocompile.ZeroOptimizer):
+        def step(self, closure=None, grad_scaler=None):
+            return super().step(closure, grad_scaler)
+
+    torch.manual_seed(0)
+    zmodel = torch.nn.Linear(4, 4)
+    zcompiled = torch.compile(zmodel, backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    sub_calls, _, _ = run(lambda m: Sub(m.parameters(), torch.optim.AdamW, lr=1e-2), zmodel, zcompiled)
+    assert [c[:2] for c in sub_calls] == [c[:2] for c in want], sub_calls

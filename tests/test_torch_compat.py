@@ -756,3 +756,38 @@ def test_queue_end_of_backward_runs_after_the_backward():
     w.register_post_accumulate_grad_hook(lambda p: order.append("accumulated"))
     y.sum().backward()
     assert order == ["hook", "accumulated", "end"]
+
+
+def test_step_with_hooks_leaves_the_step_unwrapped_and_runs_torchs_hooks():
+    """torch's ``Optimizer`` leaves a ``step`` marked by ``step_with_hooks`` as it is (its
+    ``hooked`` attribute), the global and the optimizer's own step hooks are where ``run_step``
+    reads them, and ``profiler_enabled`` says whether a profiler records."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    from torch.profiler import profile
+
+    class Marked(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        @_torch_compat.step_with_hooks
+        def step(self, closure=None):
+            calls.append("step")
+
+    marked = Marked.step
+    calls = []
+    opt = Marked([torch.nn.Parameter(torch.zeros(1))])
+    assert Marked.step is marked, "torch's Optimizer wrapped a step marked hooked"
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    handles = [register_optimizer_step_pre_hook(lambda o, a, k: calls.append("global pre")),
+               register_optimizer_step_post_hook(lambda o, a, k: calls.append("global post"))]
+    try:
+        opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == ["global pre", "pre", "step", "post", "global post"], calls
+    assert not _torch_compat.profiler_enabled()
+    with profile():
+        assert _torch_compat.profiler_enabled()
+    assert not _torch_compat.profiler_enabled()

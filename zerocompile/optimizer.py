@@ -47,7 +47,7 @@ import weakref
 import torch
 from torch.optim import Optimizer
 
-from zerocompile import loss_scale
+from zerocompile import _torch_compat, loss_scale
 from zerocompile.optim import local_gradients, update
 from zerocompile.optim.binding import InnerBinding
 from zerocompile.optim.clipping import GradClipper
@@ -307,6 +307,7 @@ class ZeroOptimizer(Optimizer):
         self._scaling.scaler.load_state_dict(state)
 
     # ------------------------------------------------------------------ public API
+    @_torch_compat.step_with_hooks      # torch's step hooks; its profiler range only while a profiler records
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
         """Reduce gradients, update this rank's shards, refresh replicas (stages 1/2).

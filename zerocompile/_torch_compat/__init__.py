@@ -7,6 +7,7 @@
 - ``autograd``: autograd's engine and nodes, version counters, ``Module.state_dict``'s and
   ``zero_grad``'s callers;
 - ``amp``: ``torch.amp.GradScaler``;
+- ``optim``: torch.optim's step wrapper (hooks, profiler range);
 - ``c10d``: process groups, works and stores.
 
 Everything is re-exported here, so the package is used as ``_torch_compat.name``. Each function
@@ -35,3 +36,5 @@ from zerocompile._torch_compat.autograd import (  # noqa: F401  (re-exported)
     is_compiled_backward_node, compiled_backward_node)
 from zerocompile._torch_compat.amp import (  # noqa: F401  (re-exported)
     grad_scaler_state, grad_scaler_scale, grad_scaler_stages, unscale_and_check_)
+from zerocompile._torch_compat.optim import (  # noqa: F401  (re-exported)
+    step_with_hooks, profiler_enabled, run_step)
