@@ -362,6 +362,56 @@ def param_file_floor_ms(shard_numels: list[int], rounds: int = 3) -> float:
     return statistics.median(times) * 1e3
 
 
+def transfer_floor_ms(numel: int, world: int, rounds: int = 3) -> dict:
+    """What the step's transfers alone cost where every rank is on this host: the fp32
+    parameters (``numel`` elements, ``DEFAULT_BUCKET_MB`` buckets, two in flight) all-gathered
+    and their gradients reduce-scattered through the ranks' shared-memory segment in place
+    (zerocompile's fastest forms here: the replica receives into itself, rows are sent from the
+    gradient; ``benchmarks/collectives.py``), every rank at once, with no compute beside them.
+    On this machine the copies in and out of the segment are made by the same cores that
+    compute, so they cannot hide behind it: a step that moves these bytes costs at least the
+    compute floor plus them. ``{"gather": ms, "reduce_scatter": ms}``, medians over ``rounds``
+    of this rank's ms; stage 3 moves two gathers and one reduce-scatter a step, stages 1-2 one
+    of each."""
+    from zerocompile.optim.buckets import DEFAULT_BUCKET_MB
+    from zerocompile.runtime import point_to_point  # noqa: F401  (registers the ops)
+
+    rank, group_name, ops = dist.get_rank(), dist.group.WORLD.group_name, torch.ops.zerocompile
+    per_bucket = max(world, int(DEFAULT_BUCKET_MB * 2**20) // 4 // world * world)
+    buckets = [torch.randn(-(-min(per_bucket, numel - start) // world) * world)
+               for start in range(0, numel, per_bucket)]
+    shards = [b.new_empty(b.numel() // world) for b in buckets]
+
+    def two_in_flight(started):
+        pending = []
+        for waited in started:
+            pending.append(waited)
+            if len(pending) == 2:
+                torch.ops._c10d_functional.wait_tensor(pending.pop(0))
+        for waited in pending:
+            torch.ops._c10d_functional.wait_tensor(waited)
+
+    def gather():
+        for b in buckets:
+            ops.all_gather_point_to_point_into([b.view(world, -1)[rank]], [b], world, group_name, True)
+            yield b
+
+    def reduce_scatter():
+        for b, shard in zip(buckets, shards):
+            ops.reduce_scatter_point_to_point_into([b], [shard], world, group_name, True)
+            yield shard
+
+    times = {"gather": [], "reduce_scatter": []}
+    for r in range(rounds + 1):                     # the first round warms up
+        for name, started in (("gather", gather), ("reduce_scatter", reduce_scatter)):
+            dist.barrier()
+            start = time.perf_counter()
+            two_in_flight(started())
+            if r:
+                times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
 def rank_main(rank: int, world: int, args, spec: dict) -> dict:
     """Everything one rank does for one workload; returns its figures."""
     device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
@@ -409,10 +459,14 @@ def rank_main(rank: int, world: int, args, spec: dict) -> dict:
         floor_ms = disk_floor_ms(8 * psi // world)
     if any(s.name in PARAMS_OFFLOADED and s.error is None for s in systems):
         param_floor = param_file_floor_ms([-(-p.numel() // world) for p in make_model(spec, example).parameters()])
+    transfers = None
+    if (device.type == "cpu" and world > 1 and any(s.name == "floor" and s.error is None for s in systems)
+            and any(s.name in ("zero1", "zero2", "zero3") and s.error is None for s in systems)):
+        transfers = transfer_floor_ms(psi, world)
 
     return {
         "psi": psi, "disabled_passes": disabled, "pass_note": note, "disk_floor_ms": floor_ms,
-        "param_file_floor_ms": param_floor,
+        "param_file_floor_ms": param_floor, "transfer_floor_ms": transfers,
         "systems": {s.name: {"error": s.error, "skipped": s.skipped, "first_s": s.first_s, "step_ms": s.step_ms,
                              "losses": s.losses, "peak_bytes": s.peak_bytes,
                              "allocator_peak_bytes": s.allocator_peak_bytes, "state_bytes": s.state_bytes,
@@ -452,7 +506,9 @@ def summarise(ranks: list[dict], args, world: int) -> dict:
     names = list(ranks[0]["systems"])
     ok = [n for n in names if all(r["systems"][n]["error"] is None and r["systems"][n]["skipped"] is None
                                   for r in ranks)]
-    reference = REFERENCE if REFERENCE in ok else ("ddp" if "ddp" in ok else (ok[0] if ok else None))
+    # never the compute floor, whose ranks train apart on their own micro-batches
+    comparable = [n for n in ok if n not in UNCHECKED]
+    reference = REFERENCE if REFERENCE in ok else ("ddp" if "ddp" in ok else (comparable[0] if comparable else None))
     out = {}
     for name in names:
         per_rank = [r["systems"][name] for r in ranks]
@@ -486,9 +542,12 @@ def summarise(ranks: list[dict], args, world: int) -> dict:
     floor = max(floors) if all(f is not None for f in floors) else None
     params = [r.get("param_file_floor_ms") for r in ranks]
     param_floor = max(params) if all(f is not None for f in params) else None
+    transfers = [r.get("transfer_floor_ms") for r in ranks]
+    transfer = ({k: max(t[k] for t in transfers) for k in transfers[0]}
+                if transfers and all(t is not None for t in transfers) else None)
+    measured_floors = {"disk_floor_ms": floor, "param_file_floor_ms": param_floor, "transfer_floor_ms": transfer}
     if reference is None:
-        return {"psi": psi, "reference": None, "systems": out, "disk_floor_ms": floor,
-                "param_file_floor_ms": param_floor}
+        return {"psi": psi, "reference": None, "systems": out, **measured_floors}
     ref = out[reference]
     for name, entry in out.items():
         if entry["status"] != "ok":
@@ -498,8 +557,7 @@ def summarise(ranks: list[dict], args, world: int) -> dict:
         if name not in UNCHECKED and not worst <= APPROXIMATE.get(name, args.rtol):
             entry["status"] = "diverged"
         entry.update(harness.speed_ratios(entry, ref))
-    return {"psi": psi, "reference": reference, "systems": out, "disk_floor_ms": floor,
-            "param_file_floor_ms": param_floor}
+    return {"psi": psi, "reference": reference, "systems": out, **measured_floors}
 
 
 def format_markdown(workload: str, spec: dict, result: dict, world: int) -> str:
@@ -534,6 +592,21 @@ def format_markdown(workload: str, spec: dict, result: dict, world: int) -> str:
                   if n in ("zero1", "zero1-overlap", "zero2", "zero3") and e.get("status") == "ok"]
         lines += ["", f"Compute floor: {compute['median_ms']:.1f} ms per step (one rank's micro-batch, same compiler, "
                   f"torch's fused AdamW on the whole model, no collectives). Against it: {', '.join(ratios)}."]
+        transfer = result.get("transfer_floor_ms")
+        if transfer is not None:
+            gather, scatter = transfer["gather"], transfer["reduce_scatter"]
+            with_transfers = []
+            for n, e in result["systems"].items():
+                if n in ("zero1", "zero1-overlap", "zero2", "zero3") and e.get("status") == "ok":
+                    moved = (2 if n == "zero3" else 1) * gather + scatter
+                    with_transfers.append(f"{e['label']} ×{e['median_ms'] / (compute['median_ms'] + moved):.2f} "
+                                          f"of {compute['median_ms'] + moved:.1f} ms")
+            lines.append(f"Transfer floor (`transfer_floor_ms`): the fp32 parameters all-gathered once through the "
+                         f"ranks' shared memory in place take {gather:.1f} ms, their gradients reduce-scattered "
+                         f"{scatter:.1f} ms (every rank at once, nothing else running, slowest rank); the copies "
+                         f"are made by the cores that compute, so a step that moves these bytes here costs at least "
+                         f"the compute floor plus them (stage 3: two gathers and a reduce-scatter, stages 1-2: one "
+                         f"of each). Against compute floor + transfers: {', '.join(with_transfers)}.")
     floor = result.get("disk_floor_ms")
     param_floor = result.get("param_file_floor_ms")
     if floor is not None:
