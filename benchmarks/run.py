@@ -460,7 +460,9 @@ def rank_main(rank: int, world: int, args, spec: dict) -> dict:
     if any(s.name in PARAMS_OFFLOADED and s.error is None for s in systems):
         param_floor = param_file_floor_ms([-(-p.numel() // world) for p in make_model(spec, example).parameters()])
     transfers = None
-    if (device.type == "cpu" and world > 1 and any(s.name == "floor" and s.error is None for s in systems)
+    # a collective: every rank measures it or none (all_ranks_ok agrees on whether the systems ran everywhere)
+    if device.type == "cpu" and world > 1 and all_ranks_ok(
+            any(s.name == "floor" and s.error is None for s in systems)
             and any(s.name in ("zero1", "zero2", "zero3") and s.error is None for s in systems)):
         transfers = transfer_floor_ms(psi, world)
 
