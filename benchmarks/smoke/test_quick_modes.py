@@ -18,7 +18,7 @@ import pytest
 HERE = Path(__file__).resolve().parent.parent
 
 BENCH = HERE / "stage3_vs_fsdp2.py"
-SYSTEMS = ("zero3", "zero3-profile", "zero3-nopass", "zero3-per-block", "fsdp2")
+SYSTEMS = ("zero3", "zero3-one-graph", "zero3-profile", "zero3-nopass", "zero3-per-block", "fsdp2")
 
 
 def test_stage3_vs_fsdp2_quick(tmp_path):
