@@ -509,3 +509,25 @@ def test_step_hooks_run_as_on_a_torch_optimizer_and_the_profiler_range_only_whil
     zcompiled = torch.compile(zmodel, backend="zero", options={"stage": 3, "inner_compiler": "eager"})
     sub_calls, _, _ = run(lambda m: Sub(m.parameters(), torch.optim.AdamW, lr=1e-2), zmodel, zcompiled)
     assert [c[:2] for c in sub_calls] == [c[:2] for c in want], sub_calls
+
+
+def test_optimizer_params_follow_every_change_of_the_param_groups():
+    """``OptimizerParams`` keeps its list of unique parameters between steps: a new group, a
+    parameter appended, replaced in place or removed, and a duplicate are all seen at the next
+    walk (the list is kept only while the same tensors are in the same order)."""
+    from zerocompile.optim.params import OptimizerParams
+
+    a, b, c, d = (torch.nn.Parameter(torch.zeros(2)) for _ in range(4))
+    groups = [{"params": [a, b]}]
+    params = OptimizerParams(groups, None)
+    assert list(params) == [a, b] and list(params) == [a, b]
+    groups.append({"params": [c, a]})                 # a new group; a twice: once
+    assert [id(p) for p in params] == [id(a), id(b), id(c)]
+    groups[0]["params"][1] = d                        # replaced in place
+    assert [id(p) for p in params] == [id(a), id(d), id(c)]
+    groups[1]["params"].append(b)
+    assert [id(p) for p in params] == [id(a), id(d), id(c), id(b)]
+    groups[0]["params"] = [b]                         # a new list
+    assert [id(p) for p in params] == [id(b), id(c), id(a)]
+    del groups[1]
+    assert [id(p) for p in params] == [id(b)]

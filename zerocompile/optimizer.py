@@ -347,9 +347,10 @@ class ZeroOptimizer(Optimizer):
             if max_norm is not None:
                 self.clip_grad_norm_(max_norm)
             # each all-gather bucket stepped while the previous one travels, where that applies
-            if not update.step_pipelined(self._binding.inner, self._params_view, self._clipper):
+            states = update.shard_states(self._params_view)       # read by both, made once
+            if not update.step_pipelined(self._binding.inner, self._params_view, self._clipper, states):
                 copies = {}     # id(shard) -> the updated shard in the compute dtype, written by the kernel
-                update.step_inner(self._binding.inner, self._params_view, self._clipper, copies)
+                update.step_inner(self._binding.inner, self._params_view, self._clipper, copies, states)
                 update.after_step(self._params_view, copies)
         if scaler is not None:
             scaler.update(overflow)
