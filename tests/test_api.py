@@ -512,9 +512,8 @@ def test_step_hooks_run_as_on_a_torch_optimizer_and_the_profiler_range_only_whil
 
 
 def test_optimizer_params_follow_every_change_of_the_param_groups():
-    """``OptimizerParams`` keeps its list of unique parameters between steps: a new group, a
-    parameter appended, replaced in place or removed, and a duplicate are all seen at the next
-    walk (the list is kept only while the same tensors are in the same order)."""
+    """``OptimizerParams`` walks the param groups as they are now: a new group, a parameter
+    appended, replaced in place or removed, and a duplicate are all seen at the next walk."""
     from zerocompile.optim.params import OptimizerParams
 
     a, b, c, d = (torch.nn.Parameter(torch.zeros(2)) for _ in range(4))

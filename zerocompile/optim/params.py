@@ -4,8 +4,6 @@ process group they are sharded over, the device they live on."""
 
 from __future__ import annotations
 
-from itertools import chain
-
 import torch
 
 from zerocompile.runtime.comm import CommGroup, resolve_group
@@ -26,7 +24,6 @@ class OptimizerParams:
     def __init__(self, param_groups: list, default_group) -> None:
         self.param_groups = param_groups
         self.default_group = default_group
-        self._unique: tuple[tuple, list] = ((), [])   # (the ids of every group's params, each parameter once)
         self._session = None
         self.on_session: list = []
         """Called with the session once it is found (the optimizer joins it)."""
@@ -52,21 +49,13 @@ class OptimizerParams:
         return self._session
 
     def __iter__(self):
-        """Each parameter once, in param-group order.
-
-        The step walks its parameters several times: the list is kept while every group holds
-        the same parameters in the same order (a tuple of their ids, built and compared in C; it
-        cannot match other tensors, since the list keeps these alive), and made again when a
-        group or a parameter changed (``add_param_group``, an edited ``group["params"]``)."""
-        key = tuple(map(id, chain.from_iterable([g["params"] for g in self.param_groups])))
-        if key != self._unique[0]:
-            seen, unique = set(), []
-            for p in chain.from_iterable([g["params"] for g in self.param_groups]):
+        """Each parameter once, in param-group order."""
+        seen = set()
+        for group in self.param_groups:
+            for p in group["params"]:
                 if id(p) not in seen:
                     seen.add(id(p))
-                    unique.append(p)
-            self._unique = (key, unique)
-        return iter(self._unique[1])
+                    yield p
 
     def states(self) -> list:
         """The shard state of each parameter that has one."""
