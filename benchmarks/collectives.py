@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, spawn_ranks  # noqa: E402
+from common import RESULTS, spawn_ranks, two_in_flight  # noqa: E402
 
 
 def rank_main(rank: int, world: int, args) -> dict:
@@ -59,17 +59,6 @@ def rank_main(rank: int, world: int, args) -> dict:
     from zerocompile.runtime import point_to_point  # noqa: F401  (registers the op)
 
     group_name = dist.group.WORLD.group_name
-
-    def two_in_flight(started):
-        """Wait for what ``started`` yields (each yield has started one bucket's transfers), the
-        next bucket started before the previous one is waited for: two in flight, as the step."""
-        pending = []
-        for waited in started:
-            pending.append(waited)
-            if len(pending) == 2:
-                torch.ops._c10d_functional.wait_tensor(pending.pop(0))
-        for waited in pending:
-            torch.ops._c10d_functional.wait_tensor(waited)
 
     p2p = torch.ops.zerocompile
 

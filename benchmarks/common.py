@@ -298,6 +298,19 @@ class CollectiveBytes(TorchDispatchMode):
 
 
 
+def two_in_flight(started) -> None:
+    """Wait for what ``started`` yields (each yield has started one bucket's transfers: the
+    tensor to ``wait_tensor``), the next bucket started before the previous one is waited for:
+    two in flight, as zerocompile's step runs its buckets."""
+    pending = []
+    for waited in started:
+        pending.append(waited)
+        if len(pending) == 2:
+            torch.ops._c10d_functional.wait_tensor(pending.pop(0))
+    for waited in pending:
+        torch.ops._c10d_functional.wait_tensor(waited)
+
+
 def all_ranks_ok(ok: bool) -> bool:
     """Whether every rank says ok (a collective: call it outside any timed region)."""
     flag = torch.tensor([0 if ok else 1], dtype=torch.int32)

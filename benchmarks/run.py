@@ -77,7 +77,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_harness as harness  # noqa: E402
-from common import MiB, RESULTS, all_ranks_ok, error_line, load_example, spawn_ranks  # noqa: E402
+from common import MiB, RESULTS, all_ranks_ok, error_line, load_example, spawn_ranks, two_in_flight  # noqa: E402
 
 SYSTEMS = ("floor", "ddp", "ddp-compile", "fsdp2", "fsdp2-compile", "ds-zero1", "ds-zero2", "ds-zero3", "ds-zero3-offload",
            "ds-zero3-infinity", "zero1", "zero1-overlap", "zero2", "zero3", "zero3-profile", "zero3-qwz", "zero3-nopass",
@@ -381,15 +381,6 @@ def transfer_floor_ms(numel: int, world: int, rounds: int = 3) -> dict:
     buckets = [torch.randn(-(-min(per_bucket, numel - start) // world) * world)
                for start in range(0, numel, per_bucket)]
     shards = [b.new_empty(b.numel() // world) for b in buckets]
-
-    def two_in_flight(started):
-        pending = []
-        for waited in started:
-            pending.append(waited)
-            if len(pending) == 2:
-                torch.ops._c10d_functional.wait_tensor(pending.pop(0))
-        for waited in pending:
-            torch.ops._c10d_functional.wait_tensor(waited)
 
     def gather():
         for b in buckets:
