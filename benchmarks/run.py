@@ -106,6 +106,8 @@ on its own micro-batch alone (no gradient averaging), so its losses are not comp
 relative loss difference from the reference that is not a divergence (issue 11: 2%)."""
 OFFLOADED = ("zero3-offload", "ds-zero3-infinity", "zero3-infinity")
 PARAMS_OFFLOADED = ("zero3-infinity",)
+AGAINST_FLOOR = ("zero1", "zero1-overlap", "zero2", "zero3")
+"""The systems the footer compares with the compute floor (and the transfer floor)."""
 """Systems whose optimizer state lives in a swap file (a temporary directory per rank): their
 model-state formula is parameters and gradients only, 8 Psi / N."""
 REFERENCE = "fsdp2"
@@ -454,7 +456,7 @@ def rank_main(rank: int, world: int, args, spec: dict) -> dict:
     # a collective: every rank measures it or none (all_ranks_ok agrees on whether the systems ran everywhere)
     if device.type == "cpu" and world > 1 and all_ranks_ok(
             any(s.name == "floor" and s.error is None for s in systems)
-            and any(s.name in ("zero1", "zero2", "zero3") and s.error is None for s in systems)):
+            and any(s.name in AGAINST_FLOOR and s.error is None for s in systems)):
         transfers = transfer_floor_ms(psi, world)
 
     return {
@@ -581,19 +583,20 @@ def format_markdown(workload: str, spec: dict, result: dict, world: int) -> str:
                      f"{e['first_step_s']:.2f} | ×{e['ms_ratio']:.2f} | {mem} | {check} |")
     compute = result["systems"].get("floor", {})
     if compute.get("status") == "ok":
-        ratios = [f"{e['label']} ×{e['median_ms'] / compute['median_ms']:.2f}" for n, e in result["systems"].items()
-                  if n in ("zero1", "zero1-overlap", "zero2", "zero3") and e.get("status") == "ok"]
+        transfer = result.get("transfer_floor_ms")
+        ratios, with_transfers = [], []
+        for n, e in result["systems"].items():
+            if n not in AGAINST_FLOOR or e.get("status") != "ok":
+                continue
+            ratios.append(f"{e['label']} ×{e['median_ms'] / compute['median_ms']:.2f}")
+            if transfer is not None:
+                floor_ms = compute["median_ms"] + (2 if n == "zero3" else 1) * transfer["gather"] + \
+                    transfer["reduce_scatter"]
+                with_transfers.append(f"{e['label']} ×{e['median_ms'] / floor_ms:.2f} of {floor_ms:.1f} ms")
         lines += ["", f"Compute floor: {compute['median_ms']:.1f} ms per step (one rank's micro-batch, same compiler, "
                   f"torch's fused AdamW on the whole model, no collectives). Against it: {', '.join(ratios)}."]
-        transfer = result.get("transfer_floor_ms")
         if transfer is not None:
             gather, scatter = transfer["gather"], transfer["reduce_scatter"]
-            with_transfers = []
-            for n, e in result["systems"].items():
-                if n in ("zero1", "zero1-overlap", "zero2", "zero3") and e.get("status") == "ok":
-                    moved = (2 if n == "zero3" else 1) * gather + scatter
-                    with_transfers.append(f"{e['label']} ×{e['median_ms'] / (compute['median_ms'] + moved):.2f} "
-                                          f"of {compute['median_ms'] + moved:.1f} ms")
             lines.append(f"Transfer floor (`transfer_floor_ms`): the fp32 parameters all-gathered once through the "
                          f"ranks' shared memory in place take {gather:.1f} ms, their gradients reduce-scattered "
                          f"{scatter:.1f} ms (every rank at once, nothing else running, slowest rank); the copies "

@@ -348,9 +348,9 @@ class ZeroOptimizer(Optimizer):
                 self.clip_grad_norm_(max_norm)
             # each all-gather bucket stepped while the previous one travels, where that applies
             states = update.shard_states(self._params_view)       # read by both, made once
-            if not update.step_pipelined(self._binding.inner, self._params_view, self._clipper, states):
+            if not update.step_pipelined(self._binding.inner, self._params_view, states, self._clipper):
                 copies = {}     # id(shard) -> the updated shard in the compute dtype, written by the kernel
-                update.step_inner(self._binding.inner, self._params_view, self._clipper, copies, states)
+                update.step_inner(self._binding.inner, states, self._clipper, copies)
                 update.after_step(self._params_view, copies)
         if scaler is not None:
             scaler.update(overflow)

@@ -29,15 +29,14 @@ def shard_states(params) -> dict:
     return {id(target_of(p)): sp for p in params if (sp := get_state(p)) is not None}
 
 
-def step_inner(inner, params, clipper, copies: dict, states: dict | None = None) -> None:
+def step_inner(inner, states: dict, clipper, copies: dict) -> None:
     """The inner optimizer's update. Shards kept in files (``offload_param``) are read back
     for it and written again: with zerocompile's fused kernels part by part, at most
     ``buffer_count * buffer_size`` elements of them at a time (each parameter's update
     depends on nothing else, so the numbers are those of one step of all); torch's
-    optimizers update every tensor in one call, so all of them at once. ``params``: the
-    optimizer's ``OptimizerParams``; ``clipper``: its ``GradClipper``; ``copies``: filled as
-    ``_fused_step`` says; ``states``: ``shard_states(params)`` where the caller has it."""
-    states = shard_states(params) if states is None else states
+    optimizers update every tensor in one call, so all of them at once. ``states``: the
+    optimizer's ``shard_states``; ``clipper``: its ``GradClipper``; ``copies``: filled as
+    ``_fused_step`` says."""
     offloaded = [sp for sp in states.values() if sp.shard_file is not None]
     if not isinstance(inner, fused_adam.FusedAdam):
         with resident_shards(offloaded, write=True, threads=max((sp.offload_param.threads for sp in offloaded),
@@ -86,7 +85,7 @@ def _fused_step(inner, targets: list, states: dict, clipper, copies: dict) -> No
     copies.update(written)
 
 
-def step_pipelined(inner, params, clipper, states: dict | None = None) -> bool:
+def step_pipelined(inner, params, states: dict, clipper) -> bool:
     """The update and the replicas' refresh together, bucket by bucket: each all-gather bucket's
     shards are stepped right before the bucket is packed, while the previous bucket's gather is
     in flight (each parameter's update depends on nothing else: the numbers of one step of
@@ -94,11 +93,10 @@ def step_pipelined(inner, params, clipper, states: dict | None = None) -> bool:
     are views of their replicas' buffers (the compute dtype is the master dtype, no
     ``offload_param``; not ``OffloadedAdam``, which streams its state per call); returns False,
     having done nothing, elsewhere (then ``step_inner`` and ``after_step``). ``params``: the
-    optimizer's ``OptimizerParams``; ``clipper``: its ``GradClipper``; ``states``:
-    ``shard_states(params)`` where the caller has it."""
+    optimizer's ``OptimizerParams``; ``states``: their ``shard_states``; ``clipper``: the
+    optimizer's ``GradClipper``."""
     if type(inner) is not fused_adam.FusedAdam:
         return False
-    states = shard_states(params) if states is None else states
     gathered = {id(sp.shard): sp for sp in states.values()
                 if sp.rules.keeps_replica and sp.requires_grad and not sp.separate_full_param}
     if not gathered or any(sp.shard_file is not None or sp.compute_dtype != sp.dtype or sp.separate_full_param
