@@ -211,6 +211,7 @@ def _collective_table() -> dict:
         ("zerocompile", "all_gather_point_to_point_into"): ("all_gather", "outs"),
         ("zerocompile", "reduce_scatter_point_to_point"): ("reduce_scatter", "x"),
         ("zerocompile", "reduce_scatter_point_to_point_into"): ("reduce_scatter", "xs"),
+        ("zerocompile", "reduce_scatter_in_place"): ("reduce_scatter", "x"),   # a gradient bucket, in its own memory
         # the collective watchdog's forms of zerocompile's collectives (collective_timeout_s, the default)
         ("zerocompile", "watched_all_gather"): ("all_gather", "return"),
         ("zerocompile", "watched_all_gather_into"): ("all_gather", "out"),

@@ -207,6 +207,10 @@ def summarise(ranks: list[dict], rtol: float) -> dict:
         highest = max(per_rank, key=lambda p: p["peak_bytes"][-1])
         if highest.get("at_peak") is not None:
             entry["at_peak"] = {"op": highest["at_peak"][0], "by_op": highest["at_peak"][1]}
+        # the allocator's view at its own peak (the table's figure), on the rank where it is highest
+        highest = max(per_rank, key=lambda p: p["allocator_peak_bytes"][-1])
+        if highest.get("allocator_at_peak"):
+            entry["allocator_at_peak"] = highest["allocator_at_peak"]
         if per_rank[0]["zero_stats"] is not None:
             zs = per_rank[0]["zero_stats"]
             entry["zero_stats"] = zs
@@ -242,6 +246,14 @@ def format_anatomy(summary: dict, rows: int = 12) -> str:
                      "live then, by the op that made it:")
         for op, (nbytes, count) in list(anatomy["by_op"].items())[:rows]:
             lines.append(f"  {nbytes / MiB:9.2f} MiB  {count:5d} storages  {op}")
+        blocks = e.get("allocator_at_peak")
+        if blocks:
+            began = e["allocator_peak_bytes"] - sum(blocks.values())
+            lines.append(f"{e['label']}: the allocator's peak {e['allocator_peak_bytes'] / MiB:.2f} MiB: "
+                         f"{began / MiB:.2f} MiB live when the step began, then the blocks the step allocated "
+                         "that are live at the peak, by the op that allocated them:")
+            for op, nbytes in list(blocks.items())[:rows]:
+                lines.append(f"  {nbytes / MiB:9.2f} MiB  {op}")
     return "\n".join(lines)
 
 

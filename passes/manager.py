@@ -81,6 +81,7 @@ def _registry() -> list[GraphPass]:
     from zerocompile.passes.quantize_gradient_reductions import quantize_gradient_reductions
     from zerocompile.passes.quantize_weight_gathers import quantize_weight_gathers
     from zerocompile.passes.recompute import recompute
+    from zerocompile.passes.reduce_scatter_in_place import reduce_scatter_in_place
     from zerocompile.passes.reshard_after_forward import reshard_after_forward
     from zerocompile.passes.selective_unshard import selective_unshard
     from zerocompile.passes.tag_collectives import ensure_tagged, tag_collectives
@@ -179,6 +180,11 @@ def _registry() -> list[GraphPass]:
                           "as faster",
                   required_because="it is what parameter_gather / gradient_reduction ask for (set "
                                    "parameter_gather='all_gather' and gradient_reduction='reduce_scatter' instead)"),
+        GraphPass("reduce_scatter_in_place", reduce_scatter_in_place, ("backward",), stages=(2, 3),
+                  requires=("tags",),
+                  summary="a CPU gradient bucket is reduce-scattered in its own memory, not from a copy of it "
+                          "(gloo's reduce-scatter copies its input; so do point-to-point transfers under "
+                          "inductor)"),
         GraphPass("offload_activations", offload_activations, ("forward", "backward"), optional=False,
                   enabled=lambda config: config.passes.offload_activations.enabled,
                   bind=lambda config: {"settings": config.passes.offload_activations},

@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zerocompile.runtime import point_to_point, watched_collectives  # noqa: F401  (registers the ops counted here)
+from zerocompile.runtime import in_place_reduction, point_to_point, watched_collectives  # noqa: F401  (registers the ops counted here)
 from zerocompile.runtime.memory_tracker import LiveStorageTracker
 
 _c10d = torch.ops._c10d_functional
@@ -58,6 +58,7 @@ _KINDS = {
     _P2P.all_gather_point_to_point_unpacked.default: ("all_gather", "out"),
     _P2P.all_gather_point_to_point_out.default: ("all_gather", "out"),
     _P2P.reduce_scatter_point_to_point.default: ("reduce_scatter", "in"),
+    _P2P.reduce_scatter_in_place.default: ("reduce_scatter", "in"),    # a gradient bucket, in its own memory
     _P2P.all_gather_point_to_point_into.default: ("all_gather", "outs"),
     _P2P.reduce_scatter_point_to_point_into.default: ("reduce_scatter", "xs"),
     # the collective watchdog's forms of the collectives above (runtime/watched_collectives.py)
@@ -97,6 +98,8 @@ class CollectiveCounter(_RuntimeMode):
                     _P2P.reduce_scatter_point_to_point.default, _P2P.all_gather_point_to_point_into.default,
                     _P2P.reduce_scatter_point_to_point_into.default):
             self.point_to_point += 1
+        if func is _P2P.reduce_scatter_in_place.default and args[4] != "reduce_scatter":
+            self.point_to_point += 1     # a bucket's point-to-point reduce-scatter, in its own memory
         if func in _KINDS:
             kind, which = _KINDS[func]
             if which in ("outs", "xs"):     # many tensors at once, one collective

@@ -162,11 +162,15 @@ def test_pipeline_follows_stage_and_options():
     assert names(_ctx(3), "joint") == ["tag_collectives", "reshard_after_forward"]
     # point_to_point_collectives runs where "auto" may choose the transfers (the defaults)
     assert names(_ctx(3), "forward") == ["bucketing", "prefetch", "point_to_point_collectives"]
-    assert names(_ctx(3), "backward") == ["bucketing", "prefetch", "point_to_point_collectives"]
+    # reduce_scatter_in_place runs after it on every backward graph of stages 2-3 (it finds the CPU buckets)
+    assert names(_ctx(3), "backward") == ["bucketing", "prefetch", "point_to_point_collectives",
+                                          "reduce_scatter_in_place"]
     collectives = dict(parameter_gather="all_gather", gradient_reduction="reduce_scatter")
-    assert names(_ctx(3, **collectives), "backward") == ["bucketing", "prefetch"]
+    assert names(_ctx(3, **collectives), "backward") == ["bucketing", "prefetch", "reduce_scatter_in_place"]
+    assert names(_ctx(3, passes={"disable": ["reduce_scatter_in_place"]}, **collectives), "backward") == [
+        "bucketing", "prefetch"]
     assert names(_ctx(2, gradient_reduction="point_to_point", parameter_gather="all_gather"), "backward") == [
-        "bucketing", "prefetch", "all_reduce_gradients", "point_to_point_collectives"]
+        "bucketing", "prefetch", "all_reduce_gradients", "point_to_point_collectives", "reduce_scatter_in_place"]
     assert names(_ctx(2), "joint") == ["tag_collectives"]
     assert names(_ctx(1), "backward") == []
     assert names(_ctx(3, reshard_after_forward=False), "joint") == ["tag_collectives"]

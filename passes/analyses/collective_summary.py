@@ -6,7 +6,7 @@ import torch
 import torch.fx
 
 from zerocompile.passes.graph_utils import tensor_nbytes
-from zerocompile.runtime import point_to_point  # noqa: F401  (registers the zerocompile:: point-to-point ops)
+from zerocompile.runtime import in_place_reduction, point_to_point  # noqa: F401  (register the zerocompile:: ops)
 from zerocompile.runtime.accounting import CollectiveSummary
 
 _c10d = torch.ops._c10d_functional
@@ -25,6 +25,8 @@ COLLECTIVE_KINDS_BY_OP = {
     torch.ops.zerocompile.all_gather_point_to_point.default: ("all_gather", "out"),
     torch.ops.zerocompile.all_gather_point_to_point_unpacked.default: ("all_gather", "out"),   # its outputs together
     torch.ops.zerocompile.reduce_scatter_point_to_point.default: ("reduce_scatter", "in"),
+    # a gradient bucket reduce-scattered in its own memory (passes/reduce_scatter_in_place.py)
+    torch.ops.zerocompile.reduce_scatter_in_place.default: ("reduce_scatter", "in"),
 }
 
 
@@ -36,7 +38,8 @@ def collective_group_size(op, args: tuple, world: int) -> int:
         return world
     if op is _c10d.all_to_all_single.default:
         return len(args[1])
-    if op in (_c10d.reduce_scatter_tensor.default, torch.ops.zerocompile.reduce_scatter_point_to_point.default):
+    if op in (_c10d.reduce_scatter_tensor.default, torch.ops.zerocompile.reduce_scatter_point_to_point.default,
+              torch.ops.zerocompile.reduce_scatter_in_place.default):
         return args[2]
     return args[1]           # all-gathers: (input, group_size, group_name)
 

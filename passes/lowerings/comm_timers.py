@@ -68,7 +68,10 @@ def _waits_in_order(node: torch.fx.Node, position: dict) -> list[torch.fx.Node]:
     """The collective's waits in graph order, each ``getitem`` they read (a collective with a list
     of outputs) right before the first wait of it."""
     users = [u for u in node.users if u.target is operator.getitem] + [node]
-    waits = sorted((w for u in users for w in u.users if w.target is _WAIT), key=position.__getitem__)
+    if node.target is torch.ops.zerocompile.reduce_scatter_in_place.default:
+        users = [node.args[0]]      # in place: the wait reads the buffer it reduces
+    waits = sorted((w for u in users for w in u.users if w.target is _WAIT and position[w] > position[node]),
+                   key=position.__getitem__)
     out = []
     for wait in waits:
         source = wait.args[0]
