@@ -244,6 +244,17 @@ def test_only_graphs_of_pure_ops_are_replayable():
     x = graph.placeholder("x")
     graph.output((graph.call_function(torch.ops.aten.relu.default, (x,)),))
     assert replayable_graph(torch.fx.GraphModule({}, graph))
+    # a gradient bucket the graph packs itself and reduces in place: nothing outside the run sees
+    # the write (passes/reduce_scatter_in_place.py); the same op on a graph input is a write to it
+    from zerocompile.runtime import bucket_ops, in_place_reduction  # noqa: F401  (register the ops)
+
+    for own_bucket in (True, False):
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        bucket = graph.call_function(torch.ops.zerocompile.pack_gradients.default, ([x], 2)) if own_bucket else x
+        graph.call_function(torch.ops.zerocompile.reduce_scatter_in_place.default, (bucket, "sum", 2, "0", "reduce_scatter"))
+        graph.output((graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (bucket,)),))
+        assert replayable_graph(torch.fx.GraphModule({}, graph)) is own_bucket
 
 
 def test_replay_gives_the_outputs_peak_and_clock_of_an_execution():

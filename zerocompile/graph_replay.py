@@ -64,8 +64,9 @@ def active() -> "GraphReplay | None":
 
 def replayable_graph(graph: torch.fx.GraphModule) -> bool:
     """Whether every op of ``graph`` is one a replay may skip: an ATen, prims, functional
-    collective or zerocompile op that writes none of its arguments (also when activation
-    checkpointing runs it under a saved RNG state), or ``getitem``."""
+    collective or zerocompile op that writes none of its arguments, or only tensors the graph
+    made itself (``_made_in_graph``), also when activation checkpointing runs it under a saved
+    RNG state; or ``getitem``."""
     for node in graph.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
@@ -79,9 +80,19 @@ def replayable_graph(graph: torch.fx.GraphModule) -> bool:
             target = wrapped[0]
         if not isinstance(target, torch._ops.OpOverload) or target.namespace not in _PURE_NAMESPACES:
             return False
-        if any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments):
+        written = [node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+                   for i, a in enumerate(target._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        if any(not _made_in_graph(w) for w in written):
             return False
     return True
+
+
+def _made_in_graph(value) -> bool:
+    """Whether ``value`` (an argument an op writes) is a tensor the graph itself made, which
+    nothing outside the run sees: a zerocompile op's result (``torch.library`` ops never return
+    a view of an input), e.g. the gradient bucket ``reduce_scatter_in_place`` reduces."""
+    return (isinstance(value, torch.fx.Node) and value.op == "call_function"
+            and isinstance(value.target, torch._ops.OpOverload) and value.target.namespace == "zerocompile")
 
 
 @dataclass

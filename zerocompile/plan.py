@@ -214,7 +214,9 @@ class StepTimer(TorchDispatchMode):
                 seconds = self.model.alpha_s + accounting.ring_wire_bytes(kind, nbytes, world) / self.intra_node_bandwidth
             else:
                 seconds = self.model.collective_time(kind, nbytes, world)
-            self.apply(("collective", seconds, out.untyped_storage()._cdata))
+            # what its wait reads: the result, or the buffer an in-place collective reduces
+            waited = out if out is not None else args[0]
+            self.apply(("collective", seconds, waited.untyped_storage()._cdata))
         elif func is torch.ops._c10d_functional.wait_tensor.default:
             self.apply(("wait", args[0].untyped_storage()._cdata))
         elif not (func.is_view or func in _FREE_OPS):

@@ -67,11 +67,12 @@ def insert_comm_timers(graph: torch.fx.Graph, log: comms_log.CommsLog, world: in
 def _waits_in_order(node: torch.fx.Node, position: dict) -> list[torch.fx.Node]:
     """The collective's waits in graph order, each ``getitem`` they read (a collective with a list
     of outputs) right before the first wait of it."""
-    users = [u for u in node.users if u.target is operator.getitem] + [node]
     if node.target is torch.ops.zerocompile.reduce_scatter_in_place.default:
-        users = [node.args[0]]      # in place: the wait reads the buffer it reduces
-    waits = sorted((w for u in users for w in u.users if w.target is _WAIT and position[w] > position[node]),
-                   key=position.__getitem__)
+        # in place: its wait reads the buffer it reduces, made before it
+        return sorted((w for w in node.args[0].users if w.target is _WAIT and position[w] > position[node]),
+                      key=position.__getitem__)
+    users = [u for u in node.users if u.target is operator.getitem] + [node]
+    waits = sorted((w for u in users for w in u.users if w.target is _WAIT), key=position.__getitem__)
     out = []
     for wait in waits:
         source = wait.args[0]
