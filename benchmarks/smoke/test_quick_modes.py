@@ -48,6 +48,10 @@ def test_stage3_vs_fsdp2_quick(tmp_path):
         anatomy = entry["at_peak"]
         assert sum(nbytes for nbytes, _ in anatomy["by_op"].values()) == entry["peak_bytes"], (name, anatomy)
         assert anatomy["op"].startswith(("aten.", "_c10d_functional.", "zerocompile.")), anatomy["op"]
+        # and the allocator's blocks at its own peak: what the step allocated, within that peak
+        blocks = entry["allocator_at_peak"]
+        assert blocks and all(nbytes > 0 for nbytes in blocks.values()), (name, blocks)
+        assert 0 < sum(blocks.values()) <= entry["allocator_peak_bytes"], (name, blocks)
     assert "FSDP2 eager" in proc.stdout and "DIVERGED" not in proc.stdout, proc.stdout
     assert proc.stdout.count("live then, by the op that made it:") == len(SYSTEMS), proc.stdout
 
