@@ -29,8 +29,15 @@ some reader could keep a view of it (a gradient not divided), ``mine`` is a copy
 bucket. Only CPU buckets over the data-parallel group, and for ``"reduce_scatter"`` only where the
 group's backend is gloo (or torch's fake group of ``zerocompile plan``): NCCL's reduce-scatter
 takes no copy. Runs after ``point_to_point_collectives``, so buckets, prefetch and the place of
-each wait are kept. Results: ``{"replaced": n, "bytes": b, "copied": c}`` per graph kind
-(``copied``: the rows copied out for a reader that is not a division).
+each wait are kept.
+
+Stage 2's buckets that ``all_reduce_gradients`` all-reduces (``gradient_reduction`` chose the
+all-reduce for their size) are the same case: the functional all-reduce returns a new tensor, the
+bucket's clone all-reduced; it becomes torch's in-place ``all_reduce_`` of the bucket
+(``all_reduces_in_place``; any backend's all-reduce runs in place, CPU buckets only as above).
+
+Results: ``{"replaced": n, "bytes": b, "copied": c, "all_reduce": {"replaced": n, "bytes": b}}``
+per graph kind (``copied``: the rows copied out for a reader that is not a division).
 """
 
 from __future__ import annotations
@@ -115,13 +122,43 @@ def reduce_scatters_in_place(graph: torch.fx.Graph, group_name: str, rank: int,
     return out
 
 
+def all_reduces_in_place(graph: torch.fx.Graph, group_name: str) -> dict:
+    """Stage 2's buckets that ``all_reduce_gradients`` all-reduces (``all_reduce(pack)``, its wait,
+    this rank's slice of the result): the functional all-reduce returns a new tensor, a clone of
+    the bucket all-reduced, so it becomes ``all_reduce_(pack)`` in place and the slice reads the
+    bucket after ``wait_tensor(pack)``. The slice was a view of the clone; it is one of the bucket,
+    which lives as long as the clone did. Returns ``{"replaced", "bytes"}``."""
+    out = {"replaced": 0, "bytes": 0}
+    for node in list(graph.find_nodes(op="call_function", target=_c10d.all_reduce.default)):
+        flat, reduce_op, name = node.args
+        val = flat.meta.get("val") if isinstance(flat, torch.fx.Node) else None
+        if (tag(node).get("role") != "grad_all_reduce" or name != group_name or len(node.users) != 1
+                or flat.target is not _PACK or len(flat.users) != 1 or val is None or val.device.type != "cpu"):
+            continue
+        wait = next(iter(node.users))
+        if wait.target is not _c10d.wait_tensor.default:
+            continue
+        with graph.inserting_before(node):
+            started = call(graph, _c10d.all_reduce_.default, (flat, reduce_op, name), **tag(node))
+        with graph.inserting_before(wait):
+            waited = call(graph, _c10d.wait_tensor.default, (flat,), **tag(wait))
+        assert not started.users
+        wait.replace_all_uses_with(waited)
+        graph.erase_node(wait)
+        graph.erase_node(node)
+        out["replaced"] += 1
+        out["bytes"] += tensor_nbytes(val)
+    return out
+
+
 def reduce_scatter_in_place(gm: torch.fx.GraphModule, ctx: PassContext, **_) -> torch.fx.GraphModule:
     results = ctx.results.setdefault("reduce_scatter_in_place", {})
     if ctx.group.world == 1:
-        results[ctx.graph_kind] = {"replaced": 0, "bytes": 0, "copied": 0}
+        results[ctx.graph_kind] = {"replaced": 0, "bytes": 0, "copied": 0, "all_reduce": {"replaced": 0, "bytes": 0}}
         return gm
     backend = _torch_compat.collective_backend(ctx.group.name, torch.device("cpu"))
     results[ctx.graph_kind] = reduce_scatters_in_place(gm.graph, ctx.group.name, ctx.group.rank, backend)
+    results[ctx.graph_kind]["all_reduce"] = all_reduces_in_place(gm.graph, ctx.group.name)
     gm.recompile()
     ctx.logger.debug("[%s] reduce_scatter_in_place (%s): %s", ctx.frame, ctx.graph_kind, results[ctx.graph_kind])
     return gm

@@ -5,7 +5,8 @@
 site (each has a fake kernel of the functional collective's shape; inductor calls it as an extern
 kernel); eager code calls them through ``runtime/comm.py: watched``, so that a dispatch mode (a
 test's census) sees every collective as one op, in graphs and out. The ``_into`` and ``_``
-variants write into a buffer the caller gives (an eager bucket reused, an in-place all-reduce).
+variants write into a buffer the caller gives (an eager bucket reused, an in-place all-reduce,
+also in graphs: a stage-2 gradient bucket's).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def _all_gather_into_fake(x, world, group_name, site, out):
 
 @torch.library.custom_op("zerocompile::watched_all_reduce_", mutates_args=("x",))
 def watched_all_reduce_(x: torch.Tensor, reduce_op: str, group_name: str, site: str) -> None:
-    """``all_reduce_(x, reduce_op, group_name)`` in place, watched (eager only)."""
+    """``all_reduce_(x, reduce_op, group_name)`` in place, watched: the eager step's buckets, and in
+    graphs a stage-2 gradient bucket all-reduced in its own memory (``passes/reduce_scatter_in_place.py``)."""
     PROCESS.watch.start("all_reduce", x, group_name, site, reduce_op=reduce_op, out=x)
 
 

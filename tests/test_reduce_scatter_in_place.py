@@ -72,6 +72,28 @@ def test_a_bucket_is_reduced_in_place_and_its_row_read_after_the_wait(kind):
     graph.lint()
 
 
+def test_a_stage2_bucket_all_reduced_is_all_reduced_in_place():
+    """``all_reduce_gradients``' form (the functional all-reduce, its wait, this rank's slice)
+    becomes torch's in-place all-reduce of the bucket, the slice read after the bucket's wait."""
+    from zerocompile.passes.all_reduce_gradients import reduce_scatters_as_all_reduces
+    from zerocompile.passes.reduce_scatter_in_place import all_reduces_in_place
+    from zerocompile.runtime.reduction_choice import fixed_choice
+
+    graph = _bucket_graph(world=2, numel=64)
+    assert reduce_scatters_as_all_reduces(graph, fixed_choice("all_reduce", "option"), rank=1) == [256]
+    assert all_reduces_in_place(graph, "g") == {"replaced": 1, "bytes": 256}
+    assert _targets(graph) == [_zc.pack_gradients.default, _c10d.all_reduce_.default, _c10d.wait_tensor.default,
+                               torch.ops.aten.slice.Tensor, _zc.divide_reduced.default]
+    pack, started, waited, row, _ = [n for n in graph.nodes if n.op == "call_function"]
+    assert started.args == (pack, "sum", "g") and not started.users
+    assert started.meta["zerocompile"]["role"] == "grad_all_reduce"
+    assert waited.args == (pack,) and row.args == (waited, 0, 32, 64)
+    graph.lint()
+    other = _bucket_graph(world=2, numel=64, device="meta")
+    reduce_scatters_as_all_reduces(other, fixed_choice("all_reduce", "option"), rank=1)
+    assert all_reduces_in_place(other, "g") == {"replaced": 0, "bytes": 0}      # not a CPU bucket
+
+
 def test_a_reader_that_is_not_a_division_reads_a_copy_of_the_row():
     """A reduced gradient not divided into a new tensor could keep a view of the whole bucket
     alive (a graph output, a shard gradient): it reads a copy of its row instead."""
@@ -195,10 +217,11 @@ def _train(rank, world, stage, inner, reduction, in_place):
         opt.zero_grad()
     results = [r["results"].get("reduce_scatter_in_place", {}).get("backward", {})
                for r in zerocompile.frame_reports() if r["compiled_at_ns"] > started]
+    results += [r["all_reduce"] for r in results if "all_reduce" in r]     # stage 2's all-reduced buckets
     replaced = sum(r.get("replaced", 0) for r in results)
     return {"state": zerocompile.full_state_dict(compiled), "rise": peaks[-1], "replaced": replaced,
             "bucket": sum(r.get("bytes", 0) for r in results) / max(replaced, 1),
-            "reduce_scatter": zerocompile.stats().as_dict()["reduce_scatter"]}
+            "collectives": {k: zerocompile.stats().as_dict()[k] for k in ("reduce_scatter", "all_reduce")}}
 
 
 def _reference() -> dict:
@@ -219,17 +242,20 @@ def _pairs(rank, world, cases):
     return [(_train(rank, world, *case, True), _train(rank, world, *case, False)) for case in cases]
 
 
-CASES = [(3, "eager", "reduce_scatter"), (3, "inductor", "point_to_point"), (2, "eager", "shared_memory")]
+CASES = [(3, "eager", "reduce_scatter"), (3, "inductor", "point_to_point"), (2, "eager", "shared_memory"),
+         (2, "inductor", "all_reduce")]
 
 
 def test_training_is_bit_for_bit_what_it_was_and_the_bucket_copy_is_gone():
-    """Stages 2 and 3, graphs run op by op and by inductor, each reduction: the final parameters
+    """Stages 2 and 3, graphs run op by op and by inductor, each reduction (stage 2's all-reduced
+    buckets too, whose functional all-reduce cloned the bucket): the final parameters
     equal those of the same run with the pass disabled, bit for bit, on both ranks, with the same
     reduce-scatters counted. The backward's allocator peak: with the pass, where the bucket is
     packed (its gradients and the bucket: 2 buckets); without it, at the reduction (the bucket,
     the copy gloo's reduce-scatter, or the transfers under inductor, make of it, and the row
     received or reduced: 2.5-3 buckets); shared memory under op-by-op graphs copied only this
-    rank's row, which the peak does not reach. And all of them within float error of one process
+    rank's row, and stage 2's all-reduce's clone (2 buckets with the bucket) did not rise above
+    the pack's moment either: there no higher. And all of them within float error of one process
     on the whole batch."""
     ref = _reference()
     for rank_results in run_ranks(_pairs, 2, CASES):
@@ -240,11 +266,11 @@ def test_training_is_bit_for_bit_what_it_was_and_the_bucket_copy_is_gone():
             for key, value in off["state"].items():
                 assert torch.equal(on["state"][key], value), f"{case}: {key}"
                 torch.testing.assert_close(value, ref[key], atol=1e-5, rtol=1e-5)
-            assert on["reduce_scatter"] == off["reduce_scatter"], case
+            assert on["collectives"] == off["collectives"], case
             assert on["bucket"] >= 2**20, case           # the gradients of at least one 512 x 512 layer
             # with the pass the backward peaks where the bucket is packed (its gradients and it)
             assert on["rise"] <= 2 * on["bucket"] + 65536, (case, on["rise"], on["bucket"])
-            if reduction != "shared_memory":   # without it, at the reduction: bucket, copy, row(s)
+            if reduction in ("reduce_scatter", "point_to_point"):   # without it, at the reduction: bucket, copy, row(s)
                 assert off["rise"] >= on["rise"] + on["bucket"] / 2, (case, on["rise"], off["rise"])
             else:
                 assert off["rise"] >= on["rise"], (case, on["rise"], off["rise"])

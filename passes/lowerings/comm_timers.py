@@ -64,13 +64,16 @@ def insert_comm_timers(graph: torch.fx.Graph, log: comms_log.CommsLog, world: in
     return timed
 
 
+_IN_PLACE = (torch.ops.zerocompile.reduce_scatter_in_place.default, torch.ops._c10d_functional.all_reduce_.default)
+
+
 def _waits_in_order(node: torch.fx.Node, position: dict) -> list[torch.fx.Node]:
     """The collective's waits in graph order, each ``getitem`` they read (a collective with a list
     of outputs) right before the first wait of it."""
-    if node.target is torch.ops.zerocompile.reduce_scatter_in_place.default:
-        # in place: its wait reads the buffer it reduces, made before it
-        return sorted((w for w in node.args[0].users if w.target is _WAIT and position[w] > position[node]),
-                      key=position.__getitem__)
+    if node.target in _IN_PLACE:
+        # in place: its wait reads the buffer it reduces (made before it), or what it returns
+        waits = {w for u in (node, node.args[0]) for w in u.users if w.target is _WAIT and position[w] > position[node]}
+        return sorted(waits, key=position.__getitem__)
     users = [u for u in node.users if u.target is operator.getitem] + [node]
     waits = sorted((w for u in users for w in u.users if w.target is _WAIT), key=position.__getitem__)
     out = []

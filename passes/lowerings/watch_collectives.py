@@ -38,7 +38,8 @@ def watch_collectives(graph: torch.fx.Graph, graph_kind: str, *, frame: str) -> 
         with graph.inserting_before(node):
             new = graph.call_function(target, args)
         new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
+        # the in-place all-reduce returns its input, its watched twin nothing: readers read the input
+        node.replace_all_uses_with(node.args[0] if node.target is _c10d.all_reduce_.default else new)
         buffer = node.kwargs.get("out")
         graph.erase_node(node)
         if isinstance(buffer, torch.fx.Node) and not buffer.users:
@@ -54,6 +55,8 @@ def _watched(node: torch.fx.Node, site: str):
         return _zc.watched_reduce_scatter.default, (a[0], a[1], a[2], a[3], site)
     if node.target is _c10d.all_reduce.default:
         return _zc.watched_all_reduce.default, (a[0], a[1], a[2], site)
+    if node.target is _c10d.all_reduce_.default:
+        return _zc.watched_all_reduce_.default, (a[0], a[1], a[2], site)
     return _zc.watched_all_to_all.default, (a[0], list(a[1]), list(a[2]), a[3], site)
 
 
@@ -62,6 +65,7 @@ _KIND = {
     _c10d.all_gather_into_tensor_out.default: "all_gather",
     _c10d.reduce_scatter_tensor.default: "reduce_scatter",
     _c10d.all_reduce.default: "all_reduce",
+    _c10d.all_reduce_.default: "all_reduce",       # a stage-2 bucket's, in place (passes/reduce_scatter_in_place.py)
     _c10d.all_to_all_single.default: "all_to_all",
 }
 _REPLACED = tuple(_KIND)
