@@ -95,9 +95,9 @@ def reduce_scatters_in_place(graph: torch.fx.Graph, group_name: str, rank: int,
             continue
         wait = next(iter(node.users))
         kind = _kind(node, collective_backend)
-        val = flat.meta.get("val")
-        if (kind is None or wait.target is not _c10d.wait_tensor.default or not isinstance(flat, torch.fx.Node)
-                or flat.target is not _PACK or len(flat.users) != 1 or val is None or val.device.type != "cpu"):
+        val = flat.meta.get("val") if isinstance(flat, torch.fx.Node) else None
+        if (kind is None or wait.target is not _c10d.wait_tensor.default or val is None
+                or flat.target is not _PACK or len(flat.users) != 1 or val.device.type != "cpu"):
             continue
         chunk = val.shape[0] // world
         tags = {k: v for k, v in tag(node).items() if k in ("role", "params", "param", "bucket")}
@@ -132,8 +132,8 @@ def all_reduces_in_place(graph: torch.fx.Graph, group_name: str) -> dict:
     for node in list(graph.find_nodes(op="call_function", target=_c10d.all_reduce.default)):
         flat, reduce_op, name = node.args
         val = flat.meta.get("val") if isinstance(flat, torch.fx.Node) else None
-        if (tag(node).get("role") != "grad_all_reduce" or name != group_name or len(node.users) != 1
-                or flat.target is not _PACK or len(flat.users) != 1 or val is None or val.device.type != "cpu"):
+        if (tag(node).get("role") != "grad_all_reduce" or name != group_name or len(node.users) != 1 or val is None
+                or flat.target is not _PACK or len(flat.users) != 1 or val.device.type != "cpu"):
             continue
         wait = next(iter(node.users))
         if wait.target is not _c10d.wait_tensor.default:
