@@ -89,10 +89,11 @@ def replayable_graph(graph: torch.fx.GraphModule) -> bool:
 
 def _made_in_graph(value) -> bool:
     """Whether ``value`` (an argument an op writes) is a tensor the graph itself made, which
-    nothing outside the run sees: a zerocompile op's result (``torch.library`` ops never return
-    a view of an input), e.g. the gradient bucket ``reduce_scatter_in_place`` reduces."""
+    nothing outside the run sees: the new result of a zerocompile op (its schema returns no alias
+    of an input), e.g. the gradient bucket ``reduce_scatter_in_place`` reduces."""
     return (isinstance(value, torch.fx.Node) and value.op == "call_function"
-            and isinstance(value.target, torch._ops.OpOverload) and value.target.namespace == "zerocompile")
+            and isinstance(value.target, torch._ops.OpOverload) and value.target.namespace == "zerocompile"
+            and all(r.alias_info is None for r in value.target._schema.returns))
 
 
 @dataclass
