@@ -46,8 +46,9 @@ from zerocompile.runtime.position_exchange import PositionExchange
 
 log = logging.getLogger("zerocompile")
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
-               "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT}
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+              "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT}
+"""The ``torch.distributed`` reduction of each ``reduce_op`` name functional collectives take."""
 
 
 class RankBoard:
@@ -158,10 +159,10 @@ class CollectiveWatch:
             work = dist.all_gather_single(out, x, group=pg, async_op=True)
         elif kind == "reduce_scatter":
             out = x.new_empty((x.shape[0] // world, *x.shape[1:])) if out is None else out
-            work = dist.reduce_scatter_single(out, x, op=_REDUCE_OPS[reduce_op], group=pg, async_op=True)
+            work = dist.reduce_scatter_single(out, x, op=REDUCE_OPS[reduce_op], group=pg, async_op=True)
         elif kind == "all_reduce":
             out = x.clone() if out is None else out.copy_(x)
-            work = dist.all_reduce(out, op=_REDUCE_OPS[reduce_op], group=pg, async_op=True)
+            work = dist.all_reduce(out, op=REDUCE_OPS[reduce_op], group=pg, async_op=True)
         elif kind == "all_to_all":
             rows = sum(out_splits) if out_splits else x.shape[0]
             out = x.new_empty((rows, *x.shape[1:])) if out is None else out

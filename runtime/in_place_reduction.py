@@ -36,13 +36,12 @@ import torch
 import torch.distributed as dist
 
 from zerocompile import _torch_compat
+from zerocompile.runtime.collective_watch import REDUCE_OPS
 from zerocompile.runtime.point_to_point import start_point_to_point_reduce_scatter, sum_in_rank_order
 from zerocompile.runtime.session import PROCESS
 
 KINDS = ("reduce_scatter", "point_to_point", "shared_memory")
 """The ``gradient_reduction`` choices the op carries out in place (its ``kind``)."""
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
-               "product": dist.ReduceOp.PRODUCT}
 
 
 @torch.library.custom_op("zerocompile::reduce_scatter_in_place", mutates_args=("x",))
@@ -58,10 +57,11 @@ def reduce_scatter_in_place(x: torch.Tensor, reduce_op: str, world: int, group_n
     nbytes = x.numel() * x.element_size()
     if kind == "reduce_scatter":
         backend = _torch_compat.collective_backend(group_name, x.device)
-        if backend not in ("gloo", "fake") or reduce_op not in _REDUCE_OPS:     # fake: torch's, of plan/dump
+        # gloo has no average (fake: torch's group of plan/dump)
+        if backend not in ("gloo", "fake") or reduce_op not in REDUCE_OPS or reduce_op == "avg":
             raise ValueError(f"zerocompile::reduce_scatter_in_place: kind 'reduce_scatter' is gloo's all-reduce in "
                              f"place (sum, max, min, product); got backend {backend!r}, reduce_op {reduce_op!r}")
-        work = dist.all_reduce(x, op=_REDUCE_OPS[reduce_op], group=group, async_op=True)
+        work = dist.all_reduce(x, op=REDUCE_OPS[reduce_op], group=group, async_op=True)
         PROCESS.watch.register(x, [work], kind="reduce_scatter", nbytes=nbytes)
         return
     if reduce_op != "sum":
