@@ -22,6 +22,12 @@ shapes (``--tensors`` weights of ``--rows`` x ``--cols`` fp32 elements, 16 x 102
   for this access pattern (float32 only; absent where the extension does not build; never
   clips).
 
+With ``--flush-mb MB`` each timed call comes right after a pass over a buffer of that many
+megabytes (not timed): the caches as a large update, or a training step's forward and backward,
+leave them for the step. With tiny tensors (``--rows 16 --cols 16``) a step's time is then
+nearly all its Python and the calls into its kernels, each a cache miss, which is what a large
+update pays on top of its memory traffic (``benchmarks/results/optimizer_step-python.json``).
+
 With ``--clip MAX_NORM`` every timed call clips the gradients to that global norm first:
 ``torch.nn.utils.clip_grad_norm_(foreach=True)`` for the plain variants,
 ``opt.clip_grad_norm_`` for zerocompile's (whose fused kernel takes the coefficient instead of
@@ -201,9 +207,12 @@ def run(args) -> dict:
         opt.step()                                    # creates the state; binds ZeroOptimizer
         opts[name] = (opt, _model, _one_step(opt, args.clip) if name != "memory floor" else opt.step)
     times = {name: [] for name in names}
+    flush = torch.zeros(args.flush_mb << 18) if args.flush_mb else None      # float32: MB * 2**18 elements
     for r in range(args.rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
+            if flush is not None:
+                flush.add_(1.0)
             start = time.perf_counter()
             opts[name][2]()
             times[name].append(time.perf_counter() - start)
@@ -240,13 +249,17 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="*", choices=list(VARIANTS), help="a subset (default: all)")
     p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
                    help="clip the gradients to this global norm before each step")
+    p.add_argument("--flush-mb", type=int, default=0, metavar="MB",
+                   help="before each timed call, a pass over a buffer of MB megabytes (not timed): cold caches")
     p.add_argument("--out", type=Path, default=RESULTS / "optimizer_step.json")
     args = p.parse_args(argv)
     numel = args.tensors * args.rows * args.cols
     load_before = os.getloadavg()[0]
     print(f"optimizer step{f' with clipping to {args.clip}' if args.clip else ''}, AdamW, "
           f"{numel / 1e6:.1f}M {args.dtype} elements in {args.tensors} tensors, "
-          f"{args.threads} thread(s), {args.rounds} rounds; load average {load_before:.2f}")
+          f"{args.threads} thread(s), {args.rounds} rounds"
+          f"{f', caches flushed by a {args.flush_mb} MB pass before each call' if args.flush_mb else ''}; "
+          f"load average {load_before:.2f}")
     results = run(args)
     load_after = os.getloadavg()[0]
     moved = 7 * DTYPES[args.dtype].itemsize       # reads p, g, m, v; writes p, m, v
@@ -257,7 +270,8 @@ def main(argv=None) -> int:
             continue
         ratio = f"{e['x_peer']:.2f}" if "x_peer" in e else "-"
         paired = f"{e['x_peer_paired']:.2f}" if "x_peer_paired" in e else "-"
-        print(f"{name:<36}{e['kernel'] or '-':>14}{e['ms_per_step']:>10.1f}{e['elements_per_s'] / 1e9:>10.2f}"
+        ms = f"{e['ms_per_step']:.1f}" if e["ms_per_step"] >= 1 else f"{e['ms_per_step']:.3f}"
+        print(f"{name:<36}{e['kernel'] or '-':>14}{ms:>10}{e['elements_per_s'] / 1e9:>10.2f}"
               f"{e['elements_per_s'] * moved / 1e9:>8.1f}{ratio:>15}{paired:>9}")
     print(f"load average after the run {load_after:.2f}")
     if "zerocompile stage 3" in results and "x_peer" in results["zerocompile stage 3"]:

@@ -73,6 +73,21 @@ class RankBoard:
         """The compiled frame and graph that started last (``CollectiveWatch.running``)."""
 
 
+class _Scope:
+    """``CollectiveWatch.scope``'s context: ``label`` on the board's stack of scopes while inside."""
+
+    __slots__ = ("scopes", "label")
+
+    def __init__(self, scopes: list, label: str) -> None:
+        self.scopes, self.label = scopes, label
+
+    def __enter__(self) -> None:
+        self.scopes.append(self.label)
+
+    def __exit__(self, *exc) -> None:
+        self.scopes.pop()
+
+
 class CollectiveWatch:
     """The watchdog's settings and this rank's board; one per process (``PROCESS.watch``, ``runtime/session.py``)."""
 
@@ -120,14 +135,10 @@ class CollectiveWatch:
             return self._exchange
 
     # ------------------------------------------------------------------ positions
-    @contextlib.contextmanager
-    def scope(self, label: str):
-        """Eager collectives inside are reported as ``label``'s (e.g. ``"full_state_dict"``)."""
-        self.board.scopes.append(label)
-        try:
-            yield
-        finally:
-            self.board.scopes.pop()
+    def scope(self, label: str) -> "_Scope":
+        """Eager collectives inside are reported as ``label``'s (e.g. ``"full_state_dict"``): a
+        context (a plain class, not a generator: every optimizer step enters one)."""
+        return _Scope(self.board.scopes, label)
 
     def eager_site(self, kind: str, nbytes: int, label: str | None = None) -> str:
         """The site string of an eager collective (``mismatch_report.site``)."""

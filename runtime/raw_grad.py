@@ -8,7 +8,7 @@ import torch
 
 from zerocompile import _torch_compat
 
-__all__ = ["raw_grad", "set_raw_grad"]
+__all__ = ["raw_grad", "raw_grads", "set_raw_grad"]
 
 
 def raw_grad(param: torch.Tensor):
@@ -19,6 +19,13 @@ def raw_grad(param: torch.Tensor):
     parameter's gradient (40 ms a step for 1000 parameters)."""
     with _torch_compat.plain_tensor_ops():
         return torch.Tensor.grad.__get__(param)
+
+
+def raw_grads(params: list) -> list:
+    """``[raw_grad(p) for p in params]``, in one ``plain_tensor_ops`` context and with no Python
+    call per parameter (an optimizer step reads them all)."""
+    with _torch_compat.plain_tensor_ops():
+        return list(map(torch.Tensor.grad.__get__, params))
 
 
 def set_raw_grad(param: torch.Tensor, value) -> None:

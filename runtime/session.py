@@ -215,6 +215,35 @@ class Process:
         self.steps_ended = 0
         """Training steps ended in this process, by any model (``ModelSession.step_serial``)."""
         self._services: dict = {}
+        self.frames_epoch = 0
+        """Moves whenever a compiled frame is made or freed (``add_frame``): what readers of the
+        frames alive on every optimizer step key their answers by (``frames_digest``)."""
+        self._digest: tuple = (-1, 0, [])
+
+    def add_frame(self, session: ModelSession, runner) -> None:
+        """``runner`` (a ``FrameRunner``) is a compiled frame of ``session``'s model, alive
+        until it is freed."""
+        session.frames.add(runner)
+        self._frames_changed()
+        weakref.finalize(runner, self._frames_changed).atexit = False
+
+    def _frames_changed(self) -> None:
+        self.frames_epoch += 1
+
+    def frames_digest(self) -> tuple[int, list]:
+        """``(newest order, dump roots)`` of the compiled frames alive: the compile order
+        (``FrameRunner.order``) of the newest (0 if none) and their dump directories
+        (``options={"dump": DIR}`` or ``ZEROCOMPILE_DUMP``), each once, sorted; computed again
+        only after a frame was made or freed (each optimizer step asks: walking every frame of
+        every session then cost as much as a small update)."""
+        epoch, newest, roots = self._digest
+        if epoch != self.frames_epoch:
+            epoch = self.frames_epoch
+            frames = self.frames()
+            newest = max((r.order for r in frames), default=0)
+            roots = sorted({root for r in frames if (root := getattr(r, "dump_root", None))})
+            self._digest = (epoch, newest, roots)
+        return newest, roots
 
     def service(self, cls):
         """The process's one ``cls()``, made at its first use: the state of a runtime module that
@@ -410,7 +439,7 @@ def frame_roots(session: ModelSession | None = None) -> list:
 
 def newest_frame_order() -> int:
     """The compile order (``FrameRunner.order``) of the newest compiled frame alive, 0 if none."""
-    return max((runner.order for runner in PROCESS.frames()), default=0)
+    return PROCESS.frames_digest()[0]
 
 
 def simulated_peak_bytes(states) -> int:
@@ -434,4 +463,4 @@ def comm_counts() -> dict:
 def dump_roots() -> list:
     """The dump directories of the compiled frames alive (``options={"dump": DIR}`` or
     ``ZEROCOMPILE_DUMP``), each once."""
-    return sorted({root for r in PROCESS.frames() if (root := getattr(r, "dump_root", None))})
+    return list(PROCESS.frames_digest()[1])

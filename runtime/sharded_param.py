@@ -32,6 +32,7 @@ Everything that depends on the stage is asked of ``self.rules``, the stage's ``S
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -244,12 +245,13 @@ class ShardedParam:
             self.param.copy_(full)
         self.materialized = True
 
-    @_on_plain_tensors
     def release(self) -> None:
         """Free the storage ``materialize()`` filled (after the optimizer changed the shard),
-        unless an eager module run holds it (``hold``)."""
+        unless an eager module run holds it (``hold``). (Called on every parameter each step:
+        the common case, nothing materialized, enters no context.)"""
         if self.materialized and self.eager_holds == 0:
-            self.param.untyped_storage().resize_(0)
+            with _torch_compat.plain_tensor_ops():
+                self.param.untyped_storage().resize_(0)
             self.materialized = False
             self.gathered_by_hooks = False
 
@@ -408,6 +410,12 @@ def offloads_param(settings: OffloadSettings, device: torch.device) -> bool:
 def get_state(param: torch.Tensor) -> ShardedParam | None:
     """The shard state of ``param``, or None if no compiled frame has used it yet."""
     return getattr(param, _ATTR, None)
+
+
+def states_of(params) -> list:
+    """``[get_state(p) for p in params]``, read without a Python call per parameter (an
+    optimizer step reads them all)."""
+    return list(map(getattr, params, itertools.repeat(_ATTR), itertools.repeat(None)))
 
 
 def detach_state(param: torch.nn.Parameter) -> None:

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from zerocompile import _torch_compat
 from zerocompile.errors import GradientNotGatheredError, ParameterNotGatheredError  # noqa: F401  (re-exported)
 from zerocompile.runtime.dcp_shards import local_part
-from zerocompile.runtime.raw_grad import raw_grad, set_raw_grad  # noqa: F401  (re-exported)
+from zerocompile.runtime.raw_grad import raw_grad, raw_grads, set_raw_grad  # noqa: F401  (re-exported)
 from zerocompile.runtime.session import PROCESS
 from zerocompile.runtime.sharded_param import get_state
 

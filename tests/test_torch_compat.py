@@ -787,6 +787,18 @@ def test_step_with_hooks_leaves_the_step_unwrapped_and_runs_torchs_hooks():
         for h in handles:
             h.remove()
     assert calls == ["global pre", "pre", "step", "post", "global post"], calls
+    # with no hook and no profiler the step runs alone (run_step's short path); one hook of any
+    # of the four kinds takes the whole path again
+    calls.clear()
+    bare = Marked([torch.nn.Parameter(torch.zeros(1))])
+    bare.step()
+    assert calls == ["step"], calls
+    handle = register_optimizer_step_post_hook(lambda o, a, k: calls.append("global post"))
+    try:
+        bare.step()
+    finally:
+        handle.remove()
+    assert calls == ["step", "step", "global post"], calls
     assert not _torch_compat.profiler_enabled()
     with profile():
         assert _torch_compat.profiler_enabled()

@@ -80,7 +80,7 @@ class FrameRunner:
         self.order = time.monotonic_ns()  # compile order, for frame_reports()
         self.dump_root = partitioner.ctx.config.observability.dump or env.dump_dir()
         """Where this frame's graphs are dumped (None: no dump); the optimizer step records there too."""
-        self.session.frames.add(self)
+        PROCESS.add_frame(self.session, self)
 
     @property
     def roots(self) -> list:

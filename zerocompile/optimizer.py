@@ -308,7 +308,6 @@ class ZeroOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ public API
     @_torch_compat.step_with_hooks      # torch's step hooks; its profiler range only while a profiler records
-    @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
         """Reduce gradients, update this rank's shards, refresh replicas (stages 1/2).
 
@@ -319,14 +318,30 @@ class ZeroOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with PROCESS.watch.scope("optimizer step"):    # its collectives' label in a mismatch report
-            self._step(grad_scaler)
-        self._monitor.after_step(self)          # the monitors' figures (the monitor option), rank 0 writes
+        # no autograd inside, as torch.no_grad() would make it (as a decorator it costs a dozen Python
+        # calls, each a cache miss after an update that streamed the caches out)
+        enabled = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        try:
+            with PROCESS.watch.scope("optimizer step"):    # its collectives' label in a mismatch report
+                self._step(grad_scaler)
+            self._monitor.after_step(self)          # the monitors' figures (the monitor option), rank 0 writes
+        finally:
+            torch.set_grad_enabled(enabled)
         return loss
 
     def _step(self, grad_scaler) -> None:
         self._step_record.begin()
         self._bind()
+        with self._params_view.pinned():      # nothing in a step shards a parameter: read them once
+            self._update(grad_scaler)
+        self._collected_through = update.collect_compile_garbage(self._collected_through)
+        self._step_record.end(self._step_name, self._layout_group())
+        # what the model's compiled graphs ran since its last step is this step's
+        PROCESS.step_ended(self._params_view.session(), id(self))
+
+    def _update(self, grad_scaler) -> None:
+        """The step between binding and its records: reduce, check, clip, update, end."""
         self._binding.sync_hyperparameters()
         scaler = self._scaling.loss_scaler()
         check_one_scaler(grad_scaler, scaler)
@@ -355,10 +370,6 @@ class ZeroOptimizer(Optimizer):
         if scaler is not None:
             scaler.update(overflow)
         self._end_step()
-        self._collected_through = update.collect_compile_garbage(self._collected_through)
-        self._step_record.end(self._step_name, self._layout_group())
-        # what the model's compiled graphs ran since its last step is this step's
-        PROCESS.step_ended(self._params_view.session(), id(self))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients wherever zerocompile keeps them (parameters, replicas, shards)."""
@@ -375,6 +386,11 @@ class ZeroOptimizer(Optimizer):
         gradients are unscaled here by themselves. A model compiled with the ``gradient_clipping``
         option is not clipped again by the step that follows."""
         self._bind()
+        with self._params_view.pinned():
+            return self._clip(max_norm, norm_type, grad_scaler)
+
+    def _clip(self, max_norm: float, norm_type: float, grad_scaler) -> torch.Tensor:
+        """``clip_grad_norm_`` once bound, with the parameters pinned."""
         self._clipper.clipped_to = float(max_norm)
         if grad_scaler is not None and grad_scaler.is_enabled():
             self._binding.sync_hyperparameters()

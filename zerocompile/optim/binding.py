@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 from zerocompile.optim.param_state import PARAM_STATES, ParamState
 from zerocompile.optim.params import target_of
 from zerocompile.optim.whole_param import OWN_KEYS
+from zerocompile.runtime.sharded_param import states_of
 from zerocompile.runtime.offloaded_adam import OffloadedAdam
 
 log = logging.getLogger("zerocompile")
@@ -32,10 +33,26 @@ class InnerBinding:
         self.pending: dict | None = None
         """State loaded before binding, applied by ``bind``'s ``load`` when it binds: a per-rank
         state dict, or one key of ``param_state`` (``PARAM_STATES``, ``TORCH_LAYOUT``)."""
+        self._bound_to: list | None = None
+        """``_layout()`` when ``bound`` was last checked: the targets follow from it."""
+
+    def _layout(self) -> list:
+        """What each parameter's target follows from: per param group, its parameters and their
+        shard states, by identity (a target is the parameter itself or its state's shard, fixed
+        when the state is made). Read each step, with no Python call per parameter."""
+        return [(list(map(id, group["params"])), states_of(group["params"])) for group in self.params.param_groups]
 
     def bind(self, load: Callable[[dict], None]) -> None:
         """Bind the inner optimizer to the current targets, or swap in the targets of parameters
         first sharded since it bound. ``load`` applies a pending state to the bound optimizer."""
+        layout = self._layout()
+        if self.inner is not None and layout == self._bound_to:
+            return      # no parameter added, swapped or sharded since the last look
+        self._bind(load)
+        self._bound_to = layout if self.inner is not None else None
+
+    def _bind(self, load: Callable[[dict], None]) -> None:
+        """``bind`` once something may have moved."""
         if self.inner is None:
             self.params.check_one_group()
             groups = []

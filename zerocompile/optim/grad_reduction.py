@@ -20,7 +20,7 @@ from zerocompile.runtime.grad_participation import (Holder, compare_holders, fil
 from zerocompile.runtime.leaf_modules import leaf_parameters
 from zerocompile.runtime.sharded_param import get_state
 from zerocompile.runtime.step_collectives import all_reduce_mean_, reduce_scatter_mean
-from zerocompile.runtime.zero_parameter import raw_grad, set_raw_grad
+from zerocompile.runtime.zero_parameter import raw_grad, raw_grads, set_raw_grad
 
 log = logging.getLogger("zerocompile")
 
@@ -61,9 +61,8 @@ class GradReducer:
         full = defaultdict(list)        # (group, reduce dtype) -> replicated grads to all-reduce
         # (group, reduce dtype) -> (state, full grad, accumulate?, scale it carries or None)
         to_scatter = defaultdict(list)
-        for p in self.params:
-            sp = get_state(p)
-            own = raw_grad(p)
+        params, sps = self.params.columns()
+        for p, sp, own in zip(params, sps, raw_grads(params)):
             if sp is None or not sp.rules.shards_master:
                 if own is not None and (sp is None or not again or not sp.grad_synced):
                     group = self.params.group_of(sp)

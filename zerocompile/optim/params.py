@@ -8,7 +8,7 @@ import torch
 
 from zerocompile.runtime.comm import CommGroup, resolve_group
 from zerocompile.runtime.session import PROCESS
-from zerocompile.runtime.sharded_param import get_state
+from zerocompile.runtime.sharded_param import get_state, states_of
 
 
 def target_of(p: torch.Tensor) -> torch.Tensor:
@@ -27,6 +27,17 @@ class OptimizerParams:
         self._session = None
         self.on_session: list = []
         """Called with the session once it is found (the optimizer joins it)."""
+        self._pinned: tuple[list, list] | None = None
+        """While ``pinned``: each parameter once and its shard state (or None), read at its start."""
+
+    def pinned(self) -> "_Pinned":
+        """A context within which the parameters and their shard states are those of its entry,
+        read once instead of by every walk over them (an optimizer step walks them a dozen
+        times; at thousands of small shards, and with the caches cold after an update of large
+        ones, those walks cost more than the update). For the optimizer's step: nothing in it
+        adds a parameter or shards one (only a compiled frame's capture, ``load_pretrained`` and
+        ``add_param_group`` do). Nested uses keep the outer one's."""
+        return _Pinned(self)
 
     def session(self):
         """The ``ModelSession`` of the model these parameters belong to (``runtime/session.py``),
@@ -50,16 +61,28 @@ class OptimizerParams:
 
     def __iter__(self):
         """Each parameter once, in param-group order."""
-        seen = set()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p
+        return iter(self._pinned[0] if self._pinned is not None else self._unique())
+
+    def pairs(self):
+        """``(parameter, its shard state or None)`` for each parameter once, in param-group order."""
+        return zip(*self.columns())
+
+    def columns(self) -> tuple[list, list]:
+        """``(parameters, their shard states or None)``: each parameter once, in param-group order."""
+        if self._pinned is not None:
+            return self._pinned
+        params = self._unique()
+        return params, states_of(params)
+
+    def _unique(self) -> list:
+        """Each parameter once, in param-group order (the first place of one listed twice)."""
+        every = [p for group in self.param_groups for p in group["params"]]
+        return list(dict(zip(map(id, every), every)).values())
 
     def states(self) -> list:
         """The shard state of each parameter that has one."""
-        return [sp for p in self if (sp := get_state(p)) is not None]
+        states = self._pinned[1] if self._pinned is not None else states_of(self._unique())
+        return [sp for sp in states if sp is not None]
 
     def group_of(self, sp) -> CommGroup:
         """The process group of a parameter with shard state ``sp`` (None: not sharded)."""
@@ -67,8 +90,7 @@ class OptimizerParams:
 
     def layout_group(self) -> CommGroup:
         """The group the parameters are sharded over (the given one while none is sharded)."""
-        for p in self:
-            sp = get_state(p)
+        for _, sp in self.pairs():
             if sp is not None:
                 return sp.group
         return resolve_group(self.default_group)
@@ -82,3 +104,23 @@ class OptimizerParams:
             raise ValueError(
                 f"ZeroOptimizer: its parameters are sharded over different process groups "
                 f"({sorted(names)}); use one ZeroOptimizer per data-parallel group")
+
+
+class _Pinned:
+    """``OptimizerParams.pinned``'s context (a plain class: every step enters one)."""
+
+    __slots__ = ("params", "outer")
+
+    def __init__(self, params: OptimizerParams) -> None:
+        self.params = params
+        self.outer = False
+
+    def __enter__(self) -> None:
+        self.outer = self.params._pinned is None
+        if self.outer:
+            params = self.params._unique()
+            self.params._pinned = (params, states_of(params))
+
+    def __exit__(self, *exc) -> None:
+        if self.outer:
+            self.params._pinned = None

@@ -12,11 +12,9 @@ from collections import defaultdict
 import torch
 
 from zerocompile.optim.buckets import bucket_bytes
-from zerocompile.optim.params import target_of
 from zerocompile.runtime import fused_adam
 from zerocompile.runtime.session import newest_frame_order
 from zerocompile.runtime.param_offload import resident_shards
-from zerocompile.runtime.sharded_param import get_state
 from zerocompile.runtime.step_collectives import all_gather_concat
 
 log = logging.getLogger("zerocompile")
@@ -26,7 +24,7 @@ def shard_states(params) -> dict:
     """``{id(target): shard state}`` of the parameters of ``params`` (the optimizer's
     ``OptimizerParams``) that have one, each keyed by the tensor the inner optimizer updates for
     it: what ``step_pipelined`` and ``step_inner`` read, made once a step."""
-    return {id(target_of(p)): sp for p in params if (sp := get_state(p)) is not None}
+    return {id(sp.rules.optimizer_target(sp)): sp for _, sp in params.pairs() if sp is not None}
 
 
 def step_inner(inner, states: dict, clipper, copies: dict) -> None:
@@ -43,11 +41,12 @@ def step_inner(inner, states: dict, clipper, copies: dict) -> None:
                                                                  default=1)):
             inner.step()
         return
+    if not offloaded:
+        _fused_step(inner, [t for g in inner.param_groups for t in g["params"]], states, clipper, copies, every=True)
+        return
     in_files = {id(sp.shard) for sp in offloaded}
     _fused_step(inner, [t for g in inner.param_groups for t in g["params"] if id(t) not in in_files], states,
                 clipper, copies)
-    if not offloaded:
-        return
     settings = offloaded[0].offload_param
     limit = settings.buffer_count * settings.buffer_size
     part, size = [], 0
@@ -61,12 +60,14 @@ def step_inner(inner, states: dict, clipper, copies: dict) -> None:
             size += sp.chunk
 
 
-def _fused_step(inner, targets: list, states: dict, clipper, copies: dict) -> None:
+def _fused_step(inner, targets: list, states: dict, clipper, copies: dict, every: bool = False) -> None:
     """The fused inner optimizer's update of ``targets``, the gradients still owed a deferred
     clipping coefficient multiplied by it inside the kernel, and (stages 1/2 with a
     ``param_dtype``) the shard's copy in the compute dtype, which the replica's all-gather
     sends, written in the same pass (into ``copies``: id(shard) -> the updated shard in the
-    compute dtype). ``states`` maps ``id`` of each target to its parameter's shard state."""
+    compute dtype). ``states`` maps ``id`` of each target to its parameter's shard state.
+    ``every``: ``targets`` are all of the inner optimizer's (then it is not asked to pick them
+    out of its groups)."""
     written = {}
     for t in targets:
         sp = states.get(id(t))
@@ -79,7 +80,7 @@ def _fused_step(inner, targets: list, states: dict, clipper, copies: dict) -> No
     if scaled:
         inner.update(scale, scaled, written)
     if rest:
-        inner.update(1.0, rest, written)
+        inner.update(1.0, None if every and not scaled else rest, written)
     # the inner optimizer removed the copies it did not write (parameters whose optimizer
     # state streams from a swap file): the after-step casts those shards itself
     copies.update(written)
@@ -129,8 +130,7 @@ def after_step(params, copies: dict, step_part=None) -> None:
     (``step_pipelined``: their update)."""
     replicas = defaultdict(list)
     dropped = []
-    for p in params:
-        sp = get_state(p)
+    for _, sp in params.pairs():
         if sp is None or not sp.rules.shards_master:
             continue
         if sp.rules.keeps_replica and sp.requires_grad:
@@ -168,8 +168,7 @@ def _drop_shard_gradients(states) -> None:
 def skip_update(params) -> None:
     """The update is skipped: shards, replicas and optimizer state stay as they are."""
     log.info("ZeroOptimizer: step skipped, non-finite gradients on some rank")
-    for p in params:
-        sp = get_state(p)
+    for _, sp in params.pairs():
         if sp is not None and sp.rules.reduces_in_step:
             sp.shard.grad = None     # as after a step: the full gradients stay until zero_grad()
             sp.forget_reduction()
