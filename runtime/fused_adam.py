@@ -98,6 +98,7 @@ class FusedAdam(Optimizer):
                         capturable=capturable, differentiable=differentiable, fused=fused)
         super().__init__(params, defaults)
         self._checked: dict[int, tuple] = {}      # id(param group) -> what _check last accepted
+        self._quick: dict[int, tuple] = {}        # id(param group) -> its values when _check last accepted it
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: float = 1.0, only=None, copies: dict | None = None):
@@ -179,14 +180,25 @@ class FusedAdam(Optimizer):
 
     def _check(self, group: dict) -> None:
         # per-tensor checks on every step cost as much as a small kernel: a group is checked
-        # again only when its parameters or hyperparameters changed
+        # again only when its parameters or hyperparameters changed. First by what is cheap to
+        # read (no Python call per parameter or value: every step asks, the learning rate moving)
+        lr = group.get("lr")
+        quick = (list(map(id, group["params"])), [(k, v) for k, v in group.items() if k != "params" and k != "lr"],
+                 ("tensor", lr.numel()) if isinstance(lr, torch.Tensor) else "number")
+        try:
+            if self._quick.get(id(group)) == quick:
+                return
+        except RuntimeError:        # a hyperparameter that is a tensor of several elements: no quick answer
+            pass
         key = (tuple(id(p) for p in group["params"]), tuple((k, _kind(k, v)) for k, v in group.items() if k != "params"))
         if self._checked.get(id(group)) == key:
+            self._quick[id(group)] = quick
             return
         reason = unsupported_reason(FusedAdam._as_torch_class(group), self.defaults, [group])
         if reason is not None:
             raise RuntimeError(f"{type(self).__name__}: {reason}; use torch.optim.Adam/AdamW for it")
         self._checked[id(group)] = key
+        self._quick[id(group)] = quick
 
     @staticmethod
     def _as_torch_class(group: dict) -> type:

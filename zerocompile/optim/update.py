@@ -135,11 +135,12 @@ def after_step(params, copies: dict, step_part=None) -> None:
             continue
         if sp.rules.keeps_replica and sp.requires_grad:
             replicas[(sp.group, sp.compute_dtype)].append((sp, sp.refresh_replica, sp.replica_place))
-        if sp.separate_full_param and sp.requires_grad:
+        if sp.keep_full and sp.requires_grad and sp.separate_full_param:
             replicas[(sp.group, sp.dtype)].append((sp, sp.refresh_param, None))
         if sp.rules.reduces_in_step:
             dropped.append(sp)
-        sp.release()                 # eager-gathered copies are stale now
+        if sp.materialized:
+            sp.release()             # eager-gathered copies are stale now
     if step_part is None:
         _drop_shard_gradients(dropped)
     for (group, dtype), items in replicas.items():
