@@ -4,13 +4,14 @@ inner optimizer's targets checked against the param groups' layout instead of pa
 parameter (``InnerBinding.bind``), the frames' newest compile order and dump folders computed
 again only when a frame is made or freed (``Process.frames_digest``), and the gradients read
 in one context (``raw_grads``). Each is checked against what it replaces, including after the
-changes that must be seen: parameters sharded or added after the optimizer bound, a frame
-compiled with a dump folder and one freed."""
+changes that must be seen: parameters sharded, added or replaced after the optimizer bound,
+a frame compiled with a dump folder and one freed."""
 
 from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 import zerocompile
@@ -84,11 +85,12 @@ def _step(compiled, opt, x) -> None:
     opt.zero_grad()
 
 
-def test_parameters_sharded_or_added_after_binding_are_stepped_as_torchs_adamw_steps_them():
+def test_parameters_sharded_added_or_replaced_after_binding_are_stepped_as_torchs_adamw_steps_them():
     """The binding skips its parameter-by-parameter check while the param groups' layout (the
     parameters and their shard states, by identity) is unchanged; every change to it is seen:
     parameters first sharded by a frame compiled after the optimizer bound, a param group added
-    by ``add_param_group``. Each step's weights are those of
+    by ``add_param_group``, a parameter put in another's place in a group (fresh state, as torch
+    gives it); a group's list grown by hand is refused. Each step's weights are those of
     torch's AdamW run on the same gradients."""
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -142,6 +144,43 @@ def test_parameters_sharded_or_added_after_binding_are_stepped_as_torchs_adamw_s
         opt.step(), ref.step()
     torch.testing.assert_close(extra.detach(), extra_ref.detach(), rtol=0, atol=0)
     assert opt._binding.bound[1] == [extra] and len(opt._binding._bound_to) == 2
+
+    # a parameter put in another's place in a group starts from no state, as in torch's AdamW
+    swapped = torch.nn.Parameter(torch.full((3,), 2.0))
+    swapped_ref = torch.nn.Parameter(torch.full((3,), 2.0))
+    opt.param_groups[1]["params"][0] = swapped
+    ref.param_groups[1]["params"][0] = swapped_ref
+    for grad in (0.5, 0.125):
+        swapped.grad = torch.full((3,), grad)
+        swapped_ref.grad = torch.full((3,), grad)
+        opt.step(), ref.step()
+    torch.testing.assert_close(swapped.detach(), swapped_ref.detach(), rtol=0, atol=0)
+    assert opt._binding.bound[1] == [swapped] and extra not in opt.inner.state
+    torch.testing.assert_close(opt.state[swapped]["exp_avg"], ref.state[swapped_ref]["exp_avg"], rtol=0, atol=0)
+
+    # a group's list grown by hand (not add_param_group): refused with the fix
+    opt.param_groups[1]["params"].append(torch.nn.Parameter(torch.ones(2)))
+    with pytest.raises(ValueError, match=r"param group 1 has 2 parameters, but 1 when the optimizer bound .* "
+                                         r"opt.add_param_group"):
+        opt.step()
+    opt.param_groups[1]["params"].pop()
+    opt.step()
+
+
+def test_a_replaced_parameter_is_refused_where_the_inner_optimizer_keeps_state_elsewhere():
+    """A whole-parameter optimizer (here Adafactor) keeps its state by owner: a parameter put in
+    another's place after binding is refused, naming the group, the place and the fix."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4, bias=False)
+    compiled = torch.compile(model, backend="zero", options=OPTIONS)
+    opt = zerocompile.ZeroOptimizer(model.parameters(), torch.optim.Adafactor, lr=1e-2)
+    compiled(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.param_groups[0]["params"][0] = torch.nn.Parameter(torch.ones(4, 4))
+    with pytest.raises(ValueError, match=r"parameter 0 of param group 0 was replaced by another after the optimizer "
+                                         r"bound .* Build a new ZeroOptimizer"):
+        opt.step()
 
 
 def test_the_frames_digest_follows_frames_made_and_freed(tmp_path):

@@ -66,6 +66,7 @@ class InnerBinding:
                 load(self.pending)
                 self.pending = None
             return
+        self._forget_replaced()
         # a parameter first sharded after binding: swap it in while it has no state
         moved = [(gi, pi) for gi, group in enumerate(self.params.param_groups)
                  for pi, p in enumerate(group["params"]) if target_of(p) is not self.bound[gi][pi]]
@@ -81,6 +82,35 @@ class InnerBinding:
             target = target_of(self.params.param_groups[gi]["params"][pi])
             self.bound[gi][pi] = target
             self.inner.param_groups[gi]["params"][pi] = target
+
+    def _forget_replaced(self) -> None:
+        """Parameters put in a param group's place of another since the last check (``group["params"][i]
+        = new``) start from no optimizer state, as in a torch optimizer, whose state is keyed by
+        parameter: the replaced parameter's target's state is dropped (the new one is bound by the
+        check that follows). A group whose number of parameters changed, or a replacement where the
+        inner optimizer keeps state elsewhere than in its ``state`` dict, is refused with the fix."""
+        for gi, (group, targets) in enumerate(zip(self.params.param_groups, self.bound)):
+            if len(group["params"]) != len(targets):
+                raise ValueError(f"ZeroOptimizer: param group {gi} has {len(group['params'])} parameters, but "
+                                 f"{len(targets)} when the optimizer bound to them at its first step. Add "
+                                 "parameters with opt.add_param_group({'params': [...]}) instead of changing a "
+                                 "group's list, or build a new ZeroOptimizer")
+        if self._bound_to is None:
+            return
+        replaced = [(gi, pi) for gi, (group, (ids, _)) in enumerate(zip(self.params.param_groups, self._bound_to))
+                    for pi, (p, old) in enumerate(zip(group["params"], ids)) if id(p) != old]
+        if not replaced:
+            return
+        simple = (isinstance(self.inner.state, dict) and not hasattr(self.inner, "holds_whole_state")
+                  and not isinstance(self.inner, OffloadedAdam))
+        if not simple:
+            gi, pi = replaced[0]
+            raise ValueError(f"ZeroOptimizer: parameter {pi} of param group {gi} was replaced by another after the "
+                             f"optimizer bound (its kernel: {self.kernel}), whose state it does not keep in one dict "
+                             "by parameter. Build a new ZeroOptimizer over the new parameters (or add them with "
+                             "opt.add_param_group)")
+        for gi, pi in replaced:
+            self.inner.state.pop(self.bound[gi][pi], None)
 
     def _rebind_with_state(self, load: Callable[[dict], None]) -> None:
         """Some parameters that hold optimizer state were sharded since the inner optimizer
