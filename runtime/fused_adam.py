@@ -98,7 +98,6 @@ class FusedAdam(Optimizer):
                         capturable=capturable, differentiable=differentiable, fused=fused)
         super().__init__(params, defaults)
         self._checked: dict[int, tuple] = {}      # id(param group) -> what _check last accepted
-        self._quick: dict[int, tuple] = {}        # id(param group) -> its values when _check last accepted it
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: float = 1.0, only=None, copies: dict | None = None):
@@ -180,39 +179,26 @@ class FusedAdam(Optimizer):
 
     def _check(self, group: dict) -> None:
         # per-tensor checks on every step cost as much as a small kernel: a group is checked
-        # again only when its parameters or hyperparameters changed. First by what is cheap to
-        # read (no Python call per parameter or value: every step asks, the learning rate moving)
+        # again only when its parameters or hyperparameters changed, found by what is cheap to
+        # read (no Python call per parameter or value; every step asks): the parameters by
+        # identity, the values but the learning rate by equality, the learning rate's kind (an LR
+        # schedule moves its value every step, which the check does not look at)
         lr = group.get("lr")
-        quick = (list(map(id, group["params"])), [(k, v) for k, v in group.items() if k != "params" and k != "lr"],
-                 ("tensor", lr.numel()) if isinstance(lr, torch.Tensor) else "number")
+        seen = (list(map(id, group["params"])), [(k, v) for k, v in group.items() if k != "params" and k != "lr"],
+                ("tensor", lr.numel()) if isinstance(lr, torch.Tensor) else "number")
         try:
-            if self._quick.get(id(group)) == quick:
+            if self._checked.get(id(group)) == seen:
                 return
-        except RuntimeError:        # a hyperparameter that is a tensor of several elements: no quick answer
+        except RuntimeError:        # a hyperparameter that is a tensor of several elements: check again
             pass
-        key = (tuple(id(p) for p in group["params"]), tuple((k, _kind(k, v)) for k, v in group.items() if k != "params"))
-        if self._checked.get(id(group)) == key:
-            self._quick[id(group)] = quick
-            return
         reason = unsupported_reason(FusedAdam._as_torch_class(group), self.defaults, [group])
         if reason is not None:
             raise RuntimeError(f"{type(self).__name__}: {reason}; use torch.optim.Adam/AdamW for it")
-        self._checked[id(group)] = key
-        self._quick[id(group)] = quick
+        self._checked[id(group)] = seen
 
     @staticmethod
     def _as_torch_class(group: dict) -> type:
         return torch.optim.AdamW if group.get("decoupled_weight_decay") else torch.optim.Adam
-
-
-def _kind(key: str, value) -> object:
-    """What ``unsupported_reason`` looks at in a hyperparameter: a tensor's size, the value
-    otherwise, except the learning rate's value (an LR schedule changes it every step)."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", value.numel())
-    if isinstance(value, (tuple, list)):
-        return tuple(_kind(key, v) for v in value)
-    return "number" if key == "lr" else repr(value)
 
 
 def hyperparameters(group: dict, grad_scale: float) -> dict:
