@@ -81,8 +81,7 @@ class OptimizerParams:
 
     def states(self) -> list:
         """The shard state of each parameter that has one."""
-        states = self._pinned[1] if self._pinned is not None else states_of(self._unique())
-        return [sp for sp in states if sp is not None]
+        return [sp for sp in self.columns()[1] if sp is not None]
 
     def group_of(self, sp) -> CommGroup:
         """The process group of a parameter with shard state ``sp`` (None: not sharded)."""
@@ -118,8 +117,7 @@ class _Pinned:
     def __enter__(self) -> None:
         self.outer = self.params._pinned is None
         if self.outer:
-            params = self.params._unique()
-            self.params._pinned = (params, states_of(params))
+            self.params._pinned = self.params.columns()
 
     def __exit__(self, *exc) -> None:
         if self.outer:
