@@ -50,7 +50,7 @@ def test_restart_hits_the_caches_and_trains_bitwise_alike_a_changed_option_misse
     assert len(entries) == 2 * len(cold[0]["reports"]), entries   # one per rank and frame
     # the measured parameter_gather choice is kept for the restart (the graphs depend on it)
     assert [p.name for p in (tmp_path / "inductor" / "zerocompile" / "choices").glob("*.json")] == [
-        "v4-world2-gloo-cpu-reduce-in-graph-gather-in-graph.json"]   # stage 3: both in its graphs
+        "v5-world2-gloo-cpu-reduce-in-graph-gather-in-graph.json"]   # stage 3: both in its graphs
 
     warm = run_ranks(_train_in, 2, cache, run)
     for c, w in zip(cold, warm):

@@ -187,6 +187,34 @@ def test_auto_measures_nothing_on_one_rank_and_the_options_are_checked():
         ZeroConfig.from_options({"stage": 2, "parameter_gather": "p2p"})
 
 
+def _probe_with_a_busy_moment(rank, world):
+    """``_timed`` of two scripted kinds: ``"fast"`` takes 1 ms a run, except two runs on rank 0
+    that another process slowed to 60 ms; ``"steady"`` 20 ms every run."""
+    from zerocompile.runtime.comm import resolve_group
+    from zerocompile.runtime.reduction_choice import _fastest, _timed
+
+    script = {"fast": [1.0, 1.0, 60.0, 60.0] if rank == 0 else [1.0] * 4, "steady": [20.0] * 4}  # warm-up first
+
+    def run(kind, n):
+        return lambda: time.sleep(script[kind].pop(0) / 1e3)
+
+    (ms,) = _timed(("fast", "steady"), run, resolve_group().name, torch.device("cpu"), (1024,), repeats=3)
+    return {"ms": ms, "kind": _fastest(("fast", "steady"), ms), "left": script}
+
+
+def test_a_run_slowed_by_other_work_does_not_decide_the_choice():
+    """The probe counts each collective's fastest run (``probe_figure``): other work on the machine
+    only adds time to the runs it meets. With the median, two slowed runs out of three on one rank
+    chose the slower collective (the max over ranks carries one rank's figure to all)."""
+    results = run_ranks(_probe_with_a_busy_moment, 2)
+    assert results[0]["ms"] == results[1]["ms"]                 # every rank the same figures
+    for res in results:
+        fast, steady = res["ms"]
+        assert res["kind"] == "fast", res
+        assert 1.0 <= fast < 20.0 and steady >= 20.0, res      # the slowest rank's fastest run of each
+        assert res["left"] == {"fast": [], "steady": []}        # a warm-up and three timed runs each
+
+
 def test_a_bucket_takes_the_choice_of_the_nearest_probed_size():
     choice = ReductionChoice(sizes=(1 << 18, 1 << 22, 1 << 24), kinds=("reduce_scatter", "all_reduce", "all_reduce"),
                              source="measured", ms=((1.0, 2.0), (3.0, 2.0), (9.0, 6.0)))
