@@ -18,6 +18,15 @@ PYTHON  ?= python3
 # few inductor tests and the demo fast after their first run
 CACHE_HOME ?= $(if $(HOME),$(HOME)/.cache,$(CURDIR)/.cache)
 export TORCHINDUCTOR_CACHE_DIR ?= $(CACHE_HOME)/zerocompile/inductor
+# Python's bytecode cache, kept in the venv: with PYTHONDONTWRITEBYTECODE set (as it is in this
+# project's CI machine's environment) no .pyc is ever written, and every new interpreter compiles
+# every module it imports from source: importing torch, inductor, transformers and zerocompile took
+# 9.5-10.5 s here instead of 3.9-4.2 s, in every test worker, every script and CLI run a test starts
+# and every first-step benchmark's process (docs/benchmarks.md). The recipes below write the .pyc
+# files under $(VENV)/pycache (PYTHONPYCACHEPREFIX), so the source tree stays without __pycache__,
+# as PYTHONDONTWRITEBYTECODE keeps it; a prefix of your own is kept.
+unexport PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX ?= $(abspath $(VENV))/pycache
 
 .PHONY: install demo test bench bench-smoke gpu-check clean
 
