@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from bench_harness import git_commit
+from first_step import bytecode_note
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,7 +50,7 @@ def main() -> int:
     commit = git_commit()
     lines = ["# `make demo`'s first step, cold and on a restart", "",
              f"`python benchmarks/demo_first_step.py` at `{commit}`, {time.strftime('%Y-%m-%d %H:%M')}, "
-             f"{os.cpu_count()} CPUs, load average before {load:.1f}", "",
+             f"{os.cpu_count()} CPUs, load average before {load:.1f}; {bytecode_note()}", "",
              "| run | first step s | later steps s (median) | whole demo s |", "|---|---:|---:|---:|"]
     for name, r in (("cold inductor cache", cold), ("restart (warm cache)", warm)):
         lines.append(f"| {name} | {r['first_step_s']:.1f} | {r['later_step_s']:.2f} | {r['wall_s']:.1f} |")
@@ -60,7 +61,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "demo_first_step.md").write_text(text)
     (args.out / "demo_first_step.json").write_text(json.dumps(
-        {"commit": commit, "load_before": load, "cold": cold, "warm": warm}, indent=1))
+        {"commit": commit, "load_before": load, "bytecode": bytecode_note(), "cold": cold, "warm": warm}, indent=1))
     return 0
 
 

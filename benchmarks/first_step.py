@@ -155,6 +155,20 @@ def _shown_path(path: Path) -> str:
     return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
 
 
+def bytecode_note() -> str:
+    """Whether the timed processes (children of this one, with its environment) read and write
+    Python's bytecode cache: with ``PYTHONDONTWRITEBYTECODE`` set no ``.pyc`` is written, and each
+    process compiles every module it imports from source (torch, inductor, transformers: about
+    6 s of CPU here), inside the first step that imports them. ``make bench`` writes the cache
+    under the venv (``PYTHONPYCACHEPREFIX``, Makefile), as an ordinary install has it."""
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        return ("Python's bytecode cache off (PYTHONDONTWRITEBYTECODE set): every process compiled the modules it "
+                "imported from source, several seconds of each first step here; run through make bench for figures "
+                "as an ordinary install has them")
+    prefix = os.environ.get("PYTHONPYCACHEPREFIX")
+    return "Python's bytecode cache on" + (f" (PYTHONPYCACHEPREFIX={_shown_path(Path(prefix))})" if prefix else "")
+
+
 def build_cpp_kernel() -> str:
     """Build (or load from torch's extension cache) the C++ optimizer kernel before any timing."""
     from zerocompile.runtime import cpu_extension
@@ -203,7 +217,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.time()
     load_before = os.getloadavg()
-    notes = [build_cpp_kernel()]
+    notes = [build_cpp_kernel(), bytecode_note()]
     rows = []
     plain = cold_and_warm(args, PLAIN, 1)
     ddp = cold_and_warm(args, DDP, 2)
