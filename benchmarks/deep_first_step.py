@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from first_step import DDP, PLAIN, build_cpp_kernel, bytecode_note, cold_and_warm  # noqa: E402
+from first_step import DDP, PLAIN, build_cpp_kernel, cold_and_warm, prepare_bytecode  # noqa: E402
 
 RATIO_TARGET = 0.3
 GROWTH_TARGET = 1.10
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = p.parse_args(argv)
     started, load_before = time.time(), os.getloadavg()
-    notes = [build_cpp_kernel(), bytecode_note()]
+    notes = [build_cpp_kernel(), prepare_bytecode(args, min(args.layers))]
     rows = []
     for layers in args.layers:
         ddp = cold_and_warm(args, DDP, args.world_size, layers)
