@@ -52,17 +52,20 @@ COLD_TARGET = 1.0
 """The largest cold first-step ratio to DDP + torch.compile that meets issue 28's target."""
 WARM_TARGET = 0.3
 """The largest ratio of a restart's first step to the cold one that meets issue 28's target."""
-PLAIN, DDP = 0, -1
-"""``stage`` of the two torch references (zerocompile rows carry their ZeRO stage, 1-3)."""
+PLAIN, DDP, TRACE = 0, -1, -2
+"""``stage`` of the torch references (zerocompile rows carry their ZeRO stage, 1-3): plain
+``torch.compile``, DDP + ``torch.compile``, and Dynamo's trace alone (``backend="eager"``: the
+graph runs as traced, nothing compiled; what every backend's first step pays before its own work)."""
 
 
 def system_name(stage: int) -> str:
-    return {PLAIN: "plain torch.compile", DDP: "DDP + torch.compile"}.get(stage, f"zerocompile stage {stage}")
+    return {PLAIN: "plain torch.compile", DDP: "DDP + torch.compile",
+            TRACE: "Dynamo's trace alone (backend=\"eager\")"}.get(stage, f"zerocompile stage {stage}")
 
 
 def child(workload: str, inner: str, stage: int, world: int, layers: int | None = None,
           options: dict | None = None) -> dict:
-    """One measurement, in this (fresh) process: ``stage`` PLAIN, DDP or a ZeRO stage;
+    """One measurement, in this (fresh) process: ``stage`` PLAIN, DDP, TRACE or a ZeRO stage;
     ``layers``: the workload's model with that many blocks; ``options``: more backend options."""
     import torch
     import torch.distributed as dist
@@ -80,18 +83,18 @@ def child(workload: str, inner: str, stage: int, world: int, layers: int | None 
     g = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, spec["vocab"], (spec["batch"], spec["seq_len"]), generator=g) for _ in range(2))
     backend = "inductor" if inner == "inductor" else "aot_eager"
-    if stage != PLAIN:
+    if stage not in (PLAIN, TRACE):
         from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    if stage not in (PLAIN, DDP):
+    if stage not in (PLAIN, DDP, TRACE):
         import zerocompile       # a script imports it at its top, as it imports torch
     # the timer starts before torch.compile: what torch.compile itself does (plain torch.compile
     # imports inductor there; the "zero" backend at its first compile) counts for every system
     start = time.perf_counter()
-    if stage == PLAIN:
-        compiled = torch.compile(model, backend=backend)
+    if stage in (PLAIN, TRACE):
+        compiled = torch.compile(model, backend=backend if stage == PLAIN else "eager")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     elif stage == DDP:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -122,7 +125,7 @@ def child(workload: str, inner: str, stage: int, world: int, layers: int | None 
               if "cache_hit" in k or "cache_miss" in k or "cache_bypass" in k}
     if dist.is_initialized():
         dist.destroy_process_group()
-    return {"stage": stage, "world_size": world if stage != PLAIN else 1, "first_step_s": first, "step_s": steady,
+    return {"stage": stage, "world_size": world if stage not in (PLAIN, TRACE) else 1, "first_step_s": first, "step_s": steady,
             "caches": caches}
 
 
