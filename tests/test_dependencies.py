@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
@@ -150,6 +151,27 @@ def test_test_extra_is_what_the_tests_import():
         f"declared in the test extra but never imported by tests: {sorted(test - needed - TEST_PLUGINS)}")
     makefile = (ROOT / "Makefile").read_text()
     assert "-n $(TEST_WORKERS)" in makefile, "pytest-xdist is in the test extra for make test's -n"
+
+
+def _make_bytecode_env(environ: dict) -> str:
+    """What a ``make`` recipe of this repository sees of Python's bytecode settings, given the
+    caller's environment: ``"<PYTHONPYCACHEPREFIX>|<PYTHONDONTWRITEBYTECODE or 'unset'>"``."""
+    rule = 'print-bytecode-env: ; @echo "$$PYTHONPYCACHEPREFIX|$${PYTHONDONTWRITEBYTECODE-unset}"'
+    done = subprocess.run(["make", "-s", "--no-print-directory", "-C", str(ROOT), "--eval", rule, "print-bytecode-env"],
+                          env=environ, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_make_recipes_keep_pythons_bytecode_cache_in_the_venv():
+    """With ``PYTHONDONTWRITEBYTECODE`` set (as this project's CI machine sets it) every new
+    interpreter compiled every module it imported from source, about 6 s a process: the
+    Makefile's recipes run without it and write the cache under ``.venv/pycache``, and keep a
+    prefix the caller chose."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPYCACHEPREFIX", "VENV")}
+    environ["PYTHONDONTWRITEBYTECODE"] = "1"
+    assert _make_bytecode_env(environ) == f"{ROOT / '.venv' / 'pycache'}|unset"
+    assert _make_bytecode_env({**environ, "PYTHONPYCACHEPREFIX": "/tmp/my-pycache"}) == "/tmp/my-pycache|unset"
 
 
 def _closure(dists: set) -> set:
