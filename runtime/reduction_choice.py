@@ -86,8 +86,8 @@ def probe_figure(runs: list[float]) -> float:
     """What a collective's timed runs count for in the choice: the fastest. Other work on the
     machine (another job, a data loader, a second group of ranks) only adds time, and to whichever
     run it happens to meet: with the median, one busy moment during the probe decided the choice,
-    and the choice is saved for every restart. Measured on 2 gloo ranks here, a probe that ran
-    beside a test suite saved point-to-point transfers for 16 MiB reductions (median 35.5 ms
+    and the choice is saved for every restart. Measured on 2 gloo ranks here, a probe taken while
+    other work ran saved point-to-point transfers for 16 MiB reductions (median 35.5 ms
     against shared memory's 56.2), which take 14.1 ms against 7.9 on the machine alone; the
     42M GPT's stage 3 step took 6% longer with that choice (``benchmarks/run.py``). The fastest
     runs keep the order the machine shows alone (timeit reports the fastest for the same reason)."""
