@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from bench_harness import git_commit
-from first_step import bytecode_note
+from first_step import bytecode_cache_on, bytecode_note
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,10 +43,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
-    if not os.environ.get("PYTHONDONTWRITEBYTECODE"):
+    bytecode = bytecode_note()
+    if bytecode_cache_on():
         # one untimed run fills Python's bytecode cache (first_step.prepare_bytecode says why)
         with tempfile.TemporaryDirectory(prefix="zerocompile-bytecode-") as cache:
             run_demo(cache)
+        bytecode += ", filled by one untimed run first"
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="zerocompile-demo-cache-") as cache:
         cold = run_demo(cache)
@@ -54,7 +56,7 @@ def main() -> int:
     commit = git_commit()
     lines = ["# `make demo`'s first step, cold and on a restart", "",
              f"`python benchmarks/demo_first_step.py` at `{commit}`, {time.strftime('%Y-%m-%d %H:%M')}, "
-             f"{os.cpu_count()} CPUs, load average before {load:.1f}; {bytecode_note()}" + ("" if os.environ.get("PYTHONDONTWRITEBYTECODE") else ", filled by one untimed run first"), "",
+             f"{os.cpu_count()} CPUs, load average before {load:.1f}; {bytecode}", "",
              "| run | first step s | later steps s (median) | whole demo s |", "|---|---:|---:|---:|"]
     for name, r in (("cold inductor cache", cold), ("restart (warm cache)", warm)):
         lines.append(f"| {name} | {r['first_step_s']:.1f} | {r['later_step_s']:.2f} | {r['wall_s']:.1f} |")
@@ -65,7 +67,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "demo_first_step.md").write_text(text)
     (args.out / "demo_first_step.json").write_text(json.dumps(
-        {"commit": commit, "load_before": load, "bytecode": bytecode_note(), "cold": cold, "warm": warm}, indent=1))
+        {"commit": commit, "load_before": load, "bytecode": bytecode, "cold": cold, "warm": warm}, indent=1))
     return 0
 
 

@@ -158,13 +158,19 @@ def _shown_path(path: Path) -> str:
     return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
 
 
+def bytecode_cache_on() -> bool:
+    """Whether processes started with this one's environment write and read ``.pyc`` files
+    (``PYTHONDONTWRITEBYTECODE`` unset)."""
+    return not os.environ.get("PYTHONDONTWRITEBYTECODE")
+
+
 def bytecode_note() -> str:
     """Whether the timed processes (children of this one, with its environment) read and write
     Python's bytecode cache: with ``PYTHONDONTWRITEBYTECODE`` set no ``.pyc`` is written, and each
     process compiles every module it imports from source (torch, inductor, transformers: about
     6 s of CPU here), inside the first step that imports them. ``make bench`` writes the cache
     under the venv (``PYTHONPYCACHEPREFIX``, Makefile), as an ordinary install has it."""
-    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+    if not bytecode_cache_on():
         return ("Python's bytecode cache off (PYTHONDONTWRITEBYTECODE set): every process compiled the modules it "
                 "imported from source, several seconds of each first step here; run through make bench for figures "
                 "as an ordinary install has them")
@@ -179,7 +185,7 @@ def prepare_bytecode(args, layers: int | None = None) -> str:
     included, compiles modules from source (an installed package has its ``.pyc`` from the start;
     the Makefile's venv writes them on first import). Returns ``bytecode_note()`` saying so."""
     note = bytecode_note()
-    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+    if not bytecode_cache_on():
         return note
     start = time.perf_counter()
     for stage in (3, DDP):
