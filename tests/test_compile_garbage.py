@@ -59,3 +59,69 @@ def test_the_first_step_frees_what_compiling_its_frames_held():
     finally:
         gc.enable()
         torch.compiler.reset()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def test_the_collector_is_paused_while_the_backend_compiles_and_runs_again_after(monkeypatch):
+    """No automatic collection runs while ``backend="zero"`` compiles a frame (its full walks
+    of every object were a fifth of a small model's compile); it runs again after, and the
+    step's own collection frees what the compile left."""
+    from zerocompile import backend
+
+    seen = []
+    collections = []
+
+    def on_collection(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    def watched(*args, **kwargs):
+        seen.append(gc.isenabled())
+        started = len(collections)
+        gc.callbacks.append(on_collection)
+        try:
+            # allocations that start several collections while the collector runs
+            junk = [[object()] for _ in range(50_000)]
+            del junk
+            return compile_frame(*args, **kwargs)
+        finally:
+            gc.callbacks.remove(on_collection)
+            seen.append(len(collections) - started)
+
+    compile_frame = backend.compile_frame
+    monkeypatch.setattr(backend, "compile_frame", watched)
+    torch.compiler.reset()
+    assert gc.isenabled()
+    model = _mlp()
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.SGD, lr=0.1)
+    compiled(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    assert seen == [False, 0], seen        # compiled with the collector off, and none ran
+    assert gc.isenabled()
+    torch.compiler.reset()
+
+
+def test_a_collector_the_user_turned_off_stays_off_and_a_failed_compile_turns_it_back_on():
+    torch.compiler.reset()
+    gc.disable()
+    try:
+        compiled = torch.compile(_mlp(), backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+        compiled(torch.randn(4, 8)).sum().backward()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    torch.compiler.reset()
+    compiled = torch.compile(_mlp(), backend="zero", options={"stage": 3, "no_such_option": 1})
+    try:
+        compiled(torch.randn(4, 8))
+    except Exception as err:     # Dynamo wraps the backend's ZeroConfigError
+        assert "no_such_option" in str(err)
+    else:
+        raise AssertionError("an unknown option compiled")
+    assert gc.isenabled()
+    torch.compiler.reset()

@@ -8,6 +8,7 @@ import logging
 
 from zerocompile import _torch_compat, env, repeated_blocks
 from zerocompile.capture import compile_frame, frame_name
+from zerocompile.collection_pause import collection_paused
 from zerocompile.config import ZeroConfig, options_needing_a_new_trace
 from zerocompile.errors import CollectiveMismatchError, ZeroConfigError
 from zerocompile.runtime.session import PROCESS
@@ -34,7 +35,14 @@ def overriding_options(options: dict):
 
 
 def zero_backend(gm, example_inputs, options=None, mode=None, **kwargs):
-    """``torch.compile(model, backend="zero", options={...})`` calls this once per frame."""
+    """``torch.compile(model, backend="zero", options={...})`` calls this once per frame; Python's
+    automatic garbage collection is paused meanwhile (``collection_pause.py``)."""
+    with collection_paused():
+        return _compile(gm, example_inputs, options, mode, **kwargs)
+
+
+def _compile(gm, example_inputs, options, mode, **kwargs):
+    """``zero_backend``'s work."""
     if kwargs:
         raise ZeroConfigError(f"unexpected backend arguments {sorted(kwargs)}; pass options={{...}}")
     if mode not in (None, "default"):
@@ -84,8 +92,9 @@ def recompile_with_overriding_options(options: dict) -> int:
                                   "script again")
         configs.append(cfg)
     _OVERRIDE.set(dict(options))
-    for runner, cfg in zip(runners, configs):
-        runner.recompile(cfg)
+    with collection_paused():
+        for runner, cfg in zip(runners, configs):
+            runner.recompile(cfg)
     return len(runners)
 
 

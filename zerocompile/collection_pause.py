@@ -1,0 +1,39 @@
+"""Python's automatic garbage collection paused while a frame compiles.
+
+A compile allocates millions of short-lived Python objects (FX nodes, fake tensors, sympy
+expressions, inductor's IR). Python's collector runs after every 700 more container objects
+made than freed, every tenth run takes the next generation too, and a full run, whenever a
+quarter more objects have outlived two collections since the last one, walks every object the
+process holds (torch, transformers, sympy, inductor: half a million, 0.25 s a walk here). On a
+4-layer HF Llama at stage 3 (eager inner compiler, 2 CPUs, 3 steps) the collector took 1.15 s of
+a 4.6 s first run and 0.75 s of a 3.1 s second one (Dynamo reset between), nine tenths of it in
+full walks. Paused while the backend compiles, nothing is collected meanwhile; the reference
+cycles a compile leaves are collected once after the step that compiled
+(``optim/update.py: collect_compile_garbage``), a full collection that ran anyway. The same
+runs then took 4.5 s and 2.9 s, the collector 0.9 s and 0.45 s. torch's
+``torch.distributed.checkpoint.state_dict`` pauses the collector the same way around its own
+allocation-heavy work. The cost: cyclic garbage made during one compile stays until it ends (a
+stage-3 first step of the 4M GPT with inductor: peak RSS 617 MB against 591; the plan of an
+80-layer Llama-3-70B script: 0.62 GiB against 0.61).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+
+@contextlib.contextmanager
+def collection_paused():
+    """While open, Python's automatic garbage collection does not run (``gc.disable()``); on
+    leaving, by return or by exception, it runs again as before: where it was already off (the
+    user's ``gc.disable()``, or an enclosing pause) it stays off. ``gc.collect()`` still
+    collects when called."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
