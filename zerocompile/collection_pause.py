@@ -5,16 +5,17 @@ expressions, inductor's IR). Python's collector runs after every 700 more contai
 made than freed, every tenth run takes the next generation too, and a full run, whenever a
 quarter more objects have outlived two collections since the last one, walks every object the
 process holds (torch, transformers, sympy, inductor: half a million, 0.25 s a walk here). On a
-4-layer HF Llama at stage 3 (eager inner compiler, 2 CPUs, 3 steps) the collector took 1.15 s of
-a 4.6 s first run and 0.75 s of a 3.1 s second one (Dynamo reset between), nine tenths of it in
-full walks. Paused while the backend compiles, nothing is collected meanwhile; the reference
-cycles a compile leaves are collected once after the step that compiled
-(``optim/update.py: collect_compile_garbage``), a full collection that ran anyway. The same
-runs then took 4.5 s and 2.9 s, the collector 0.9 s and 0.45 s. torch's
-``torch.distributed.checkpoint.state_dict`` pauses the collector the same way around its own
-allocation-heavy work. The cost: cyclic garbage made during one compile stays until it ends (a
-stage-3 first step of the 4M GPT with inductor: peak RSS 617 MB against 591; the plan of an
-80-layer Llama-3-70B script: 0.62 GiB against 0.61).
+4-layer HF Llama at stage 3 (eager inner compiler, 2 CPUs, 3 steps) the collector took 1.3 s of
+a 5.1 s first run and 0.8 s of a 3.2 s second one (Dynamo reset between), most of it in full
+walks. Paused while the backend compiles, nothing is collected meanwhile; the reference cycles
+a compile leaves are collected once after the step that compiled (``optim/update.py:
+collect_compile_garbage``), a full collection that ran anyway. The same runs then took x0.90
+and x0.91 of the time, paired, with the process's peak RSS 625 MB against 642
+(``benchmarks/compile_collection.py``, ``benchmarks/results/compile_collection.md``); the plan of
+the 80-layer Llama-3-70B script kept its 0.62 GiB (``benchmarks/results/plan_llama70b.md``).
+torch's ``torch.distributed.checkpoint.state_dict`` pauses the collector the same way around its
+own allocation-heavy work. The cost: cyclic garbage made during one compile stays until the
+compile ends.
 """
 
 from __future__ import annotations

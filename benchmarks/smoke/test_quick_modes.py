@@ -1,7 +1,7 @@
 """Smoke runs of the benchmarks in their quick modes, run by ``make bench`` before the full runs
 (``make bench-smoke`` alone): ``stage3_vs_fsdp2.py``, ``run.py``, ``optimizer_step.py``,
 ``first_step.py``, ``step_breakdown.py``, ``quantize.py``, ``collectives.py``,
-``whole_param_step.py`` and ``gpu_check.py`` (``make gpu-check``) run end to end and write sane
+``whole_param_step.py``, ``compile_collection.py`` and ``gpu_check.py`` (``make gpu-check``) run end to end and write sane
 figures. They are out of ``make test`` (each spawns ranks and compiles models for a minute or
 more); the code they run is tested there."""
 
@@ -315,3 +315,26 @@ def test_whole_param_step_benchmark_quick(tmp_path):
         assert muon["state_bytes_max"] <= muon["state_bytes_sum"] / 2 + max(4 * 64 * 256, 1)
     md = (tmp_path / "whole_param_step.md").read_text()
     assert "| 3 | Muon + AdamW |" in md and "DeepSpeed's ZeRO Muon" in md
+
+
+COMPILE_COLLECTION = HERE / "compile_collection.py"
+
+
+def test_compile_collection_benchmark_quick(tmp_path):
+    """benchmarks/compile_collection.py --quick: the HF Llama compiled with the collector paused
+    and not, the same losses bit for bit, the pause's compile with no full collection of its own
+    beyond the step's, and the report files."""
+    proc = subprocess.run([sys.executable, str(COMPILE_COLLECTION), "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "compile_collection.json").read_text())
+    assert result["losses_equal"] is True
+    for run in ("first run", "second run"):
+        on, off = result["systems"]["pause on"][run], result["systems"]["pause off"][run]
+        for e in (on, off):
+            assert math.isfinite(e["wall_s"]) and e["wall_s"] > 0 and e["gc_s"] >= 0
+        # the step's collection is full either way; the pause adds none, and takes some away
+        assert 1 <= on["full_collections"] <= off["full_collections"], (run, on, off)
+        assert math.isfinite(result["ratios"][run]["paired"])
+    md = (tmp_path / "compile_collection.md").read_text()
+    assert "| second run | pause on |" in md
