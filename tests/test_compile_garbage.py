@@ -125,3 +125,34 @@ def test_a_collector_the_user_turned_off_stays_off_and_a_failed_compile_turns_it
         raise AssertionError("an unknown option compiled")
     assert gc.isenabled()
     torch.compiler.reset()
+
+
+def test_inductors_code_generation_runs_with_the_collector_and_the_pause_comes_back_after():
+    """``collection_resumed`` (around inductor's code generation) turns the collector on only
+    inside zerocompile's own pause, and pauses it again after; a collector the user turned off
+    stays off inside both."""
+    from zerocompile.collection_pause import collection_paused, collection_resumed
+
+    assert gc.isenabled()
+    with collection_resumed():
+        assert gc.isenabled()
+    with collection_paused():
+        assert not gc.isenabled()
+        with collection_resumed():
+            assert gc.isenabled()
+        assert not gc.isenabled()
+        try:
+            with collection_resumed():
+                raise KeyError("inside")
+        except KeyError:
+            pass
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collection_paused():
+            with collection_resumed():
+                assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -14,6 +14,7 @@ import functools
 import torch
 
 from zerocompile import _torch_compat, graph_replay
+from zerocompile.collection_pause import collection_resumed
 from zerocompile.runtime import param_offload
 from zerocompile.runtime.comm import check_collectives_runnable, lower_collectives_for_backend
 
@@ -37,7 +38,9 @@ def compile_with_inductor(gm, example_inputs, partitioner, on_inference=None, ca
         if kwargs.get("is_inference") and on_inference is not None:
             graph = on_inference(graph)
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
-        return compile_fx_inner(runnable(graph, lowerings, watch, kind), inputs, **kwargs)
+        graph = runnable(graph, lowerings, watch, kind)
+        with collection_resumed():       # inductor's code generation, with the collector as torch runs it
+            return compile_fx_inner(graph, inputs, **kwargs)
 
     caching = (_torch_compat.without_autograd_cache() if cacheable_functions is None
                else _torch_compat.autograd_cache(cacheable_functions))
