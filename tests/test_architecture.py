@@ -172,6 +172,8 @@ _MUTATORS = {"add", "append", "extend", "insert", "update", "setdefault", "pop",
 STATELESS = {"zerocompile.runtime.stages._STAGE3_OFFLOAD": "a stage's rules: methods only, no attributes",
              "zerocompile.runtime.timer_ops._LIBRARY": "torch.library's registration handle of the timer ops",
              "zerocompile.backend._OVERRIDE": "a ContextVar: options overridden in one context, not process-wide",
+             "zerocompile.collection_pause._PAUSED": "a ContextVar: whether this context's compile paused the "
+                                                     "garbage collector, not process-wide",
              "zerocompile.plan.HARDWARE": "a read-only mapping (MappingProxyType) of hardware presets"}
 """Module-level instances that hold no state of the process's training, with why."""
 
