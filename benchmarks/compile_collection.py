@@ -35,6 +35,34 @@ SYSTEMS = ("pause on", "pause off")
 RUNS = ("first run", "second run")
 
 
+def train_llama_whole(layers: int, inner: str, steps: int = 3) -> list:
+    """An HF Llama of ``layers`` decoder layers (width 32), compiled whole with ``backend="zero"`` at
+    stage 3 and trained ``steps`` AdamW steps in this process (a process group must exist); the
+    losses."""
+    import torch
+    import transformers
+
+    import zerocompile
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                      use_cache=False, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config)
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": inner})
+    opt = zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW, lr=1e-2)
+    g = torch.Generator().manual_seed(7)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (2, 12), generator=g)
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def child(pause: bool, layers: int, inner: str) -> dict:
     """In a fresh process: the two runs' wall times, collector times, full collections, losses."""
     import contextlib
@@ -43,10 +71,8 @@ def child(pause: bool, layers: int, inner: str) -> dict:
 
     import torch
     import torch.distributed as dist
-    import transformers
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import zerocompile
     from zerocompile import backend
 
     if not pause:
@@ -68,22 +94,7 @@ def child(pause: bool, layers: int, inner: str) -> dict:
         torch.compiler.reset()
         record.update(seconds=0.0, full=0)
         started = time.perf_counter()
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                                          use_cache=False, attn_implementation="sdpa")
-        model = transformers.LlamaForCausalLM(config)
-        compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": inner})
-        opt = zerocompile.ZeroOptimizer(compiled.parameters(), torch.optim.AdamW, lr=1e-2)
-        g = torch.Generator().manual_seed(7)
-        losses = []
-        for _ in range(3):
-            ids = torch.randint(0, 64, (2, 12), generator=g)
-            loss = compiled(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = train_llama_whole(layers, inner)
         out[run] = {"wall_s": time.perf_counter() - started, "gc_s": record["seconds"],
                     "full_collections": record["full"], "losses": losses}
     dist.destroy_process_group()

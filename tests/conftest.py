@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 
 import pytest
@@ -15,6 +16,24 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     # for the same cores (8% of the wall time of the single-process tests, measured). A test
     # that is about threads sets its own count.
     torch.set_num_threads(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """Each test function runs from ``zerocompile.deep_stack.on_a_deep_stack``, as the ranks'
+    functions do (``dist_utils``): on Python 3.11 a call that crosses the end of a 16 KiB stack
+    chunk maps and unmaps a chunk every time (CPython issue gh-142183), and Dynamo's tracing, deep
+    in pytest's stack, spent a fifth of the suite's CPU time so (``perf record -a``). The backend's
+    compile runs on a deep stack whatever calls it; this puts Dynamo's tracing there too. Nothing
+    but the stack's layout changes: the same call, arguments and exceptions."""
+    from zerocompile.deep_stack import on_a_deep_stack
+
+    test = pyfuncitem.obj
+    pyfuncitem.obj = functools.wraps(test)(lambda *args, **kwargs: on_a_deep_stack(test, *args, **kwargs))
+    try:
+        yield
+    finally:
+        pyfuncitem.obj = test
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zerocompile.deep_stack import on_a_deep_stack
 from zerocompile.runtime.rank_exit import rank_teardown
 
 
@@ -77,7 +78,7 @@ def _entry(rank, world, port, fn, args, outdir, environ, cwd):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
     with rank_teardown():   # a barrier, the group destroyed; after success os._exit(0)
         try:
-            result = fn(rank, world, *args)
+            result = on_a_deep_stack(fn, rank, world, *args)     # as the tests' own calls (conftest.py)
             torch.save({"ok": True, "result": result}, os.path.join(outdir, f"{rank}.pt"))
         except BaseException:  # noqa: BLE001 - report to the parent
             torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(outdir, f"{rank}.pt"))
@@ -139,7 +140,7 @@ def _in_child(run, out_path: str, err_path: str, environ: dict, cwd: str) -> Non
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         try:
-            code = run() or 0
+            code = on_a_deep_stack(run) or 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         except BaseException:  # noqa: BLE001 - the traceback is the parent's error message

@@ -10,6 +10,7 @@ from zerocompile import _torch_compat, env, repeated_blocks
 from zerocompile.capture import compile_frame, frame_name
 from zerocompile.collection_pause import collection_paused
 from zerocompile.config import ZeroConfig, options_needing_a_new_trace
+from zerocompile.deep_stack import on_a_deep_stack
 from zerocompile.errors import CollectiveMismatchError, ZeroConfigError
 from zerocompile.runtime.session import PROCESS
 
@@ -36,9 +37,10 @@ def overriding_options(options: dict):
 
 def zero_backend(gm, example_inputs, options=None, mode=None, **kwargs):
     """``torch.compile(model, backend="zero", options={...})`` calls this once per frame; Python's
-    automatic garbage collection is paused meanwhile (``collection_pause.py``)."""
+    automatic garbage collection is paused meanwhile (``collection_pause.py``), and the compile
+    runs on a deep stack, free of CPython's stack-chunk thrashing (``deep_stack.py``)."""
     with collection_paused():
-        return _compile(gm, example_inputs, options, mode, **kwargs)
+        return on_a_deep_stack(_compile, gm, example_inputs, options, mode, **kwargs)
 
 
 def _compile(gm, example_inputs, options, mode, **kwargs):
@@ -93,9 +95,13 @@ def recompile_with_overriding_options(options: dict) -> int:
         configs.append(cfg)
     _OVERRIDE.set(dict(options))
     with collection_paused():
-        for runner, cfg in zip(runners, configs):
-            runner.recompile(cfg)
+        on_a_deep_stack(_recompile_all, runners, configs)
     return len(runners)
+
+
+def _recompile_all(runners, configs) -> None:
+    for runner, cfg in zip(runners, configs):
+        runner.recompile(cfg)
 
 
 def _with_environment_options(options):

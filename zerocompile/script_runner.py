@@ -22,6 +22,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from zerocompile import _torch_compat
+from zerocompile.deep_stack import on_a_deep_stack
 
 
 class ScriptRunError(Exception):
@@ -49,7 +50,8 @@ def run_script(script: Path, script_args: list, env_updates: dict, world_size: i
     try:
         with script_process_group(world_size), (around or contextlib.nullcontext()):
             try:
-                runpy.run_path(str(script), run_name="__main__")
+                # the whole script, Dynamo's tracing included, free of stack-chunk thrashing
+                on_a_deep_stack(runpy.run_path, str(script), run_name="__main__")
             except BaseException as exc:
                 if stop is None or not isinstance(exc, stop):
                     raise
