@@ -6,7 +6,7 @@
 #             benchmarks/onebit_bytes.py, benchmarks/whole_param_step.py, benchmarks/monitoring_overhead.py,
 #             benchmarks/eager_flops_overhead.py,
 #             benchmarks/step_breakdown.py, benchmarks/plan_llama70b.py, benchmarks/tune_llama70b.py, benchmarks/tune_ranking.py,
-#             benchmarks/lr_schedules_vs_deepspeed.py, benchmarks/compile_collection.py
+#             benchmarks/lr_schedules_vs_deepspeed.py, benchmarks/compile_collection.py, benchmarks/deep_stack.py
 #             and the micro benchmarks
 #             (results in benchmarks/results/).
 # make gpu-check: on a machine with a CUDA device, the GPU paths (benchmarks/gpu_check.py).
@@ -95,6 +95,7 @@ bench: bench-smoke
 	$(PY) benchmarks/monitoring_overhead.py
 	$(PY) benchmarks/watchdog_overhead.py
 	$(PY) benchmarks/compile_collection.py
+	$(PY) benchmarks/deep_stack.py
 	$(PY) -m pytest benchmarks/micro --benchmark-only -q --benchmark-json benchmarks/results/micro.json
 
 # the GPU paths (Triton kernels, NCCL stage-3 step, CUDA memory); says so and exits 0 without a GPU

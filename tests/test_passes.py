@@ -272,3 +272,30 @@ def test_bucket_mb_zero_also_unbuckets_the_optimizer_step(fake_world, bucket_mb,
     opt.step()
     stats = zerocompile.stats()
     assert (stats.reduce_scatter.count, stats.all_gather.count) == (expected, expected)
+
+
+def test_the_cost_model_is_probed_once_per_process_group(fake_world):
+    """Two frames compiled on one process group probe the rates once (the probe used to run at
+    every frame's compile); a process group made anew is probed anew."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from zerocompile._torch_compat import init_fake_process_group
+    from zerocompile.passes.analyses import cost_model
+
+    def train(width):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+        compiled = torch.compile(model, backend="zero", options={"stage": 3, "inner_compiler": "eager"})
+        compiled(torch.randn(4, width)).sum().backward()
+
+    with mock.patch.object(cost_model, "probe", wraps=cost_model.probe) as probe:
+        train(8)
+        train(16)
+        assert probe.call_count == 1
+        dist.destroy_process_group()
+        init_fake_process_group(4)
+        torch.compiler.reset()
+        train(8)
+        assert probe.call_count == 2

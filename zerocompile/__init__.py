@@ -9,6 +9,7 @@ from zerocompile.checkpoint import consolidated_state_dict, load_checkpoint, sav
 from zerocompile.checkpoint.deepspeed_load import load_deepspeed_checkpoint
 from zerocompile.comms_summary import log_summary
 from zerocompile.config import ZeroConfig
+from zerocompile.deep_stack import on_a_deep_stack
 from zerocompile.deepspeed_training import initialize, training_settings
 from zerocompile.errors import (CollectiveMismatchError, DeepSpeedCheckpointError, GradientNotGatheredError, LossScaleError, ParameterNotGatheredError, ParamIdentityError,
                                 SwapFileError, UnshardedParametersError, ZeroConfigError)
@@ -26,7 +27,7 @@ from zerocompile.state_dict import full_state_dict, gathered_parameters
 __all__ = [
     "ZeroConfig", "ZeroOptimizer", "ZeroStats", "close_monitors", "consolidated_state_dict", "frame_reports", "full_state_dict",
     "gathered_parameters", "generate", "initialize", "load_checkpoint", "load_deepspeed_checkpoint", "load_pretrained", "log_metrics", "log_summary",
-    "materialize",
+    "materialize", "on_a_deep_stack",
     "reset_stats", "save_checkpoint", "save_pretrained", "set_leaf_modules", "stats", "training_settings",
     "zero_backend", "OneBitAdam", "ZeroOneAdam",
     # errors (zerocompile/errors.py)

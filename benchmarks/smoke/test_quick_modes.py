@@ -1,7 +1,7 @@
 """Smoke runs of the benchmarks in their quick modes, run by ``make bench`` before the full runs
 (``make bench-smoke`` alone): ``stage3_vs_fsdp2.py``, ``run.py``, ``optimizer_step.py``,
 ``first_step.py``, ``step_breakdown.py``, ``quantize.py``, ``collectives.py``,
-``whole_param_step.py``, ``compile_collection.py`` and ``gpu_check.py`` (``make gpu-check``) run end to end and write sane
+``whole_param_step.py``, ``compile_collection.py``, ``deep_stack.py`` and ``gpu_check.py`` (``make gpu-check``) run end to end and write sane
 figures. They are out of ``make test`` (each spawns ranks and compiles models for a minute or
 more); the code they run is tested there."""
 
@@ -338,3 +338,26 @@ def test_compile_collection_benchmark_quick(tmp_path):
         assert math.isfinite(result["ratios"][run]["paired"])
     md = (tmp_path / "compile_collection.md").read_text()
     assert "| second run | pause on |" in md
+
+
+DEEP_STACK = HERE / "deep_stack.py"
+
+
+def test_deep_stack_benchmark_quick(tmp_path):
+    """benchmarks/deep_stack.py --quick: the HF Llama compiled with the backend on a plain call, on
+    the deep stack (as shipped) and with the whole loop there, the same losses bit for bit, fewer
+    page faults on the deep stack than on the plain call, and the report files."""
+    proc = subprocess.run([sys.executable, str(DEEP_STACK), "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "deep_stack.json").read_text())
+    assert result["losses_equal"] is True
+    for run in ("first run", "second run"):
+        row = result["table"][run]
+        for system in ("plain call", "backend deep", "loop deep"):
+            assert math.isfinite(row[system]["wall_s"]) and row[system]["wall_s"] > 0
+        # each chunk mapped anew faults: the deep stack maps fewer
+        assert row["loop deep"]["faults"] < row["plain call"]["faults"], row
+        assert math.isfinite(row["backend deep"]["paired_ratio"])
+    md = (tmp_path / "deep_stack.md").read_text()
+    assert "| second run | loop deep |" in md

@@ -11,12 +11,14 @@
 The rates come from the config (``cost_model={...}``) or from ``probe()``, which times
 a matmul, a memory-bound op and two all-gathers on the parameters' device, then takes the
 slowest rank's figures (an all-gather of every rank's figures, then their maximum), so
-every rank holds the same model and makes the same decisions. On torch's fake process
+every rank holds the same model and makes the same decisions. The probe runs at the first
+compile that needs it, once per process group and device in the process. On torch's fake process
 group (``zerocompile dump --world-size N``) the communication rates keep their defaults.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -184,14 +186,26 @@ def probe(group: CommGroup, device=None, repeats: int = 3) -> CostModel:
 
 def cost_model_for(config_value, group: CommGroup, device=None) -> CostModel:
     """The cost model the config asks for: probed on ``device`` (``"probe"``) or from the
-    given rates."""
+    given rates. A probe runs once per process group and device in the process (``_probed``)."""
     if config_value == "probe":
         if device is not None and torch.device(device).type == "meta":
             log.info("cost model: the parameters are on the meta device, where nothing can be timed; "
                      "the default rates are used (set the cost_model option to give others)")
             return CostModel()
-        return probe(group, device)
+        return _probed(group, str(torch.device(device or "cpu")))
     return CostModel.from_rates(config_value)
+
+
+@functools.cache
+def _probed(group: CommGroup, device: str) -> CostModel:
+    """``probe(group, device)``, once per group (keyed by its ``ProcessGroup`` object: a group
+    destroyed and made anew is probed anew) and device for the process's life. Each compile
+    used to probe (a matmul, 16 MiB allocated and copied, two all-gathers, timed 4 times): about
+    a tenth of a second of every frame's compile, for rates that do not change between frames.
+    Every rank compiles the same frames in the same order, so every rank probes (a collective)
+    at the same first compile and none later; a frame compiled on some ranks only does not
+    probe."""
+    return probe(group, device)
 
 
 PROBE_BYTES = 32 << 20
@@ -209,19 +223,23 @@ def probe_offload(cost: CostModel, group: CommGroup, settings, device=None) -> C
     device = torch.device(device or "cpu")
     if not settings.enabled or is_fake_group(group) or device.type == "meta":
         return cost
-    if settings.device == "nvme":
-        seconds = _time_file(settings.nvme_path)
-    elif device.type == "cuda":
-        seconds = _time_host_link(device)
-    else:
+    if settings.device != "nvme" and device.type != "cuda":
         return cost                                   # "cpu" for a CPU model: nothing moves
+    rate = _offload_rate(group, str(device), settings.device, settings.nvme_path)
+    return dataclasses.replace(cost, offload_bandwidth=rate)
+
+
+@functools.cache
+def _offload_rate(group: CommGroup, device: str, where: str, nvme_path: str | None) -> float:
+    """The slowest rank's offload rate (bytes/s) to ``where``, measured once per group, device
+    and path in the process (as ``_probed``): 32 MiB written and read back per compile before."""
+    seconds = _time_file(nvme_path) if where == "nvme" else _time_host_link(torch.device(device))
     mine = torch.tensor([seconds], dtype=torch.float64, device=device)
     if group.world > 1:
         seconds = float(all_gather_flat(mine, group.world, group.name).max())
     rate = 2 * PROBE_BYTES / max(seconds, 1e-9)
-    log.info("cost model: activations are offloaded at %.2f GB/s per rank (measured, %s)", rate / 1e9,
-             settings.device)
-    return dataclasses.replace(cost, offload_bandwidth=rate)
+    log.info("cost model: activations are offloaded at %.2f GB/s per rank (measured, %s)", rate / 1e9, where)
+    return rate
 
 
 def _time_file(nvme_path: str) -> float:
