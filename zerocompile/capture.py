@@ -149,20 +149,17 @@ class FrameRunner:
                      self.partitioner.backward_summary]
         sequences = [s.sequence for s in summaries]
         regions = self._regions = regions_of(self._hook_roots)
-        # the checks' collectives end the compile: a mismatch report names them so (a frame compiled
-        # and run on some ranks only waits here first where its compile took no collective)
-        with PROCESS.watch.scope(f"compiling {self.frame}"):
+        with PROCESS.watch.scope(f"compiling {self.frame}"):   # the compile's last collectives, in a report
             if regions is not None and self.partitioner.ctx.group.world > 1 and any(len(seq) for seq in sequences):
-                # a frame of a model with eager units: run inside an eager forward, the ranks check they
-                # run the same frame before it issues collectives (runtime/eager_regions.py:
-                # check_position), also before the check of its collectives below, which is one. The
-                # position is the frame's name, not its collectives: ranks that compiled it differently
-                # get that check, which names the first differing collective
+                # a frame of a model with eager units: run inside an eager forward, the ranks check they run
+                # the same frame before it issues collectives (runtime/eager_regions.py: check_position), also
+                # before the check of its collectives below, which is one. The position is the frame's name,
+                # not its collectives: ranks that compiled it differently get that check, which names the
+                # first differing collective
                 self._position = (regions, regions.frame_position(fingerprint([[self.frame]]), self.frame))
                 self._check_position()
-            # a frame without collectives cannot put the ranks out of step, and it may run on some
-            # ranks only (an expert only some ranks' tokens reach, a recompile for a shape one rank
-            # met): checking it would be the collective that does
+            # a frame without collectives cannot put the ranks out of step, and it may run on some ranks only (an
+            # expert only some ranks' tokens reach, a recompile for a shape one rank met): a check would do that
             if any(len(seq) for seq in sequences):
                 check_same_on_all_ranks(fingerprint(sequences), self.partitioner.ctx.group, self.frame, sequences,
                                         device=_frame_device(self.plans), session=self.session)
