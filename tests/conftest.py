@@ -18,6 +18,18 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     torch.set_num_threads(1)
 
 
+def pytest_collection_finish(session):
+    """Once the test modules are imported (torch, transformers, zerocompile, pytest's own objects),
+    ``gc.freeze()`` them, as ``warm_imports`` does for the ranks' fork server: the full collections
+    of each step that compiled (``collect_compile_garbage``) then walk what the tests made, not the
+    half a million objects of those modules. What is frozen is alive for the whole run anyway;
+    what a test makes is collected as in any process."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_pyfunc_call(pyfuncitem):
     """Each test function runs from ``zerocompile.deep_stack.on_a_deep_stack``, as the ranks'
