@@ -1,23 +1,25 @@
 """Calls run on one unbroken stretch of CPython's frame stack.
 
-CPython 3.11 and 3.12 (and 3.13 and 3.14 before their fix) keep the frames of Python calls in
-chunks of 16 KiB, each mapped from the operating system when a call does not fit in the current
-one and unmapped when that call returns (``Python/pystate.c``: ``push_chunk``,
-``_PyThreadState_PopFrame``). A loop that runs at a depth where its callee's frame just crosses a
-chunk's end maps and unmaps a chunk, and takes its first page fault, on every call: CPython issue
-gh-142183 ("Calls across stack chunks perform badly"), fixed in 3.13 and 3.14 by keeping one chunk
-cached, and not in 3.11 or 3.12. Dynamo's tracer, AOTAutograd, the partitioner and the passes run
-deep, recursive Python, and on this project's machine (Python 3.11, ``perf record -a`` over a
-2-rank stage-3 test run) a fifth of all CPU time went to mapping, faulting and unmapping those
-chunks; the same runs took x0.74-0.83 of the time when started from ``on_a_deep_stack``.
+CPython 3.11 and later keep the frames of Python calls in chunks of 16 KiB, each mapped from the
+operating system when a call does not fit in the current one and unmapped when that call returns
+(``Python/pystate.c``: ``push_chunk``, ``_PyThreadState_PopFrame``). A loop that runs at a depth
+where its callee's frame just crosses a chunk's end maps and unmaps a chunk, and takes its first
+page fault, on every call: CPython issue gh-142183 ("Calls across stack chunks perform badly"),
+fixed in 2026 for 3.13 and 3.14 by keeping one chunk per thread (gh-145789), not for 3.11 or 3.12
+(the 3.11.7, 3.12.1 and 3.13.0 on this project's machine all thrash: ``tests/test_deep_stack.py``).
+Dynamo's tracer, AOTAutograd, the partitioner and the passes run deep, recursive Python, and on
+this machine (Python 3.11, ``perf record -a`` over a 2-rank stage-3 test) a fifth of all CPU time
+went to mapping, faulting and unmapping those chunks. Started from ``on_a_deep_stack``, a 4-layer
+HF Llama's compile and first steps took x0.84-0.93 of their time, paired
+(``benchmarks/results/deep_stack.md``).
 
 ``on_a_deep_stack(fn, *args, **kwargs)`` calls ``fn`` from a frame that reserves ``RESERVED_BYTES``
 of unused stack slots (its code is ``_call``'s with a larger ``co_stacksize``, through the public
 ``CodeType.replace``). CPython sizes a new chunk to the frame that needs it, rounded up to a power
 of two, so that frame's chunk is 4 MiB, of which about 2 MiB are free for the frames ``fn`` calls:
-more than a thousand nested Python calls with no chunk boundary between them, so no loop among
-them can thrash. The cost: one 4 MiB mapping per call (only the pages used are ever touched) and
-one more frame in a traceback. Nothing else changes: the same call, arguments, return value and
+thousands of nested Python calls with no chunk boundary between them, so no loop among
+them can thrash. The cost: one 4 MiB mapping per call (only the pages used are ever touched; about 70 us
+in all here) and one more frame in a traceback. Nothing else changes: the same call, arguments, return value and
 exception, on the same thread. On a Python without chunked stacks it is an ordinary call.
 
 Used around each ``backend="zero"`` compile (``backend.py``), the option-set recompiles of
