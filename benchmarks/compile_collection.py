@@ -103,13 +103,19 @@ def child(pause: bool, layers: int, inner: str) -> dict:
     return out
 
 
-def measure(system: str, args) -> dict:
-    done = subprocess.run([sys.executable, __file__, "--child", system, "--layers", str(args.layers),
-                           "--inner-compiler", args.inner_compiler],
+def run_child(script: str, system: str, args, *extra: str) -> dict:
+    """``script --child system --layers .. --inner-compiler .. *extra`` in a fresh process; the JSON
+    object its last line prints."""
+    done = subprocess.run([sys.executable, script, "--child", system, "--layers", str(args.layers),
+                           "--inner-compiler", args.inner_compiler, *extra],
                           capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"{system} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(system: str, args) -> dict:
+    return run_child(__file__, system, args)
 
 
 def main(argv: list | None = None) -> int:

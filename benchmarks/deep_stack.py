@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_harness import prepare_main, result_header, write_results  # noqa: E402
 from common import RESULTS  # noqa: E402
-from compile_collection import RUNS, train_llama_whole  # noqa: E402
+from compile_collection import RUNS, run_child, train_llama_whole  # noqa: E402
 
 SYSTEMS = ("plain call", "backend deep", "loop deep")
 
@@ -80,12 +79,7 @@ def child(system: str, layers: int, inner: str, depth: int) -> dict:
 
 
 def measure(system: str, depth: int, args) -> dict:
-    done = subprocess.run([sys.executable, __file__, "--child", system, "--layers", str(args.layers),
-                           "--inner-compiler", args.inner_compiler, "--depths", str(depth)],
-                          capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"{system} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(__file__, system, args, "--depths", str(depth))
 
 
 def main(argv: list | None = None) -> int:
